@@ -1,0 +1,48 @@
+"""Which implementation an op runs: the Triton kernel or the PyTorch reference.
+
+Rule: Triton for CUDA tensors, the PyTorch reference for everything else. The environment variable
+``LOWMEMBP_BACKEND`` forces one: ``triton`` (also on CPU tensors, which works only under Triton's interpreter,
+``TRITON_INTERPRET=1`` set before triton is imported) or ``torch``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_VALID = ("triton", "torch", "auto", "")
+
+
+def backend_for(x: torch.Tensor) -> str:
+    """Return ``"triton"`` or ``"torch"`` for an op whose main input is ``x``."""
+    forced = os.environ.get("LOWMEMBP_BACKEND", "").strip().lower()
+    if forced not in _VALID:
+        raise ValueError(f"LOWMEMBP_BACKEND={forced!r} is not valid: use 'triton', 'torch' or leave it unset")
+    if forced == "torch":
+        return "torch"
+    if forced == "triton":
+        if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise RuntimeError(
+                "LOWMEMBP_BACKEND=triton on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                "before triton is imported, or move the tensor to a CUDA device")
+        return "triton"
+    return "triton" if x.device.type == "cuda" and triton_available() else "torch"
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - triton missing or broken
+        return False
+    return True
+
+
+def check_float_input(x: torch.Tensor, op: str) -> None:
+    """Raise a clear error for inputs an op does not support (the official CUDA code returns garbage there)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_FLOAT_DTYPES:
+        raise TypeError(
+            f"{op}: unsupported dtype {x.dtype}; supported are float32, float16 and bfloat16 "
+            f"(convert with x.float() or x.to(torch.bfloat16))")

@@ -1,0 +1,130 @@
+"""The method registry behind ``lowmembp.apply(model, "a+b+c", **options)``.
+
+Each method lives in its own file under ``lowmembp/methods/`` and registers a transform ``model -> model`` with
+:func:`register`. A method declares the options it takes (with defaults) and its place in the order in which
+composed methods are applied, so ``"lowmembp+lora"`` and ``"lora+lowmembp"`` mean the same thing.
+
+Order (lower first): lora 10 → lowmembp / lowmembp-act / lowmembp-norm 20 → mesa / mesa-gelu-ln 30 →
+tokentune 40 → checkpointing 50. ``baseline`` changes nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    description: str
+    fn: Callable[..., nn.Module]
+    options: dict[str, Any] = field(default_factory=dict)  # option name -> default
+    order: int = 100
+    excludes: tuple[str, ...] = ()  # names that cannot be combined with this one
+
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def register(name: str, description: str, *, options: dict[str, Any] | None = None, order: int = 100,
+             excludes: tuple[str, ...] = ()):
+    """Decorator: register ``fn(model, **options) -> model`` as method ``name``."""
+    def deco(fn):
+        if name in _REGISTRY:
+            raise ValueError(f"method {name!r} is registered twice")
+        _REGISTRY[name] = Method(name, description, fn, dict(options or {}), order, tuple(excludes))
+        return fn
+    return deco
+
+
+def methods() -> dict[str, str]:
+    """All method names, each with a one-line description."""
+    _load_all()
+    return {name: m.description for name, m in sorted(_REGISTRY.items())}
+
+
+def method_options(spec: str) -> dict[str, Any]:
+    """The options (with defaults) that the methods of ``spec`` take together."""
+    out: dict[str, Any] = {}
+    for m in parse(spec):
+        out.update(m.options)
+    return out
+
+
+def parse(spec: str) -> list[Method]:
+    """``"lora+lowmembp"`` -> the Method objects in application order; a clear error for bad specs."""
+    _load_all()
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"method must be a non-empty string like 'lora+lowmembp'; valid names: {_valid()}")
+    names = [n.strip() for n in spec.split("+")]
+    unknown = [n for n in names if n not in _REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown method {', '.join(map(repr, unknown))} in {spec!r}; valid names: {_valid()} "
+                         f"(combine them with '+', e.g. 'lora+lowmembp')")
+    if len(set(names)) != len(names):
+        raise ValueError(f"method {spec!r} names a method twice")
+    chosen = [_REGISTRY[n] for n in names]
+    if len(chosen) > 1 and any(m.name == "baseline" for m in chosen):
+        raise ValueError(f"'baseline' means no change and cannot be combined with others (got {spec!r})")
+    for m in chosen:
+        for other in chosen:
+            if other.name in m.excludes:
+                raise ValueError(f"{m.name!r} cannot be combined with {other.name!r} in {spec!r}: {_why(m, other)}")
+    return sorted(chosen, key=lambda m: m.order)
+
+
+def apply(model: nn.Module, method: str, **options) -> nn.Module:
+    """Convert ``model`` in place for ``method`` (names joined with ``+``) and return it.
+
+    The returned object may be a new wrapper (``lora`` returns a peft model); always use the return value.
+    Options go to the methods that take them; an option no chosen method takes is an error.
+    """
+    chosen = parse(method)
+    accepted = {k for m in chosen for k in m.options}
+    bad = sorted(set(options) - accepted)
+    if bad:
+        takes = "; ".join(f"{m.name}: {', '.join(m.options) or 'no options'}" for m in chosen)
+        raise TypeError(f"option(s) {', '.join(bad)} not taken by {method!r} ({takes})")
+    applied = list(getattr(model, "_lowmembp_methods", ()))
+    for m in chosen:
+        if m.name == "baseline":
+            continue
+        if m.name in applied:
+            raise RuntimeError(f"method {m.name!r} was already applied to this model")
+        kwargs = {k: options.get(k, default) for k, default in m.options.items()}
+        model = m.fn(model, **kwargs)
+        applied.append(m.name)
+        try:
+            object.__setattr__(model, "_lowmembp_methods", tuple(applied))
+        except Exception:  # pragma: no cover - exotic wrappers
+            pass
+    return model
+
+
+def _valid() -> str:
+    return ", ".join(sorted(_REGISTRY))
+
+
+def _why(a: Method, b: Method) -> str:
+    return f"{a.name} and {b.name} both rewrite the same layers"
+
+
+_loaded = False
+
+
+def _load_all() -> None:
+    """Import every method module once so that its ``register`` calls run."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    import importlib
+    import pkgutil
+
+    # ``lowmembp.methods`` the attribute is the function ``methods()``; the package is found by name.
+    pkg = importlib.import_module("lowmembp.methods")
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name not in ("registry",) and not info.name.startswith("_"):
+            importlib.import_module(f"lowmembp.methods.{info.name}")

@@ -1,0 +1,35 @@
+"""Test set-up: Triton runs through its interpreter on machines without CUDA; `gpu` tests skip there.
+
+TRITON_INTERPRET must be set before triton is first imported, so it is set here, at collection time.
+"""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    """Force the Triton kernels (interpreted on CPU) for the duration of a test."""
+    monkeypatch.setenv("LOWMEMBP_BACKEND", "triton")
+    yield
+
+
+@pytest.fixture
+def torch_backend(monkeypatch):
+    """Force the PyTorch reference ops for the duration of a test."""
+    monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")
+    yield
