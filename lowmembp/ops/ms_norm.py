@@ -1,0 +1,327 @@
+"""MS-BP norms: MS-LayerNorm and MS-RMSNorm without affine parameters (Yang et al., ICML 2024; DESIGN §2.2).
+
+Forward (statistics in fp32, over the last dimension of size N):
+    LayerNorm  y = (x - mean(x)) * rstd,   rstd = 1 / sqrt(var(x) + eps)
+    RMSNorm    y = x * rstd,               rstd = 1 / sqrt(mean(x^2) + eps)
+Saved for backward: the OUTPUT ``y`` (the very tensor returned, in the output dtype) and ``rstd`` (fp32, one per row),
+never the input. Per element that is the output's element size (4 bytes fp32, 2 bytes bf16/fp16) plus 4/N bytes
+for rstd; and because the following linear layer saves its input ``y`` anyway, the norm+linear pair stores one
+tensor instead of two (the norm's own cost is then only 4 bytes per row).
+Backward from the output (g the upstream gradient, means over the normalised dimension):
+    LayerNorm  dx = rstd * (g - mean(g) - y * mean(g*y))
+    RMSNorm    dx = rstd * (g - y * mean(g*y))
+
+Sharing with the next linear layer needs the linear to save the same storage: no cast, copy or dropout between.
+Under autocast the norm therefore emits the autocast dtype (``torch.get_autocast_dtype``), so the linear's input
+cast is a no-op; outside autocast it emits the input's dtype. The gradient is returned in the input's dtype.
+peft LoRA layers cast their input to the adapter weight dtype; see ``lowmembp.ops.shared_linear`` for that case.
+
+Backends (``lowmembp._backend.backend_for``): Triton kernels on CUDA tensors (one program per few rows, a block of
+next_power_of_2(N) columns, 64-bit row offsets), the PyTorch reference elsewhere (vectorised: ``native_layer_norm`` /
+``_fused_rms_norm`` on fp32); fake/meta tensors always take the reference. Rows wider than ``MAX_TRITON_N`` use the
+reference too.
+
+Pure functions for scripts (e.g. ``benchmarks/gpu_check.py``); any shape, normalised over the last dim, rows = the
+product of the leading dims:
+    ms_norm_fwd_triton(x, kind, eps, out_dtype=None) -> (y of x's shape, rstd [rows] fp32)
+    ms_norm_bwd_triton(g, y, rstd, kind, dx_dtype)    -> dx of y's shape
+    ms_norm_fwd_ref / ms_norm_bwd_ref                   same signatures, PyTorch
+    ms_norm_bytes(rows, N, x_dtype, y_dtype, kind)      -> (forward bytes moved, backward bytes moved)
+``kind`` is ``"layernorm"`` or ``"rmsnorm"``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from lowmembp._backend import backend_for, check_float_input
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - triton missing or broken: reference only
+    triton = None
+
+KINDS = ("layernorm", "rmsnorm")
+MAX_TRITON_N = 32768  # widest row held in one block; wider rows use the reference
+_TILE = 4096  # elements per program (rows * BLOCK) for narrow rows
+
+
+# ----------------------------------------------------------------------------------------------------------- Triton
+if triton is not None:
+
+    @triton.jit
+    def _ms_norm_fwd_kernel(X, Y, RSTD, n_rows, N, stride_x, stride_y, eps,
+                            IS_RMS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        n_f = tl.cast(N, tl.float32)
+        eps_f = tl.cast(eps, tl.float32)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if IS_RMS:
+            xc = x
+        else:
+            mean = tl.sum(x, axis=1) / n_f
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+        var = tl.sum(xc * xc, axis=1) / n_f
+        rstd = 1.0 / tl.sqrt(var + eps_f)
+        y = xc * rstd[:, None]
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+
+    @triton.jit
+    def _ms_norm_bwd_kernel(G, Y, RSTD, DX, n_rows, N, stride_g, stride_y, stride_dx,
+                            IS_RMS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        n_f = tl.cast(N, tl.float32)
+        g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(Y + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        mgy = tl.sum(g * y, axis=1) / n_f
+        if IS_RMS:
+            dx = g - y * mgy[:, None]
+        else:
+            mg = tl.sum(g, axis=1) / n_f
+            dx = g - mg[:, None] - y * mgy[:, None]
+        dx = dx * rstd[:, None]
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+
+
+def _launch_cfg(n_rows: int, n: int):
+    block = triton.next_power_of_2(n)
+    rows = max(1, min(_TILE // block, 16, triton.next_power_of_2(max(n_rows, 1))))
+    num_warps = min(8, max(1, rows * block // 256))
+    return block, rows, num_warps
+
+
+def _check_kind(kind: str) -> bool:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return kind == "rmsnorm"
+
+
+def _unit_col_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def ms_norm_fwd_triton(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype | None = None):
+    """Triton forward over the last dim of x: returns (y of x's shape in out_dtype, rstd [rows] fp32)."""
+    if triton is None:
+        raise RuntimeError("triton is not importable: use ms_norm_fwd_ref or install triton")
+    is_rms = _check_kind(kind)
+    n = x.shape[-1]
+    x2d = _unit_col_stride(x.reshape(-1, n))
+    n_rows = x2d.shape[0]
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    rstd = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
+    if n_rows == 0 or n == 0:
+        return y, rstd.fill_(float(eps) ** -0.5)
+    block, rows, warps = _launch_cfg(n_rows, n)
+    _ms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
+        x2d, y, rstd, n_rows, n, x2d.stride(0), n, float(eps),
+        IS_RMS=is_rms, ROWS=rows, BLOCK=block, num_warps=warps)
+    return y, rstd
+
+
+def ms_norm_bwd_triton(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str, dx_dtype: torch.dtype):
+    """Triton backward from the output: dx of y's shape in dx_dtype."""
+    if triton is None:
+        raise RuntimeError("triton is not importable: use ms_norm_bwd_ref or install triton")
+    is_rms = _check_kind(kind)
+    n = y.shape[-1]
+    g2d, y2d = _unit_col_stride(g.reshape(-1, n)), _unit_col_stride(y.reshape(-1, n))
+    n_rows = y2d.shape[0]
+    dx = torch.empty(y.shape, dtype=dx_dtype, device=y.device)
+    if dx.numel() == 0:
+        return dx
+    block, rows, warps = _launch_cfg(n_rows, n)
+    _ms_norm_bwd_kernel[(triton.cdiv(n_rows, rows),)](
+        g2d, y2d, rstd, dx, n_rows, n, g2d.stride(0), y2d.stride(0), n,
+        IS_RMS=is_rms, ROWS=rows, BLOCK=block, num_warps=warps)
+    return dx
+
+
+# -------------------------------------------------------------------------------------------------------- reference
+def ms_norm_fwd_ref(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype | None = None):
+    """PyTorch forward over the last dim, statistics in fp32: (y of x's shape in out_dtype, rstd [rows] fp32)."""
+    is_rms = _check_kind(kind)
+    out_dtype = out_dtype or x.dtype
+    n = x.shape[-1]
+    n_rows = math.prod(x.shape[:-1])
+    if x.numel() == 0:
+        return (torch.empty(x.shape, dtype=out_dtype, device=x.device),
+                torch.full((n_rows,), float(eps) ** -0.5, dtype=torch.float32, device=x.device))
+    xf = x.float()
+    if not is_rms:
+        y, _, rstd = torch.native_layer_norm(xf, [n], None, None, eps)
+    elif hasattr(torch, "_fused_rms_norm"):
+        y, rstd = torch._fused_rms_norm(xf, [n], None, eps)
+    else:  # pragma: no cover - older torch
+        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        y = xf * rstd
+    return y.to(out_dtype), rstd.reshape(n_rows)
+
+
+def ms_norm_bwd_ref(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str, dx_dtype: torch.dtype):
+    """PyTorch backward from the output, in fp32: dx of y's shape in dx_dtype."""
+    is_rms = _check_kind(kind)
+    n = y.shape[-1]
+    if y.numel() == 0:
+        return torch.empty(y.shape, dtype=dx_dtype, device=y.device)
+    gf, yf = g.float(), y.float()
+    mgy = (gf * yf).sum(-1, keepdim=True).div_(n)
+    dx = torch.addcmul(gf, yf, mgy, value=-1.0)  # g - y*mean(g*y)
+    if not is_rms:
+        dx.sub_(gf.mean(-1, keepdim=True))
+    dx.mul_(rstd.reshape(mgy.shape))
+    return dx.to(dx_dtype)
+
+
+def ms_norm_bytes(rows: int, n: int, x_dtype: torch.dtype, y_dtype: torch.dtype, kind: str = "layernorm"):
+    """Bytes the kernels move: forward reads x, writes y and rstd; backward reads g, y, rstd and writes dx."""
+    _check_kind(kind)
+    xs, ys = torch.empty((), dtype=x_dtype).element_size(), torch.empty((), dtype=y_dtype).element_size()
+    fwd = rows * n * (xs + ys) + rows * 4
+    bwd = rows * n * (2 * ys + xs) + rows * 4
+    return fwd, bwd
+
+
+# ---------------------------------------------------------------------------------------------------------- autograd
+def _is_fake(x: torch.Tensor) -> bool:
+    if x.device.type == "meta":
+        return True
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+        return bool(is_fake(x))
+    except Exception:  # pragma: no cover
+        return False
+
+
+def _use_triton(x: torch.Tensor, n: int) -> bool:
+    return backend_for(x) == "triton" and n <= MAX_TRITON_N and not _is_fake(x)
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for x's device (so the next linear shares y), else x's dtype."""
+    dev = x.device.type
+    try:
+        if torch.is_autocast_enabled(dev):
+            return torch.get_autocast_dtype(dev)
+    except (RuntimeError, ValueError, TypeError):  # a device type autocast does not know
+        pass
+    return x.dtype
+
+
+class _MSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, eps, kind, out_dtype):
+        triton_path = _use_triton(x, x.shape[-1])
+        with _no_autocast(x):
+            fwd = ms_norm_fwd_triton if triton_path else ms_norm_fwd_ref
+            y, rstd = fwd(x, kind, eps, out_dtype)
+        ctx.save_for_backward(y, rstd)  # the returned tensor itself: the next linear saves the same storage
+        ctx.kind, ctx.x_dtype, ctx.triton = kind, x.dtype, triton_path
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        y, rstd = ctx.saved_tensors
+        bwd = ms_norm_bwd_triton if ctx.triton and not _is_fake(g) else ms_norm_bwd_ref
+        with _no_autocast(g):
+            dx = bwd(g, y, rstd, ctx.kind, ctx.x_dtype)
+        return dx, None, None, None
+
+
+def _no_autocast(t: torch.Tensor):
+    dev = t.device.type
+    return torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else contextlib.nullcontext()
+
+
+def _ms_norm(x: torch.Tensor, eps: float, kind: str, op: str) -> torch.Tensor:
+    check_float_input(x, op)
+    if x.dim() == 0:
+        raise ValueError(f"{op}: expected at least 1 dimension (normalised over the last), got a 0-d tensor")
+    eps = float(eps)
+    if not eps >= 0.0:
+        raise ValueError(f"{op}: eps must be a non-negative float, got {eps}")
+    return _MSNormFunction.apply(x, eps, kind, _out_dtype(x))
+
+
+def ms_layer_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """LayerNorm over the last dim without affine; saves only its output (shared with the next linear) and rstd."""
+    return _ms_norm(x, eps, "layernorm", "ms_layer_norm")
+
+
+def ms_rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim without affine; saves only its output (shared with the next linear) and rstd."""
+    return _ms_norm(x, eps, "rmsnorm", "ms_rms_norm")
+
+
+# ----------------------------------------------------------------------------------------------------------- modules
+def _hidden(shape, cls: str) -> int:
+    if isinstance(shape, int):
+        n = shape
+    elif isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1 and isinstance(shape[0], int):
+        n = shape[0]
+    else:
+        raise ValueError(f"{cls}: normalises over the last dimension only; give an int or a 1-tuple, got {shape!r}")
+    if n < 0:
+        raise ValueError(f"{cls}: the hidden size must be >= 0, got {n}")
+    return n
+
+
+class _MSNormBase(nn.Module):
+    _kind = "layernorm"
+
+    def __init__(self, normalized_shape, eps: float):
+        super().__init__()
+        self.normalized_shape = (_hidden(normalized_shape, type(self).__name__),)
+        self.eps = float(eps)
+        self.elementwise_affine = False
+        self.register_parameter("weight", None)
+        self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0 or x.shape[-1] != self.normalized_shape[0]:
+            raise ValueError(f"{type(self).__name__}: expected the last dimension to be {self.normalized_shape[0]}, "
+                             f"got input of shape {tuple(x.shape)}")
+        return _ms_norm(x, self.eps, self._kind, type(self).__name__)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}"
+
+
+class MSLayerNorm(_MSNormBase):
+    """Drop-in for ``nn.LayerNorm(normalized_shape, elementwise_affine=False)`` that saves only its output + rstd.
+
+    Fold γ/β of a trained LayerNorm into the following linear layers first (DESIGN §2.2; lowmembp.methods)."""
+    _kind = "layernorm"
+
+    def __init__(self, normalized_shape, eps: float = 1e-5):
+        super().__init__(normalized_shape, eps)
+
+
+class MSRMSNorm(_MSNormBase):
+    """RMSNorm without a weight (LLaMA's with γ folded into the next linears) that saves only its output + rstd."""
+    _kind = "rmsnorm"
+
+    def __init__(self, hidden_size, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+
+    @property
+    def variance_epsilon(self) -> float:  # the attribute name transformers' LlamaRMSNorm uses
+        return self.eps
+
+
+__all__ = ["ms_layer_norm", "ms_rms_norm", "MSLayerNorm", "MSRMSNorm", "ms_norm_fwd_triton", "ms_norm_bwd_triton",
+           "ms_norm_fwd_ref", "ms_norm_bwd_ref", "ms_norm_bytes", "KINDS", "MAX_TRITON_N"]
