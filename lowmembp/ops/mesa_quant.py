@@ -1,0 +1,295 @@
+"""Mesa-style 8-bit activation compression (Pan et al., 2021): per-group int8 with EMA ranges, stochastic rounding.
+
+What a layer saves for backward with this op: the uint8 codes, **1 byte per element**, plus **two fp32 scalars per
+group** (the step α/255 and the minimum β, 8 bytes per group) — against 2 bytes per element for fp16/bf16 or 4 for
+fp32. The backward dequantises and runs the exact backward of the layer on the dequantised tensor.
+
+Groups: element ``i`` of the contiguous tensor belongs to group ``(i // inner) % G``. That one rule covers both
+layouts Mesa uses:
+
+- per head, for ``[B, H, N, D]`` tensors (attention operands, softmax output): ``G = H``, ``inner = N·D``;
+- per channel group, for ``[..., C]`` tensors (linear / activation / norm inputs): ``G`` groups of ``C/G`` channels,
+  ``inner = C/G``.
+
+Ranges: per group a range α and minimum β, an exponential moving average across steps (λ = 0.9) with the current
+batch included: the first step takes α = max − min, β = min of the batch; later steps
+``α ← λα + (1−λ)(max − min)``, ``β ← λβ + (1−λ)·min`` — then the batch is quantised with the updated values.
+
+Rounding: ``q = clamp(round((x − β)·255/α + u − 0.5), 0, 255)`` with u ~ U(0, 1), computed as
+``clamp(floor((x − β)·(255/α) + u), 0, 255)`` (the same with round-half-up), so ``E[x̂] = x`` inside the range;
+values outside [β, β + α] clamp to the ends (the original Mesa code wraps around in uint8 there; we clamp).
+Dequantise: ``x̂ = q·(α/255) + β``. Within the range the error is below α/255 per element.
+
+Random numbers: a counter-based hash of (seed, element index) — ``h = lowbias32(i·0x9E3779B9 + seed)``,
+``u = (h >> 8)·2⁻²⁴`` — computed inside the Triton kernel (no float u tensor is ever materialised on the GPU) and by
+the PyTorch reference in the same way, so kernel and reference agree bit for bit given the seed (indices are taken
+modulo 2³²). The seed of each call is drawn from torch's default generator, so ``torch.manual_seed`` makes a run
+reproducible.
+
+Backend: Triton on CUDA tensors, the PyTorch reference elsewhere (:func:`lowmembp._backend.backend_for`). Kernels
+load, cast to fp32, compute, cast back (bf16 arithmetic is never used); fp32, fp16 and bf16 inputs are accepted.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from lowmembp._backend import backend_for, check_float_input
+
+try:  # pragma: no cover - triton is optional on CPU machines
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+MOMENTUM = 0.9
+_MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+_H1 = 0x7FEB352D
+_H2 = 0x846CA68B
+_MIN_RANGE = 1e-12  # a constant group (α = 0) quantises to β exactly
+
+
+# ----------------------------------------------------------------------------------------------------------- groups
+def group_layout(x: torch.Tensor, mode: str, num_groups: int | None = None) -> tuple[int, int]:
+    """``(inner, G)`` for ``x``: ``mode="head"`` for [B, H, N, D] (G = H) or ``"channel"`` (G groups of the last dim)."""
+    if mode == "head":
+        if x.dim() != 4:
+            raise ValueError(f"per-head quantisation needs a [B, H, N, D] tensor, got shape {tuple(x.shape)}")
+        return x[0, 0].numel(), x.shape[1]
+    if mode == "channel":
+        c = x.shape[-1]
+        g = channel_groups(c, num_groups or 1)
+        return c // g, g
+    raise ValueError(f"group mode must be 'head' or 'channel', got {mode!r}")
+
+
+def channel_groups(channels: int, wanted: int) -> int:
+    """The number of channel groups actually used: ``gcd(channels, wanted)`` (groups must divide the channels)."""
+    if wanted < 1:
+        raise ValueError(f"the number of channel groups must be >= 1, got {wanted}")
+    return math.gcd(int(channels), int(wanted))
+
+
+def group_min_max(x: torch.Tensor, inner: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group minimum and maximum of ``x`` (fp32, shape [G])."""
+    x3 = x.detach().reshape(-1, groups, inner)
+    return x3.amin(dim=(0, 2)).float(), x3.amax(dim=(0, 2)).float()
+
+
+def ema_update(alpha: torch.Tensor, beta: torch.Tensor, count: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor,
+               momentum: float = MOMENTUM) -> None:
+    """In place: the first call sets α = max − min, β = min; later ``α ← λα + (1−λ)(max−min)``, same for β.
+
+    ``count`` (a 0-d int64 tensor) counts the updates; no host synchronisation happens (``torch.where``).
+    """
+    first = count == 0
+    rng = mx - mn
+    alpha.copy_(torch.where(first, rng, momentum * alpha + (1 - momentum) * rng))
+    beta.copy_(torch.where(first, mn, momentum * beta + (1 - momentum) * mn))
+    count.add_(1)
+
+
+# ------------------------------------------------------------------------------------------------------- the format
+@dataclass
+class QTensor:
+    """An 8-bit tensor: ``codes`` (uint8, the shape of the original), per-group ``step`` = α/255 and ``beta`` (fp32)."""
+    codes: torch.Tensor
+    step: torch.Tensor
+    beta: torch.Tensor
+    inner: int
+    groups: int
+    dtype: torch.dtype
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.step, self.beta
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def quantize(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
+             seed: int | None = None) -> QTensor:
+    """Quantise ``x`` to 8 bits with per-group range ``alpha`` and minimum ``beta`` (fp32 [G]), stochastic rounding."""
+    check_float_input(x, "mesa quantize")
+    _check_groups(x, inner, groups, alpha, beta)
+    if seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    alpha = alpha.detach().float().clamp_min(_MIN_RANGE)
+    scale = (255.0 / alpha).contiguous()
+    step = (alpha / 255.0).contiguous()
+    beta = beta.detach().float().clone().contiguous()
+    xc = x.detach().contiguous()
+    if backend_for(x) == "triton":
+        codes = _quantize_triton(xc, scale, beta, inner, groups, seed)
+    else:
+        codes = quantize_ref(xc, scale, beta, inner, groups, seed)
+    return QTensor(codes, step, beta, inner, groups, x.dtype)
+
+
+def dequantize(qt: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x̂ = q·step + β`` per group, in ``dtype`` (default: the dtype that was quantised)."""
+    dtype = dtype or qt.dtype
+    if backend_for(qt.codes) == "triton":
+        return _dequantize_triton(qt.codes, qt.step, qt.beta, qt.inner, qt.groups, dtype)
+    return dequantize_ref(qt.codes, qt.step, qt.beta, qt.inner, qt.groups, dtype)
+
+
+def _check_groups(x, inner, groups, alpha, beta):
+    if inner * groups == 0 or x.numel() % (inner * groups) != 0:
+        raise ValueError(f"mesa quantize: {x.numel()} elements do not split into groups of inner={inner} x G={groups}")
+    if alpha.numel() != groups or beta.numel() != groups:
+        raise ValueError(f"mesa quantize: alpha/beta need {groups} entries, got {alpha.numel()}/{beta.numel()}")
+
+
+# ------------------------------------------------------------------------------------------- PyTorch reference
+def hash_uniform(n: int, seed: int, device=None, start: int = 0) -> torch.Tensor:
+    """The counter-based uniforms in [0, 1) for element indices ``start .. start+n-1`` (fp32, exact multiples of 2⁻²⁴)."""
+    i = torch.arange(start, start + n, device=device, dtype=torch.int64) & _MASK32
+    h = (i * _GOLDEN + (int(seed) & _MASK32)) & _MASK32
+    h = h ^ (h >> 16)
+    h = (h * _H1) & _MASK32
+    h = h ^ (h >> 15)
+    h = (h * _H2) & _MASK32
+    h = h ^ (h >> 16)
+    return (h >> 8).to(torch.float32) * (2.0 ** -24)
+
+
+def _group_index(n: int, inner: int, groups: int, device) -> torch.Tensor:
+    return (torch.arange(n, device=device) // inner) % groups
+
+
+def quantize_ref(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
+                 seed: int) -> torch.Tensor:
+    """Reference quantiser: ``clamp(floor((x − β[g])·scale[g] + u), 0, 255)`` as uint8, ``scale = 255/α``."""
+    flat = x.reshape(-1).float()
+    g = _group_index(flat.numel(), inner, groups, x.device)
+    u = hash_uniform(flat.numel(), seed, x.device)
+    y = (flat - beta[g]) * scale[g]
+    q = torch.floor(y + u).clamp_(0, 255)
+    return q.to(torch.uint8).reshape(x.shape)
+
+
+def dequantize_ref(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Reference dequantiser: ``q·step[g] + β[g]`` in fp32, cast to ``dtype``."""
+    flat = codes.reshape(-1)
+    g = _group_index(flat.numel(), inner, groups, codes.device)
+    return (flat.float() * step[g] + beta[g]).to(dtype).reshape(codes.shape)
+
+
+# --------------------------------------------------------------------------------------------------- Triton kernels
+_BLOCK = 1024
+
+if triton is not None:
+    @triton.jit
+    def _mesa_quant_kernel(X, Q, SCALE, BETA, n, inner, G, seed, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        g = (offs // inner) % G
+        s = tl.load(SCALE + g, mask=mask, other=1.0)
+        b = tl.load(BETA + g, mask=mask, other=0.0)
+        # counter-based uniform: lowbias32(i * golden + seed), 24 high bits -> [0, 1)
+        h = (offs & 0xFFFFFFFF).to(tl.uint32)
+        h = h * tl.cast(0x9E3779B9, tl.uint32) + tl.cast(seed, tl.uint32)
+        h = h ^ (h >> 16)
+        h = h * tl.cast(0x7FEB352D, tl.uint32)
+        h = h ^ (h >> 15)
+        h = h * tl.cast(0x846CA68B, tl.uint32)
+        h = h ^ (h >> 16)
+        u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08
+        y = (x - b) * s
+        q = tl.floor(y + u)
+        q = tl.minimum(tl.maximum(q, 0.0), 255.0)
+        tl.store(Q + offs, q.to(tl.uint8), mask=mask)
+
+    @triton.jit
+    def _mesa_dequant_kernel(Q, Y, STEP, BETA, n, inner, G, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        q = tl.load(Q + offs, mask=mask, other=0).to(tl.float32)
+        g = (offs // inner) % G
+        st = tl.load(STEP + g, mask=mask, other=0.0)
+        b = tl.load(BETA + g, mask=mask, other=0.0)
+        y = q * st + b
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def _grid(n):
+    return (triton.cdiv(n, _BLOCK),)
+
+
+def _quantize_triton(x, scale, beta, inner, groups, seed):
+    if triton is None:  # pragma: no cover
+        raise RuntimeError("the Triton backend needs triton installed; set LOWMEMBP_BACKEND=torch")
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    n = x.numel()
+    if n:
+        _mesa_quant_kernel[_grid(n)](x, codes, scale, beta, n, inner, groups, int(seed) & 0x7FFFFFFF, BLOCK=_BLOCK)
+    return codes
+
+
+def _dequantize_triton(codes, step, beta, inner, groups, dtype):
+    if triton is None:  # pragma: no cover
+        raise RuntimeError("the Triton backend needs triton installed; set LOWMEMBP_BACKEND=torch")
+    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    n = codes.numel()
+    if n:
+        _mesa_dequant_kernel[_grid(n)](codes, out, step, beta, n, inner, groups, BLOCK=_BLOCK)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ the module
+class EMAQuantizer(nn.Module):
+    """Holds one tensor site's EMA ranges (buffers ``alpha``, ``beta``, ``count``; not in the state dict).
+
+    ``mode="head"`` (per head of [B, H, N, D]) or ``"channel"`` (``num_groups`` channel groups, reduced to a divisor
+    of the channel count). In training mode :meth:`pack` updates the EMA with the batch before quantising; in eval
+    mode it uses the stored ranges (or, before any training step, the batch's own range).
+    """
+
+    def __init__(self, num_groups: int, mode: str = "channel", momentum: float = MOMENTUM):
+        super().__init__()
+        if mode not in ("head", "channel"):
+            raise ValueError(f"EMAQuantizer mode must be 'head' or 'channel', got {mode!r}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"EMA momentum must be in [0, 1), got {momentum}")
+        self.mode, self.num_groups, self.momentum = mode, int(num_groups), float(momentum)
+        self.register_buffer("alpha", torch.zeros(self.num_groups), persistent=False)
+        self.register_buffer("beta", torch.zeros(self.num_groups), persistent=False)
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode}, groups={self.num_groups}, momentum={self.momentum}"
+
+    def pack(self, x: torch.Tensor) -> QTensor:
+        inner, groups = group_layout(x, self.mode, self.num_groups)
+        if groups != self.alpha.numel():
+            if self.mode == "head":
+                raise ValueError(f"EMAQuantizer built for {self.alpha.numel()} heads got {groups} heads")
+            # fewer channel groups than asked (gcd): resize once, before the first update
+            self._resize(groups, x.device)
+        with torch.no_grad():
+            mn, mx = group_min_max(x, inner, groups)
+            if self.training:
+                ema_update(self.alpha, self.beta, self.count, mn, mx, self.momentum)
+                alpha, beta = self.alpha, self.beta
+            else:
+                started = self.count > 0
+                alpha = torch.where(started, self.alpha, mx - mn)
+                beta = torch.where(started, self.beta, mn)
+        return quantize(x, alpha, beta, inner, groups)
+
+    def _resize(self, groups: int, device) -> None:
+        if int(self.count) != 0:
+            raise ValueError(f"EMAQuantizer: channel groups changed from {self.alpha.numel()} to {groups} "
+                             "after training started (the layer saw inputs of another width)")
+        self.alpha = torch.zeros(groups, device=device)
+        self.beta = torch.zeros(groups, device=device)

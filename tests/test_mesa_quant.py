@@ -1,0 +1,145 @@
+"""Mesa 8-bit quantisation: Triton kernel vs PyTorch reference, error bound, unbiasedness, clamping, EMA, bytes."""
+import pytest
+import torch
+
+from lowmembp.ops import mesa_quant as mq
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _ranges(x, inner, groups):
+    mn, mx = mq.group_min_max(x, inner, groups)
+    return mx - mn, mn
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,mode,groups", [((2, 3, 5, 7), "head", None), ((3, 5, 12), "channel", 4),
+                                               ((7, 10), "channel", 8)])
+def test_kernel_matches_reference(triton_backend, dtype, shape, mode, groups):
+    g = torch.Generator().manual_seed(hash((shape, str(dtype))) % 2**31)
+    x = (torch.randn(shape, generator=g) * 3 + 1).to(dtype)
+    inner, G = mq.group_layout(x, mode, groups)
+    alpha, beta = _ranges(x, inner, G)
+    alpha = alpha * 0.7  # some values fall outside the range: clamping must agree too
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g))
+    qt = mq.quantize(x, alpha, beta, inner, G, seed=seed)  # Triton (interpreted)
+    ref = mq.quantize_ref(x.contiguous(), 255.0 / alpha, beta, inner, G, seed)
+    assert qt.codes.dtype == torch.uint8 and qt.codes.shape == x.shape
+    assert torch.equal(qt.codes, ref)
+    out = mq.dequantize(qt)
+    out_ref = mq.dequantize_ref(ref, alpha / 255.0, beta, inner, G, dtype)
+    assert out.dtype == dtype
+    if dtype == torch.bfloat16:  # the interpreter truncates fp32 -> bf16 stores: one ulp
+        torch.testing.assert_close(out.float(), out_ref.float(), rtol=2 ** -7, atol=1e-6)
+    else:
+        assert torch.equal(out, out_ref)
+
+
+def test_hash_uniform_is_uniform():
+    u = mq.hash_uniform(200_003, seed=12345)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 4 / (12 * 200_003) ** 0.5 * 3
+    assert abs(float(u.var()) - 1 / 12) < 2e-3
+    hist = torch.histc(u, bins=16, min=0, max=1) / u.numel()
+    assert float((hist - 1 / 16).abs().max()) < 0.01
+    assert not torch.equal(u[:1000], mq.hash_uniform(1000, seed=12346))
+
+
+@pytest.mark.parametrize("backend", ["torch_backend", "triton_backend"])
+def test_error_bound_within_range(backend, request):
+    request.getfixturevalue(backend)
+    x = torch.randn(2, 4, 9, 5)
+    inner, G = mq.group_layout(x, "head")
+    alpha, beta = _ranges(x, inner, G)
+    xh = mq.dequantize(mq.quantize(x, alpha, beta, inner, G))
+    step = (alpha / 255).view(1, G, 1, 1)
+    err = (xh - x).abs()
+    assert bool((err <= step * (1 + 1e-5)).all()), float((err / step).max())
+    assert float(err.max()) > 0  # it is a lossy code
+
+
+def test_stochastic_rounding_unbiased():
+    torch.manual_seed(0)
+    x = torch.rand(3, 64) * 2 - 1
+    inner, G = mq.group_layout(x, "channel", 4)
+    alpha, beta = _ranges(x, inner, G)
+    trials = 400
+    acc = torch.zeros_like(x, dtype=torch.float64)
+    for s in range(trials):
+        acc += mq.dequantize(mq.quantize(x, alpha, beta, inner, G, seed=s)).double()
+    mean = acc / trials
+    step = float((alpha / 255).max())
+    # each estimate is a mean of Bernoulli(frac)·step: std <= step/(2·sqrt(trials)); 5 sigma
+    assert float((mean - x.double()).abs().max()) < 5 * step / (2 * trials ** 0.5)
+    # deterministic rounding to nearest would have a bias: stochastic rounding must beat it on average
+    nearest = (torch.round((x - beta.repeat_interleave(inner)) * (255 / alpha).repeat_interleave(inner)))
+    nearest = nearest * (alpha / 255).repeat_interleave(inner) + beta.repeat_interleave(inner)
+    assert float((mean - x.double()).abs().mean()) < float((nearest.double() - x.double()).abs().mean())
+
+
+def test_clamps_outside_the_range():
+    x = torch.tensor([[-5.0, 0.0, 0.5, 1.0, 7.0, 300.0]])
+    alpha, beta = torch.tensor([1.0]), torch.tensor([0.0])
+    qt = mq.quantize(x, alpha, beta, inner=6, groups=1, seed=3)
+    assert qt.codes[0, 0] == 0 and qt.codes[0, 1] == 0
+    assert int(qt.codes[0, 4]) == 255 and int(qt.codes[0, 5]) == 255  # no uint8 wrap-around
+    xh = mq.dequantize(qt)
+    assert float(xh[0, 0]) == 0.0 and float(xh[0, 5]) == pytest.approx(1.0)
+
+
+def test_constant_group_is_exact():
+    x = torch.full((2, 8), 3.25)
+    inner, G = mq.group_layout(x, "channel", 2)
+    alpha, beta = _ranges(x, inner, G)
+    assert torch.equal(mq.dequantize(mq.quantize(x, alpha, beta, inner, G)), x)
+
+
+def test_ema_update_math():
+    torch.manual_seed(1)
+    q = mq.EMAQuantizer(3, mode="channel")
+    batches = [torch.randn(4, 12) * (i + 1) + i for i in range(4)]
+    alpha = beta = None
+    for i, b in enumerate(batches):
+        q.pack(b)
+        x3 = b.reshape(-1, 3, 4)
+        mn, mx = x3.amin(dim=(0, 2)), x3.amax(dim=(0, 2))
+        if i == 0:
+            alpha, beta = mx - mn, mn
+        else:
+            alpha, beta = 0.9 * alpha + 0.1 * (mx - mn), 0.9 * beta + 0.1 * mn
+        torch.testing.assert_close(q.alpha, alpha)
+        torch.testing.assert_close(q.beta, beta)
+    assert int(q.count) == 4
+    q.eval()
+    q.pack(batches[0] * 100)  # eval: ranges are used, not updated
+    torch.testing.assert_close(q.alpha, alpha)
+
+
+def test_current_batch_included_in_range():
+    q = mq.EMAQuantizer(1, mode="channel")
+    q.pack(torch.zeros(2, 4))
+    x = torch.linspace(0, 10, 8).reshape(2, 4)
+    qt = q.pack(x)  # α = 0.9·0 + 0.1·10 = 1: the step uses the updated α
+    torch.testing.assert_close(qt.step, torch.tensor([1.0 / 255]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_saved_bytes_one_per_element_plus_group_scalars(dtype):
+    x = torch.randn(3, 4, 5, 6).to(dtype)
+    inner, G = mq.group_layout(x, "head")
+    qt = mq.quantize(x, *_ranges(x, inner, G), inner, G)
+    assert qt.nbytes() == x.numel() * 1 + G * 2 * 4
+    assert qt.nbytes() < x.numel() * x.element_size()
+
+
+def test_group_layout_and_errors():
+    assert mq.group_layout(torch.zeros(2, 3, 4, 5), "head") == (20, 3)
+    assert mq.group_layout(torch.zeros(2, 7, 12), "channel", 8) == (3, 4)  # gcd(12, 8) = 4 groups
+    with pytest.raises(ValueError, match="B, H, N, D"):
+        mq.group_layout(torch.zeros(2, 3), "head")
+    with pytest.raises(ValueError, match="'head' or 'channel'"):
+        mq.group_layout(torch.zeros(2, 3), "row")
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        mq.quantize(torch.zeros(4, dtype=torch.int32), torch.ones(1), torch.zeros(1), 4, 1)
+    with pytest.raises(ValueError, match="alpha/beta"):
+        mq.quantize(torch.zeros(4, 2), torch.ones(3), torch.zeros(3), 1, 2)
