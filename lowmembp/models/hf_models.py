@@ -1,0 +1,147 @@
+"""Adapters for transformers models: BERT / RoBERTa (post-norm encoders) and LLaMA-like decoders (pre-RMSNorm).
+
+Recognised by structure, on the backbone (``model.base_model``), so task models (``*ForSequenceClassification``,
+``*ForCausalLM``, ``*ForMaskedLM``, ...) and bare backbones are handled alike:
+
+- BERT-like: ``embeddings.LayerNorm`` and ``encoder.layer[i]`` with ``attention.self.{query,key,value}``,
+  ``attention.output.{dense,LayerNorm}``, ``intermediate.{dense,intermediate_act_fn}``, ``output.{dense,LayerNorm}``
+  (BERT, RoBERTa and their copies). Cross-attention layers are refused.
+- LLaMA-like: ``embed_tokens``, ``layers[i]`` with exactly two RMSNorms ``input_layernorm`` /
+  ``post_attention_layernorm``, ``self_attn.{q,k,v}_proj`` (or fused ``qkv_proj``), ``mlp.{gate,up}_proj`` (or fused
+  ``gate_up_proj``) + ``down_proj`` + ``act_fn``, and a final ``norm`` (LLaMA, Mistral, Qwen2, Qwen3, ...). Layers with
+  extra norms (Gemma 2/3) or a different RMSNorm form (Gemma's ``1 + γ``) are refused.
+
+BERT's last output LayerNorm produces the last hidden state, which is both the model's output and the input of
+whatever head follows, so it is reported as ``final_norm`` with ``foldable=False``: a conversion keeps it exact.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from lowmembp.models.layout import (ActSite, ModelLayout, NormSite, UnsupportedModelError, act_kind,
+                                    is_linear_like, norm_kind, register_adapter, site)
+
+
+def _backbone(base: nn.Module) -> tuple[nn.Module, str]:
+    inner = getattr(base, "base_model", base)
+    if not isinstance(inner, nn.Module):
+        inner = base
+    if inner is base:
+        return base, ""
+    for name, child in base.named_children():
+        if child is inner:
+            return inner, name
+    return inner, getattr(base, "base_model_prefix", "")
+
+
+def _p(*parts) -> str:
+    return ".".join(str(x) for x in parts if x != "")
+
+
+def _linears(owner, names, prefix):
+    if all(is_linear_like(getattr(owner, n, None) or nn.Identity()) for n in names):
+        return [site(owner, n, prefix) for n in names]
+    return None
+
+
+def _heads(base: nn.Module, inner_prefix: str, inner: nn.Module) -> list:
+    """Linear-like task-head layers on the task model (and BERT's pooler)."""
+    out = []
+    pooler = getattr(inner, "pooler", None)
+    if pooler is not None and is_linear_like(getattr(pooler, "dense", None) or nn.Identity()):
+        out.append(site(pooler, "dense", _p(inner_prefix, "pooler")))
+    if base is inner:
+        return out
+    for name in ("lm_head", "score", "classifier", "qa_outputs"):
+        m = getattr(base, name, None)
+        if not isinstance(m, nn.Module):
+            continue
+        if is_linear_like(m):
+            out.append(site(base, name, ""))
+        elif is_linear_like(getattr(m, "dense", None) or nn.Identity()):  # RobertaClassificationHead, lm_head.dense
+            out.append(site(m, "dense", name))
+    pred = getattr(getattr(getattr(base, "cls", None), "predictions", None), "transform", None)
+    if pred is not None and is_linear_like(getattr(pred, "dense", None) or nn.Identity()):
+        out.append(site(pred, "dense", "cls.predictions.transform"))
+    return out
+
+
+@register_adapter("bert")
+def detect_bert(model: nn.Module, base: nn.Module) -> ModelLayout | None:
+    inner, ip = _backbone(base)
+    layers = getattr(getattr(inner, "encoder", None), "layer", None)
+    emb = getattr(inner, "embeddings", None)
+    if not isinstance(layers, nn.ModuleList) or emb is None or not hasattr(emb, "LayerNorm"):
+        return None
+    if not all(hasattr(l, "attention") and hasattr(l, "intermediate") and hasattr(l, "output") for l in layers):
+        return None
+    if any(getattr(l, "crossattention", None) is not None for l in layers):
+        raise UnsupportedModelError("BERT-like decoder with cross-attention is not supported")
+    if not norm_kind(emb.LayerNorm):
+        raise UnsupportedModelError(f"embeddings.LayerNorm is {type(emb.LayerNorm).__name__}")
+    bl, at, norms, acts = [], [], [], []
+    prev = site(emb, "LayerNorm", _p(ip, "embeddings"), NormSite, kind=norm_kind(emb.LayerNorm), post_norm=True)
+    for i, layer in enumerate(layers):
+        p = _p(ip, "encoder.layer", i)
+        sa, so, it, out = layer.attention.self, layer.attention.output, layer.intermediate, layer.output
+        qkv = _linears(sa, ("query", "key", "value"), f"{p}.attention.self")
+        if qkv is None or not _linears(so, ("dense",), "") or not _linears(it, ("dense",), "") \
+                or not _linears(out, ("dense",), "") or not norm_kind(getattr(so, "LayerNorm", nn.Identity())) \
+                or not norm_kind(getattr(out, "LayerNorm", nn.Identity())):
+            raise UnsupportedModelError(f"{p}: not the BERT layer layout (query/key/value, attention.output."
+                                        f"{{dense,LayerNorm}}, intermediate.dense, output.{{dense,LayerNorm}})")
+        bl.append(site(layers, str(i), _p(ip, "encoder.layer")))
+        at.append(site(layer.attention, "self", f"{p}.attention"))
+        prev.consumers = qkv
+        prev.residual_consumers = [site(layer.attention, "output", f"{p}.attention")]
+        norms.append(prev)
+        norms.append(site(so, "LayerNorm", f"{p}.attention.output", NormSite, kind=norm_kind(so.LayerNorm),
+                          post_norm=True, consumers=[site(it, "dense", f"{p}.intermediate")],
+                          residual_consumers=[site(layer, "output", p)]))
+        kind = act_kind(getattr(it, "intermediate_act_fn", nn.Identity()))
+        if kind:
+            acts.append(site(it, "intermediate_act_fn", f"{p}.intermediate", ActSite, kind=kind))
+        prev = site(out, "LayerNorm", f"{p}.output", NormSite, kind=norm_kind(out.LayerNorm), post_norm=True)
+    head = _heads(base, ip, inner)
+    prev.consumers = head
+    prev.foldable = False
+    prev.why = "post-norm: the last hidden state is the model's output and the head's input; kept exact"
+    return ModelLayout("bert", model, base, bl, at, norms, acts, prev, head)
+
+
+@register_adapter("llama")
+def detect_llama(model: nn.Module, base: nn.Module) -> ModelLayout | None:
+    inner, ip = _backbone(base)
+    layers = getattr(inner, "layers", None)
+    if not (isinstance(layers, nn.ModuleList) and hasattr(inner, "embed_tokens") and len(layers)
+            and all(hasattr(l, "self_attn") and hasattr(l, "mlp") and hasattr(l, "input_layernorm") for l in layers)):
+        return None
+    bl, at, norms, acts = [], [], [], []
+    for i, layer in enumerate(layers):
+        p = _p(ip, "layers", i)
+        n_norms = [n for n, c in layer.named_children() if norm_kind(c)]
+        if sorted(n_norms) != ["input_layernorm", "post_attention_layernorm"]:
+            raise UnsupportedModelError(
+                f"{p} ({type(layer).__name__}) has norms {n_norms}; a LLaMA-like layer has exactly the RMSNorms "
+                f"input_layernorm and post_attention_layernorm (γ·x·rsqrt(mean x² + eps), attribute variance_epsilon)")
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = _linears(attn, ("q_proj", "k_proj", "v_proj"), f"{p}.self_attn") \
+            or _linears(attn, ("qkv_proj",), f"{p}.self_attn")
+        gu = _linears(mlp, ("gate_proj", "up_proj"), f"{p}.mlp") or _linears(mlp, ("gate_up_proj",), f"{p}.mlp")
+        if qkv is None or gu is None or not hasattr(mlp, "act_fn"):
+            raise UnsupportedModelError(f"{p}: expected self_attn.{{q,k,v}}_proj (or qkv_proj) and "
+                                        f"mlp.{{gate,up}}_proj (or gate_up_proj) linears and mlp.act_fn")
+        bl.append(site(layers, str(i), _p(ip, "layers")))
+        at.append(site(layer, "self_attn", p))
+        norms.append(site(layer, "input_layernorm", p, NormSite, kind="rmsnorm", consumers=qkv))
+        norms.append(site(layer, "post_attention_layernorm", p, NormSite, kind="rmsnorm", consumers=gu))
+        kind = act_kind(mlp.act_fn)
+        if kind:
+            acts.append(site(mlp, "act_fn", f"{p}.mlp", ActSite, kind=kind))
+    head = _heads(base, ip, inner)
+    final = None
+    if norm_kind(getattr(inner, "norm", nn.Identity())):
+        final = site(inner, "norm", ip, NormSite, kind=norm_kind(inner.norm), consumers=head)
+        if not head:
+            final.foldable, final.why = False, "bare backbone: the last hidden state is the output"
+    return ModelLayout("llama", model, base, bl, at, norms, acts, final, head)
