@@ -153,15 +153,18 @@ def ms_norm_bwd_triton(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kin
 
 # -------------------------------------------------------------------------------------------------------- reference
 def ms_norm_fwd_ref(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype | None = None):
-    """PyTorch forward over the last dim, statistics in fp32: (y of x's shape in out_dtype, rstd [rows] fp32)."""
+    """PyTorch forward over the last dim, statistics in fp32: (y of x's shape in out_dtype, rstd [rows] fp32).
+
+    float64 input is computed (and rstd returned) in float64: the tests check the formulas that way."""
     is_rms = _check_kind(kind)
     out_dtype = out_dtype or x.dtype
     n = x.shape[-1]
     n_rows = math.prod(x.shape[:-1])
     if x.numel() == 0:
         return (torch.empty(x.shape, dtype=out_dtype, device=x.device),
-                torch.full((n_rows,), float(eps) ** -0.5, dtype=torch.float32, device=x.device))
-    xf = x.float()
+                torch.full((n_rows,), float(eps) ** -0.5, dtype=torch.promote_types(x.dtype, torch.float32),
+                           device=x.device))
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     if not is_rms:
         y, _, rstd = torch.native_layer_norm(xf, [n], None, None, eps)
     elif hasattr(torch, "_fused_rms_norm"):
@@ -173,12 +176,13 @@ def ms_norm_fwd_ref(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dty
 
 
 def ms_norm_bwd_ref(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str, dx_dtype: torch.dtype):
-    """PyTorch backward from the output, in fp32: dx of y's shape in dx_dtype."""
+    """PyTorch backward from the output, in fp32 (float64 for float64 inputs): dx of y's shape in dx_dtype."""
     is_rms = _check_kind(kind)
     n = y.shape[-1]
     if y.numel() == 0:
         return torch.empty(y.shape, dtype=dx_dtype, device=y.device)
-    gf, yf = g.float(), y.float()
+    acc = torch.promote_types(torch.promote_types(y.dtype, rstd.dtype), torch.float32)
+    gf, yf = g.to(acc), y.to(acc)
     mgy = (gf * yf).sum(-1, keepdim=True).div_(n)
     dx = torch.addcmul(gf, yf, mgy, value=-1.0)  # g - y*mean(g*y)
     if not is_rms:
