@@ -1,0 +1,189 @@
+"""``mesa`` and ``mesa-gelu-ln``: Mesa-style 8-bit activation compression (Pan et al., 2021; DESIGN §2.3).
+
+- ``mesa``: every ``nn.Linear`` (the head and LoRA's A/B included), every GELU/SiLU activation and every
+  LayerNorm/RMSNorm of the model become Mesa layers (:mod:`lowmembp.ops.mesa_layers`), and — where attention runs the
+  eager path — the attention's two matmuls and its softmax. ``mesa_attention`` says where:
+  ``"auto"`` (default) converts attention that is already eager (timm ``Attention`` with ``fused_attn=False``,
+  transformers with ``attn_implementation="eager"``) and leaves fused / SDPA attention alone (it saves q, k, v, o
+  only; turning it into eager attention would add 2 bytes per score); ``"eager"`` switches every ViT / BERT / LLaMA
+  attention to the eager path first (Mesa's own setting: DeiT computes attention eagerly); ``"keep"`` never touches
+  attention. Swin's window attention (relative position bias, shifted-window masks) is always left as it is.
+- ``mesa-gelu-ln``: only the activations and norms (GELU/SiLU, LayerNorm/RMSNorm) — the variant of the LowMemoryBP
+  paper's Figure 1.
+
+LLaMA has no GELU or LayerNorm: its SiLU and RMSNorm take their place (same rule: 8-bit input, plus rstd for the norm).
+Options: ``mesa_groups`` (channel groups per tensor, default 8, reduced to a divisor of the channel count); attention
+tensors are grouped per head. Under peft LoRA the frozen base linear saves nothing (it needs only its weight for the
+input gradient), LoRA's A and B linears save 8-bit inputs. Range state lives in non-persistent buffers: checkpoints
+of a converted model load into an unconverted one and back.
+"""
+from __future__ import annotations
+
+import sys
+import types
+
+import torch.nn as nn
+
+from lowmembp.methods.registry import register
+from lowmembp.ops.mesa_layers import (MesaAct, MesaLayerNorm, MesaLinear, MesaMatMul, MesaRMSNorm, MesaSoftmax)
+
+_EXCLUDES = ("lowmembp", "lowmembp-act", "lowmembp-norm")
+_ATTENTION_MODES = ("auto", "eager", "keep")
+HF_IMPL = "mesa_eager"
+
+
+@register("mesa", "Mesa 8-bit activations: Linear, GELU/SiLU, LayerNorm/RMSNorm inputs and eager attention "
+          "(softmax, matmuls) saved in int8 with EMA ranges", options={"mesa_groups": 8, "mesa_attention": "auto"},
+          order=30, excludes=("mesa-gelu-ln",) + _EXCLUDES)
+def apply_mesa(model: nn.Module, mesa_groups: int = 8, mesa_attention: str = "auto") -> nn.Module:
+    return convert(model, linears=True, acts=True, norms=True, attention=mesa_attention, groups=mesa_groups)
+
+
+@register("mesa-gelu-ln", "Mesa 8-bit activations on GELU/SiLU and LayerNorm/RMSNorm only (LowMemoryBP Fig. 1)",
+          options={"mesa_groups": 8}, order=30, excludes=("mesa",) + _EXCLUDES)
+def apply_mesa_gelu_ln(model: nn.Module, mesa_groups: int = 8) -> nn.Module:
+    return convert(model, linears=False, acts=True, norms=True, attention="keep", groups=mesa_groups)
+
+
+def convert(model: nn.Module, *, linears: bool, acts: bool, norms: bool, attention: str, groups: int) -> nn.Module:
+    """Swap the chosen layers of ``model`` for Mesa layers in place; return ``model``.
+
+    Records what was converted in ``model._mesa_converted`` (counts by layer kind).
+    """
+    from lowmembp.models import get_layout
+
+    if attention not in _ATTENTION_MODES:
+        raise ValueError(f"mesa_attention must be one of {_ATTENTION_MODES}, got {attention!r}")
+    if not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"mesa_groups must be a positive integer, got {groups!r}")
+    layout = get_layout(model)
+    done = {"linear": 0, "act": 0, "norm": 0, "attention": 0}
+    if attention != "keep":
+        for site in layout.attentions:
+            done["attention"] += _convert_attention(site.get(), layout, attention)
+    if acts:
+        for site in layout.acts:
+            m = site.get()
+            if isinstance(m, MesaAct):
+                continue
+            kind = site.kind
+            if kind == "gelu" and getattr(m, "approximate", "none") == "tanh":
+                kind = "gelu_tanh"
+            site.set(MesaAct(kind, groups))
+            done["act"] += 1
+    if norms:
+        for site in layout.all_norms():
+            m = site.get()
+            if isinstance(m, (MesaLayerNorm, MesaRMSNorm)):
+                continue
+            if site.kind == "layernorm" and isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
+                site.set(MesaLayerNorm.from_layernorm(m, groups))
+            elif site.kind == "rmsnorm":
+                site.set(MesaRMSNorm.from_rmsnorm(m, groups))
+            else:
+                continue
+            done["norm"] += 1
+    if linears:
+        for parent in list(layout.model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, name, MesaLinear.from_linear(child, groups))
+                    done["linear"] += 1
+    object.__setattr__(model, "_mesa_converted", done)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------- attention
+def _add_attention_modules(attn: nn.Module, heads: int) -> None:
+    attn.mesa_qk = MesaMatMul(heads)
+    attn.mesa_softmax = MesaSoftmax(heads)
+    attn.mesa_av = MesaMatMul(heads)
+
+
+def _convert_attention(attn: nn.Module, layout, mode: str) -> int:
+    if hasattr(attn, "mesa_qk"):
+        return 0
+    if layout.family == "vit" and _is_timm_vit_attention(attn):
+        if mode == "auto" and getattr(attn, "fused_attn", False):
+            return 0
+        attn.fused_attn = False
+        _add_attention_modules(attn, attn.num_heads)
+        attn.forward = types.MethodType(_timm_mesa_forward, attn)
+        return 1
+    if layout.family in ("bert", "llama"):
+        config = getattr(attn, "config", None)
+        if config is None:
+            return 0
+        impl = getattr(config, "_attn_implementation", None)
+        if impl not in ("eager", HF_IMPL) and not (mode == "eager" and impl in (None, "sdpa")):
+            return 0
+        _register_hf()
+        _add_attention_modules(attn, config.num_attention_heads)
+        if impl != HF_IMPL:
+            config._attn_implementation = HF_IMPL
+        return 1
+    return 0
+
+
+def _is_timm_vit_attention(attn: nn.Module) -> bool:
+    return type(attn).__name__ == "Attention" and type(attn).__module__.startswith("timm") and hasattr(attn, "qkv")
+
+
+def _timm_mesa_forward(self, x, attn_mask=None, is_causal=False):
+    """timm ``Attention.forward``'s eager path with Mesa matmuls and softmax (same order of operations)."""
+    from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
+
+    B, N, C = x.shape
+    gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
+    qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    q, k = self.q_norm(q), self.k_norm(k)
+    q = q * self.scale
+    attn = self.mesa_qk(q, k.transpose(-2, -1))
+    attn = maybe_add_mask(attn, resolve_self_attn_mask(N, attn, attn_mask, is_causal))
+    attn = self.mesa_softmax(attn)
+    attn = self.attn_drop(attn)
+    x = self.mesa_av(attn, v)
+    x = x.transpose(1, 2).reshape(B, N, getattr(self, "attn_dim", C))
+    x = self.norm(x)
+    if gate is not None:
+        x = x * gate
+    return self.proj_drop(self.proj(x))
+
+
+def _hf_mesa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' eager attention (BERT / LLaMA form) with Mesa matmuls and softmax; other modules: their own."""
+    if not hasattr(module, "mesa_qk"):
+        return sys.modules[type(module).__module__].eager_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    import torch.nn.functional as F
+
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    scores = module.mesa_qk(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probs = module.mesa_softmax(scores, out_dtype=query.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    out = module.mesa_av(probs, value)
+    return out.transpose(1, 2).contiguous(), probs
+
+
+_registered = False
+
+
+def _register_hf() -> None:
+    """Register ``mesa_eager`` with transformers' attention and mask interfaces (the masks are eager's)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(HF_IMPL, _hf_mesa_attention)
+    AttentionMaskInterface.register(HF_IMPL, eager_mask)
+    _registered = True
