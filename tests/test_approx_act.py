@@ -162,10 +162,20 @@ def test_pack_unpack_roundtrip(n):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1001])
+def test_reference_forward_codes_are_packed_thresholds(kind, n):
+    k, _, _, c, _ = KINDS[kind]
+    x = _rand((n,), torch.float32)
+    _, packed = A.forward_reference(x, k)
+    assert torch.equal(packed, A.pack_codes(_codes64(x, c)))
+    assert A.forward_reference(x, k, with_codes=False)[1] is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reference_backward_is_dy_times_slope_of_code(kind, dtype, torch_backend):
     k, fn, _, c, a = KINDS[kind]
-    x = _rand((6, 17), dtype).requires_grad_()
+    x = _rand((6, 17), dtype).requires_grad_()  # 102 elements: a partial last code byte
     dy = _rand((6, 17), dtype, scale=1.0)
     (dx,) = torch.autograd.grad(fn(x), x, dy)
     s64 = torch.tensor([0.0, *a], dtype=torch.float64).cumsum(0)  # (0, a1, a1+a2, a1+a2+a3), not via A.slopes

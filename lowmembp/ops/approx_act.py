@@ -103,20 +103,76 @@ def codes_reference(x: torch.Tensor, c) -> torch.Tensor:
     return (xf > c32[0]).to(torch.uint8) + (xf > c32[1]).to(torch.uint8) + (xf > c32[2]).to(torch.uint8)
 
 
+def _packed_codes(xf: torch.Tensor, c) -> torch.Tensor:
+    """Packed codes of fp32 ``xf`` without a per-element uint8 pass: four compare results (bool bytes) are read as one
+    little-endian int32 lane, summed over the three thresholds, then shifted into place (same layout as pack_codes)."""
+    flat = xf.reshape(-1)
+    n = flat.numel()
+    n4 = n - n % 4
+    c32 = [_fp32(v) for v in c]
+    packed = torch.empty((n + 3) // 4, dtype=torch.uint8, device=flat.device)
+    if n4 and sys.byteorder == "little":
+        main = flat[:n4]
+        hit = torch.empty(n4, dtype=torch.bool, device=flat.device)  # one buffer: fresh allocations cost page faults
+        lanes = hit.view(torch.uint8).view(torch.int32)
+        torch.gt(main, c32[0], out=hit)
+        v = lanes.clone()
+        torch.gt(main, c32[1], out=hit)
+        v += lanes
+        torch.gt(main, c32[2], out=hit)
+        v += lanes  # byte j of lane k: the code of element 4k + j
+        r = v >> 6
+        r |= v
+        tmp = torch.bitwise_right_shift(v, 12, out=lanes)
+        r |= tmp
+        tmp = torch.bitwise_right_shift(v, 18, out=lanes)
+        r |= tmp
+        r &= 0xFF
+        packed[: n4 // 4] = r  # int32 -> uint8, values < 256
+    else:
+        n4 = 0
+    if n4 < n:
+        packed[n4 // 4:] = pack_codes(codes_reference(flat[n4:], c))
+    return packed
+
+
 def forward_reference(x: torch.Tensor, kind: int, with_codes: bool = True):
     """Exact activation (fp32 compute, cast back) and, if asked, the packed codes."""
     xf = x.float()
     y = (F.gelu(xf) if kind == _GELU else F.silu(xf)).to(x.dtype)
     if not with_codes:
         return y, None
-    return y, pack_codes(codes_reference(xf, _CONSTS[kind][0]))
+    return y, _packed_codes(xf, _CONSTS[kind][0])
+
+
+_BYTE_TABLES: dict = {}
+
+
+def _byte_table(kind: int, device) -> torch.Tensor:
+    """[256, 4] fp32: the four slopes s[code] encoded by each possible code byte."""
+    key = (kind, str(device))
+    if key not in _BYTE_TABLES:
+        s = torch.tensor(_S32[kind], dtype=torch.float32)
+        b = torch.arange(256)
+        _BYTE_TABLES[key] = torch.stack([s[(b >> (2 * j)) & 3] for j in range(4)], 1).contiguous().to(device)
+    return _BYTE_TABLES[key]
 
 
 def backward_reference(dy: torch.Tensor, packed: torch.Tensor, kind: int) -> torch.Tensor:
-    """``dx = dy · s[code]`` in fp32, cast back to dy's dtype."""
-    codes = unpack_codes(packed, dy.numel()).reshape(dy.shape)
-    s = torch.tensor(_S32[kind], dtype=torch.float32, device=dy.device)
-    return (dy.float() * s[codes.long()]).to(dy.dtype)
+    """``dx = dy · s[code]`` in fp32, cast back to dy's dtype (four slopes per code byte from a 256-row table)."""
+    flat = dy.reshape(-1)
+    n = flat.numel()
+    n4 = n - n % 4
+    dx = torch.empty(n, dtype=torch.float32, device=dy.device)
+    if n4:
+        dx4 = dx[:n4].view(-1, 4)
+        torch.index_select(_byte_table(kind, dy.device), 0, packed[: n4 // 4].to(torch.int32), out=dx4)
+        dx4.mul_(flat[:n4].view(-1, 4))  # fp32 slopes times dy (any float dtype), in fp32
+    if n4 < n:
+        s = torch.tensor(_S32[kind], dtype=torch.float32, device=dy.device)
+        tail = unpack_codes(packed[n4 // 4:], n - n4)
+        dx[n4:] = flat[n4:].float() * s[tail.long()]
+    return dx.to(dy.dtype).reshape(dy.shape)
 
 
 # ---------------------------------------------------------------------------------------------------- Triton kernels
