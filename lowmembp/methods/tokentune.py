@@ -1,0 +1,329 @@
+"""``tokentune``: selective-token fine-tuning (Simoulin et al., ES-FoMo @ ICML 2023; EMNLP 2024, arXiv 2501.18824).
+
+    model = lowmembp.apply(model, "tokentune", k=16)            # or "lora+tokentune", "lowmembp+tokentune", ...
+    model.train(); out = model(**batch)                          # HF: out.logits / out.loss as usual
+    tokentune_state(model).last.positions                        # the positions chosen for that batch (B×k)
+
+Supported: BERT / RoBERTa ``*ForSequenceClassification``, LLaMA-like ``*ForCausalLM`` and
+``*ForSequenceClassification`` (transformers), timm ``VisionTransformer`` (vit_*, deit_*) — plain or wrapped by peft,
+with or without ``lowmembp`` norms/activations, with checkpointing applied after. The model is converted in place
+and returned (a peft wrapper stays the object you use).
+
+**Selection.** Per sequence k distinct positions: the first real token (ViT: the class token; BERT: [CLS]) always;
+for decoders (LLaMA) also the last real token (when k ≥ 2); the rest uniformly at random among the real (non-padding,
+``attention_mask`` = 1) tokens. The same positions in every block. A sequence with fewer than k real tokens selects
+all of them (and fills up with padding positions that are flagged ``valid=False`` and never used); k ≥ L selects
+every position, which is plain full fine-tuning. Randomness: the global torch RNG by default (so ``torch.manual_seed``
+reproduces it); with option ``seed=<int>`` a private ``torch.Generator`` per device, seeded once at conversion.
+``tokentune_state(model).selector`` may be set to ``fn(valid: BoolTensor[B, L], k: int, decoder: bool,
+generator) -> LongTensor[B, k]`` to choose positions yourself (tests use it to replay a selection).
+
+**Training forward (``model.train()``).** Exact forward: every block computes the unselected rows under
+``torch.no_grad()`` (no graph, nothing saved) and the selected rows with the graph, the selected queries attending
+over all keys/values (see :mod:`lowmembp.methods.tokentune_forward`). The gradient is the true gradient with a
+stop-gradient on every unselected hidden state (at every block input). Outputs:
+
+- classification (BERT/RoBERTa/LLaMA ``ForSequenceClassification``, timm): the head is fed the mean of the selected
+  tokens' last hidden states (after the final norm). ``out.logits`` is B×C; ``labels=`` gives the model's usual loss
+  (HF problem types). BERT's pooler / RoBERTa's classification head read it as their first token; timm's
+  ``forward_head`` pools it (every pool of identical rows gives the mean back).
+- causal LM (``ForCausalLM``): ``out.logits`` holds only the selected positions, B×k×V, in the order of
+  ``tokentune_state(model).last.positions``; with ``labels=`` (B×L, -100 = ignore, shifted inside as usual)
+  ``out.loss`` is the mean cross-entropy of the next-token targets of the selected positions.
+
+**Evaluation (``model.eval()``).** The ordinary forward, untouched: outputs equal the unconverted model's.
+
+Memory: per block, backward keeps the selected rows' activations (∝ k/L) plus K/V and the attention input over all L
+tokens (an O(L·d) floor). The unselected rows' activations are freed at once.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lowmembp.methods.registry import register
+from lowmembp.methods.tokentune_forward import FAMILIES, make_context, merge, run_blocks, take
+
+
+@dataclass
+class Selection:
+    """The positions of one training forward: ``positions`` B×k (ascending), ``valid`` B×k (False: a padding
+    position used only to fill up a short sequence), ``others`` B×(L−k) (the unselected positions, ascending)."""
+    positions: torch.Tensor
+    valid: torch.Tensor
+    others: torch.Tensor
+
+
+@dataclass
+class TokenTuneState:
+    """Per-model TokenTune settings; find it with :func:`tokentune_state`."""
+    k: int
+    family: str
+    task: str  # "classification" | "causal_lm"
+    seed: int | None = None
+    selector: Callable | None = None
+    last: Selection | None = None
+    blocks: list = field(default_factory=list)  # the original block modules
+    sites: list = field(default_factory=list)  # their layout Sites (to see wrappers added later, e.g. checkpointing)
+    owner: nn.Module | None = None  # the timm model / HF backbone whose flags say "gradient checkpointing"
+    _generators: dict = field(default_factory=dict)
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device).manual_seed(int(self.seed))
+        return self._generators[key]
+
+    def select(self, valid: torch.Tensor, decoder: bool) -> Selection:
+        gen = self.generator(valid.device)
+        if self.selector is not None:
+            positions = _check_positions(self.selector(valid, self.k, decoder, gen), valid, self.k)
+        else:
+            positions = select_positions(valid, self.k, decoder=decoder, generator=gen)
+        L = valid.shape[1]
+        chosen = torch.zeros_like(valid).scatter_(1, positions, True)
+        order = torch.sort(chosen.to(torch.uint8), dim=1, stable=True).indices  # unselected first, both ascending
+        kk = positions.shape[1]
+        sel = Selection(positions=order[:, L - kk:], valid=valid.gather(1, order[:, L - kk:]),
+                        others=order[:, :L - kk])
+        self.last = sel
+        return sel
+
+    def checkpoint_flags(self) -> list[bool]:
+        flag = bool(getattr(self.owner, "grad_checkpointing", False))  # timm's own switch
+        return [flag or site.get() is not blk or bool(getattr(blk, "gradient_checkpointing", False))
+                for site, blk in zip(self.sites, self.blocks)]
+
+
+def select_positions(valid: torch.Tensor, k: int, *, decoder: bool = False,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """k distinct positions per row of ``valid`` (B×L bool, True = real token): the first real token, for decoders
+    the last real one too, the rest uniformly at random among real tokens; padding only when a row has < k real
+    tokens. Returns B×min(k, L) positions (not sorted)."""
+    B, L = valid.shape
+    kk = min(int(k), L)
+    scores = torch.rand(B, L, generator=generator, device=valid.device)
+    scores = scores.masked_fill(~valid, -1.0)
+    rows = torch.arange(B, device=valid.device)
+    scores[rows, valid.to(torch.uint8).argmax(1)] = 3.0  # the first real token (position 0 if none is real)
+    if decoder and kk >= 2:
+        scores[rows, L - 1 - valid.flip(1).to(torch.uint8).argmax(1)] = 2.0  # the last real token
+    return scores.topk(kk, dim=1).indices
+
+
+def _check_positions(pos, valid, k) -> torch.Tensor:
+    B, L = valid.shape
+    kk = min(k, L)
+    if not isinstance(pos, torch.Tensor) or pos.shape != (B, kk) or pos.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"tokentune selector must return an integer tensor of shape {(B, kk)}, got "
+                         f"{getattr(pos, 'shape', type(pos))}")
+    pos = pos.to(device=valid.device, dtype=torch.long)
+    if bool(((pos < 0) | (pos >= L)).any()) or bool((pos.sort(1).values.diff(dim=1) == 0).any()):
+        raise ValueError("tokentune selector must return distinct positions in [0, L) per row")
+    return pos
+
+
+def tokentune_state(model: nn.Module) -> TokenTuneState:
+    """The :class:`TokenTuneState` of a converted model (peft wrappers looked through)."""
+    from lowmembp.models.layout import unwrap_peft
+    base = unwrap_peft(model)
+    for m in (base, getattr(base, "base_model", None)):
+        st = getattr(m, "_tokentune", None) if m is not None else None
+        if st is not None:
+            return st
+    raise ValueError("this model was not converted with tokentune (use lowmembp.apply(model, 'tokentune', k=...))")
+
+
+# ------------------------------------------------------------------------------------------------------ conversion
+@register("tokentune", "selective-token fine-tuning: gradients through k tokens per sequence (TokenTune)",
+          options={"k": 16, "seed": None}, order=40)
+def apply_tokentune(model: nn.Module, k: int = 16, seed: int | None = None) -> nn.Module:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"tokentune: k must be an integer >= 1 (tokens per sequence that get gradients), got {k!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"tokentune: seed must be None (global RNG) or an int, got {seed!r}")
+    from lowmembp.models import get_layout
+    layout = get_layout(model)
+    if layout.family not in FAMILIES:
+        raise TypeError(f"tokentune supports the families {', '.join(FAMILIES)} (timm ViT, BERT/RoBERTa, "
+                        f"LLaMA-like); got family {layout.family!r} ({type(layout.base).__name__})")
+    base, fam = layout.base, FAMILIES[layout.family]
+    blocks = [s.get() for s in layout.blocks]
+    for b in blocks:
+        fam.check_block(b)
+    if getattr(base, "_tokentune", None) is not None:
+        raise RuntimeError("tokentune was already applied to this model")
+    state = TokenTuneState(k=k, family=layout.family, task="classification", seed=seed, blocks=blocks,
+                           sites=list(layout.blocks))
+    name = type(base).__name__
+    if layout.family == "vit":
+        if not all(hasattr(base, a) for a in ("patch_embed", "_pos_embed", "norm_pre", "norm", "forward_features")):
+            raise TypeError(f"tokentune: {name} is not a timm VisionTransformer")
+        state.owner = base
+        _patch(base, "forward_features", _vit_forward_features, state)
+    elif layout.family == "bert":
+        backbone = getattr(base, "base_model", None)
+        if not name.endswith("ForSequenceClassification") or backbone is None or backbone is base:
+            raise TypeError(f"tokentune supports BERT/RoBERTa sequence classification models "
+                            f"(BertForSequenceClassification, RobertaForSequenceClassification); got {name}")
+        state.owner = backbone
+        _patch(backbone, "forward", _bert_forward, state)
+    else:  # llama
+        if name.endswith("ForCausalLM"):
+            state.task = "causal_lm"
+        elif not name.endswith("ForSequenceClassification"):
+            raise TypeError(f"tokentune supports LLaMA-like *ForCausalLM and *ForSequenceClassification; got {name}")
+        state.owner = base.model
+        _patch(base, "forward", _llama_forward, state)
+    object.__setattr__(base, "_tokentune", state)
+    return model
+
+
+def _patch(module: nn.Module, attr: str, fn, state: TokenTuneState) -> None:
+    """Replace ``module.<attr>`` (an instance-level override); eval mode calls the original."""
+    original = getattr(module, attr)
+
+    def patched(self, *args, **kwargs):
+        if not self.training:
+            return original(*args, **kwargs)
+        return fn(self, state, original, *args, **kwargs)
+
+    object.__setattr__(module, attr, types.MethodType(patched, module))
+
+
+def _reject(kwargs: dict, allowed=()) -> None:
+    """Options the training forward cannot honour (caches, returned attentions/hidden states) -> a clear error."""
+    for key, val in kwargs.items():
+        if key in allowed or val is None or val is False:
+            continue
+        if key in ("return_dict", "use_cache"):
+            continue
+        raise TypeError(f"tokentune training forward does not support {key}={val!r}; call model.eval() for that, "
+                        f"or pass only input_ids / attention_mask / token_type_ids / position_ids / inputs_embeds / "
+                        f"labels")
+
+
+def _masked_mean(hs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    if bool(valid.all()):
+        return hs.mean(1)
+    w = valid.to(hs.dtype).unsqueeze(-1)
+    return (hs * w).sum(1) / w.sum(1).clamp_min(1)
+
+
+def _embed_rows(emb: torch.Tensor, sel: Selection) -> torch.Tensor:
+    """Hidden state 0 from embeddings computed on all rows: the graph kept only on the selected rows."""
+    if not emb.requires_grad:
+        return emb
+    idx = sel.positions[..., None].expand(-1, -1, emb.shape[-1])
+    return emb.detach().scatter(1, idx, take(emb, sel.positions))
+
+
+# --------------------------------------------------------------------------------------------------- family forwards
+def _vit_forward_features(self, state, original, x, attn_mask=None, is_causal=False):
+    if attn_mask is not None or is_causal:
+        raise TypeError("tokentune training forward does not take attn_mask / is_causal for timm ViT")
+    emb = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
+    B, L, d = emb.shape
+    sel = state.select(torch.ones(B, L, dtype=torch.bool, device=emb.device), decoder=False)
+    fam = FAMILIES["vit"]
+    ctx = make_context(fam, sel, L, None)
+    h = run_blocks(fam, state.blocks, _embed_rows(emb, sel), ctx, state.checkpoint_flags())
+    pooled = _masked_mean(self.norm(take(h, sel.positions)), sel.valid)
+    return pooled[:, None, :].expand(B, L, d)
+
+
+def _bert_forward(self, state, original, input_ids=None, attention_mask=None, token_type_ids=None,
+                  position_ids=None, inputs_embeds=None, **kwargs):
+    from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+    _reject(kwargs)
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    ref = input_ids if input_ids is not None else inputs_embeds
+    B, L = ref.shape[:2]
+    device = ref.device
+    valid = (attention_mask.to(device).bool() if attention_mask is not None
+             else torch.ones(B, L, dtype=torch.bool, device=device))
+    sel = state.select(valid, decoder=False)
+    emb_mod = self.embeddings
+    if position_ids is None:
+        if hasattr(emb_mod, "create_position_ids_from_input_ids"):  # RoBERTa: positions count real tokens
+            position_ids = (emb_mod.create_position_ids_from_input_ids(input_ids, emb_mod.padding_idx)
+                            if input_ids is not None else
+                            emb_mod.create_position_ids_from_inputs_embeds(inputs_embeds, emb_mod.padding_idx))
+        else:
+            position_ids = emb_mod.position_ids[:, :L]
+    position_ids = position_ids.to(device).expand(B, L)
+    if token_type_ids is None:
+        token_type_ids = torch.zeros(B, L, dtype=torch.long, device=device)
+    token_type_ids = token_type_ids.expand(B, L)
+
+    def embed(idx):
+        return emb_mod(input_ids=None if input_ids is None else take(input_ids, idx),
+                       token_type_ids=take(token_type_ids, idx), position_ids=take(position_ids, idx),
+                       inputs_embeds=None if inputs_embeds is None else take(inputs_embeds, idx))
+
+    with torch.no_grad():
+        const = embed(sel.others) if sel.others.shape[1] else None
+    h = merge(const, sel.others, embed(sel.positions), sel.positions, L)
+    fam = FAMILIES["bert"]
+    ctx = make_context(fam, sel, L, valid if attention_mask is not None else None)
+    h = run_blocks(fam, state.blocks, h, ctx, state.checkpoint_flags())
+    pooled = _masked_mean(take(h, sel.positions), sel.valid)
+    last = pooled[:, None, :].expand(B, L, pooled.shape[-1])
+    pooler = getattr(self, "pooler", None)
+    return BaseModelOutputWithPoolingAndCrossAttentions(last_hidden_state=last,
+                                                        pooler_output=pooler(last) if pooler is not None else None)
+
+
+def _llama_forward(self, state, original, input_ids=None, attention_mask=None, position_ids=None,
+                   inputs_embeds=None, labels=None, **kwargs):
+    from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutputWithPast
+    return_dict = kwargs.pop("return_dict", None)
+    for key in ("cache", "past_key_values"):
+        if kwargs.get(key) is not None:
+            raise TypeError(f"tokentune training forward does not use a KV cache ({key}); call model.eval() to "
+                            f"generate")
+    kwargs.pop("logits_to_keep", None)
+    _reject(kwargs)
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    backbone = self.model
+    emb = backbone.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    B, L, _ = emb.shape
+    valid = (attention_mask.to(emb.device).bool() if attention_mask is not None
+             else torch.ones(B, L, dtype=torch.bool, device=emb.device))
+    window = getattr(self.config, "sliding_window", None)
+    if window and L > window:
+        raise TypeError(f"tokentune: sequence length {L} exceeds the sliding window {window}; sliding-window "
+                        f"attention is not supported (use sequences of at most {window} tokens)")
+    sel = state.select(valid, decoder=True)
+    if position_ids is None:
+        position_ids = torch.arange(L, device=emb.device)[None]
+    cos, sin = backbone.rotary_emb(emb, position_ids=position_ids.to(emb.device))
+    fam = FAMILIES["llama"]
+    ctx = make_context(fam, sel, L, valid if attention_mask is not None else None,
+                       extra={"cos": cos.expand(B, L, -1), "sin": sin.expand(B, L, -1)})
+    h = run_blocks(fam, state.blocks, _embed_rows(emb, sel), ctx, state.checkpoint_flags())
+    hs = backbone.norm(take(h, sel.positions))
+    loss = None
+    if state.task == "causal_lm":
+        logits = self.lm_head(hs)
+        if labels is not None:
+            nxt = F.pad(labels.to(logits.device)[:, 1:], (0, 1), value=-100)  # target of position p: labels[p+1]
+            targets = take(nxt, sel.positions).masked_fill(~sel.valid, -100)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                   ignore_index=-100)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits)
+    else:
+        logits = self.score(_masked_mean(hs, sel.valid))
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
+        out = SequenceClassifierOutputWithPast(loss=loss, logits=logits)
+    return out.to_tuple() if return_dict is False else out
