@@ -276,3 +276,37 @@ def test_bad_shapes_raise():
         ms_layer_norm(torch.tensor(1.0))
     with pytest.raises(ValueError, match="kind"):
         ms_norm_fwd_ref(torch.ones(2, 3), "batchnorm", 1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(197 * 4, 768), (37, 4096), (5, 100), (3, 20000)])
+def test_cuda_kernels_match_reference(kind, dtype, shape):
+    x = _x(shape, dtype).cuda()
+    g = _x(shape, dtype, seed=5).cuda()
+    y_t, r_t = ms_norm_fwd_triton(x, kind, EPS[kind])
+    y_r, r_r = ms_norm_fwd_ref(x, kind, EPS[kind])
+    # GPU stores round to nearest; the GPU's sqrt/divide are within a few fp32 ulp
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(y_t.float(), y_r.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(r_t, r_r, rtol=1e-5, atol=0)
+    dx_t = ms_norm_bwd_triton(g, y_r, r_r, kind, dtype).double()
+    dx_r = ms_norm_bwd_ref(g, y_r, r_r, kind, dtype).double()
+    torch.testing.assert_close(dx_t, dx_r, rtol=tol, atol=tol * float(dx_r.abs().max()))
+    assert ms_norm._use_triton(x, shape[1])
+
+
+@pytest.mark.gpu
+def test_cuda_64bit_row_offsets():
+    n = 4096
+    rows = (2**31) // n + 64  # element offsets past 2**31
+    x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    y, rstd = ms_norm_fwd_triton(x, "rmsnorm", 1e-6)
+    y_r, r_r = ms_norm_fwd_ref(x[-64:], "rmsnorm", 1e-6)
+    torch.testing.assert_close(y[-64:].float(), y_r.float(), rtol=1.6e-2, atol=1.6e-2)
+    torch.testing.assert_close(rstd[-64:], r_r, rtol=1e-5, atol=0)
+    dx = ms_norm_bwd_triton(y, y, rstd, "rmsnorm", torch.bfloat16)
+    dx_r = ms_norm_bwd_ref(y[-64:], y[-64:], rstd[-64:], "rmsnorm", torch.bfloat16)
+    torch.testing.assert_close(dx[-64:].float(), dx_r.float(), rtol=1.6e-2, atol=1.6e-2)

@@ -183,8 +183,9 @@ def ms_norm_bwd_ref(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: 
         return torch.empty(y.shape, dtype=dx_dtype, device=y.device)
     acc = torch.promote_types(torch.promote_types(y.dtype, rstd.dtype), torch.float32)
     gf, yf = g.to(acc), y.to(acc)
-    mgy = (gf * yf).sum(-1, keepdim=True).div_(n)
-    dx = torch.addcmul(gf, yf, mgy, value=-1.0)  # g - y*mean(g*y)
+    buf = gf * yf
+    mgy = buf.sum(-1, keepdim=True).div_(n)
+    dx = torch.addcmul(gf, yf, mgy, value=-1.0, out=buf)  # g - y*mean(g*y), reusing the g*y buffer
     if not is_rms:
         dx.sub_(gf.mean(-1, keepdim=True))
     dx.mul_(rstd.reshape(mgy.shape))
