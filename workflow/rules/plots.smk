@@ -1,0 +1,41 @@
+# Figures, each registered in the HTML report with its caption (workflow/report/<figure>.rst).
+
+
+rule run_figure:
+    input:
+        runs=f"{R}/runs.csv",
+    output:
+        report(
+            f"{R}/figures/{{fig}}.png",
+            caption="../report/{fig}.rst",
+            category="Sweep",
+            labels={"figure": "{fig}"},
+        ),
+    log:
+        f"{R}/logs/figures/{{fig}}.log",
+    wildcard_constraints:
+        fig="|".join(RUN_FIGURES),
+    conda:
+        "../envs/lowmembp.yaml"
+    script:
+        "../scripts/plots.py"
+
+
+rule repro_figure:
+    input:
+        lambda wc: f"{R}/repro/{REPRO_NAME[wc.rfig]}.csv",
+    output:
+        report(
+            f"{R}/figures/{{rfig}}.png",
+            caption="../report/{rfig}.rst",
+            category="Paper-scale reproductions",
+            labels={"figure": "{rfig}"},
+        ),
+    log:
+        f"{R}/logs/figures/{{rfig}}.log",
+    wildcard_constraints:
+        rfig="|".join(REPRO_FIGURES.values()),
+    conda:
+        "../envs/lowmembp.yaml"
+    script:
+        "../scripts/plots_repro.py"

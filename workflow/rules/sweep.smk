@@ -1,0 +1,27 @@
+# One training job per cell: python -m experiments.train ... --out <record>. The job writes its record atomically
+# and exits 0 for oom/error cells (the record says so), so the sweep goes on; run_cell.py records a crash that
+# left no record (a segfault, an import error) as status "error" too. Usage errors (exit 2) fail the job loudly.
+
+
+rule train:
+    output:
+        RECORD,
+    log:
+        f"{R}/logs/train/{{task}}/{{model}}/{{method}}/bs{{bs}}/seed{{seed}}.log",
+    benchmark:
+        f"{R}/benchmarks/train/{{task}}/{{model}}/{{method}}/bs{{bs}}/seed{{seed}}.tsv"
+    params:
+        args=train_args,
+        py=PY,
+        runner=SCRIPTS / "run_cell.py",
+    threads: config["threads_per_run"]
+    resources:
+        gpu=res("gpu", 0),
+        runtime=res("runtime", 30),
+        mem_mb=res("mem_mb", 4000),
+        slurm_extra=slurm_extra,
+    conda:
+        "../envs/lowmembp.yaml"
+    shell:
+        "OMP_NUM_THREADS={threads} MKL_NUM_THREADS={threads} "
+        "{params.py} {params.runner} --log {log} --out {output} -- {params.args}"

@@ -1,0 +1,100 @@
+"""Run one training job and make sure the cell ends with a record.
+
+    python run_cell.py --out RECORD --log LOG -- <experiments.train arguments>
+
+The training job writes its own record atomically and exits 0 for ``ok``, ``oom`` and ``error`` cells. If it dies
+without a record (a crash, an import error, killed for memory by the OS) this writes an ``error`` record itself,
+atomically, with the end of the log as the message, so the sweep goes on and the table shows the failure. It does
+not write a record when the job was stopped by a signal from the user (SIGINT/SIGTERM: an interrupted run leaves
+nothing) or when the job rejected its arguments (exit 2: a config mistake that must be fixed, not recorded).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+USAGE_ERROR = 2
+USER_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_atomic(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def error_record(train_args: list[str], message: str, started: str) -> dict:
+    p = argparse.ArgumentParser(add_help=False)
+    for flag in ("--model", "--task", "--method", "--dtype"):
+        p.add_argument(flag, default="?")
+    for flag in ("--batch-size", "--seed", "--steps"):
+        p.add_argument(flag, type=int, default=0)
+    a, _ = p.parse_known_args(train_args)
+    return {
+        "schema_version": 1, "model": a.model, "method": a.method, "task": a.task,
+        "batch_size": max(a.batch_size, 1), "seq_len": None, "dtype": a.dtype if a.dtype != "?" else "fp32",
+        "seed": a.seed, "steps": 0, "epochs": None, "options": {"argv": train_args},
+        "status": "error", "message": message, "peak_memory": None, "activation_bytes": None,
+        "step_time_s": None, "throughput": None, "final_loss": None, "metric": None,
+        "env": {"device": "unknown (the job died before reporting)", "hostname": platform.node()},
+        "started_at": started, "finished_at": _now(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--log", required=True, type=Path)
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("train_args", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    train_args = a.train_args[1:] if a.train_args[:1] == ["--"] else a.train_args
+    a.log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [a.python, "-m", "experiments.train", *train_args, "--out", str(a.out)]
+    started = _now()
+    with open(a.log, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGINT)
+            proc.wait()
+            raise
+    if a.out.exists():
+        return 0
+    if rc < 0 and -rc in USER_SIGNALS:
+        return rc and 1
+    if rc == USAGE_ERROR:
+        sys.stderr.write(f"the training job rejected its arguments; see {a.log}\n")
+        return USAGE_ERROR
+    tail = a.log.read_text(errors="replace").strip().splitlines()[-15:]
+    why = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+    message = f"the training job died without a record ({why}): " + "\n".join(tail)
+    write_atomic(a.out, error_record(train_args, message, started))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""runs.csv (and the reproductions' CSVs) -> results/tables/<name>.md and .csv.
+
+Every table puts the paper's value, ours, and the ratio ours/paper side by side. For the sweep's runs the paper's
+values are ratios to a reference run (``lora+X`` against ``lora``, every other method against ``baseline``, same
+task, model and batch size), taken from workflow/resources/paper_claims.yaml; for the reproductions they come with
+the reproduction's own rows (lowmembp.repro).
+
+Run by Snakemake (rules run_tables, repro_table), or by hand:
+``python tables.py runs RUNS.csv OUTDIR`` / ``python tables.py repro NAME REPRO.csv OUTDIR``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+
+CLAIMS = Path(__file__).resolve().parents[1] / "resources" / "paper_claims.yaml"
+MiB = 2**20
+KEYS = ["task", "model", "method", "batch_size"]
+
+
+def reference_method(method: str) -> str | None:
+    if method == "baseline":
+        return None
+    return "lora" if method.startswith("lora+") else "baseline"
+
+
+def load_claims(path: Path = CLAIMS) -> dict:
+    return yaml.safe_load(Path(path).read_text())
+
+
+def claim(claims: dict, table: str, method: str, model: str) -> tuple[float, str]:
+    fam = claims["families"].get(model)
+    entry = claims.get(table, {}).get(method, {})
+    if fam is None or fam not in entry:
+        return np.nan, ""
+    return float(entry[fam]), entry.get("source", "")
+
+
+def _status(s: pd.Series) -> str:
+    vals = sorted(set(s.dropna().astype(str)))
+    return vals[0] if len(vals) == 1 else "/".join(vals)
+
+
+def per_cell(runs: pd.DataFrame, value: str, how: str = "mean") -> pd.DataFrame:
+    """One row per (task, model, method, batch size): the value over ok seeds, and the cell's status."""
+    ok = runs[runs["status"] == "ok"]
+    agg = ok.groupby(KEYS, dropna=False)[value].agg(how).rename(value)
+    status = runs.groupby(KEYS, dropna=False)["status"].agg(_status)
+    return pd.concat([status, agg], axis=1).reset_index()
+
+
+def with_reference(df: pd.DataFrame, value: str) -> pd.Series:
+    """value / value of the reference method in the same task, model and batch size."""
+    idx = df.set_index(["task", "model", "method", "batch_size"])[value]
+    ref = [idx.get((t, m, reference_method(x), b), np.nan) if reference_method(x) else np.nan
+           for t, m, x, b in zip(df["task"], df["model"], df["method"], df["batch_size"])]
+    return df[value] / np.asarray(ref, dtype=float)
+
+
+def add_paper(df: pd.DataFrame, ours: str, table: str, claims: dict, prefix: str) -> pd.DataFrame:
+    vals = [claim(claims, table, x, m) for x, m in zip(df["method"], df["model"])]
+    df[f"{prefix}_paper"] = [v for v, _ in vals]
+    df[f"{prefix}_ours"] = df[ours]
+    df[f"{prefix}_ours/paper"] = df[f"{prefix}_ours"] / df[f"{prefix}_paper"]
+    df[f"{prefix}_source"] = [s for _, s in vals]
+    return df
+
+
+def memory_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
+    peak = per_cell(runs, "peak_bytes")
+    act = per_cell(runs, "activation_bytes")[KEYS + ["activation_bytes"]]
+    df = peak.merge(act, on=KEYS, how="left")
+    df["peak_MiB"] = df["peak_bytes"] / MiB
+    df["activation_MiB"] = df["activation_bytes"] / MiB
+    df["reference"] = df["method"].map(lambda x: reference_method(x) or "")
+    df["peak_ratio"] = with_reference(df, "peak_bytes")
+    df["act_ratio"] = with_reference(df, "activation_bytes")
+    df = add_paper(df, "peak_ratio", "peak_ratio", claims, "peak")
+    df = add_paper(df, "act_ratio", "activation_ratio", claims, "act")
+    cols = KEYS + ["status", "reference", "peak_MiB", "peak_paper", "peak_ours", "peak_ours/paper",
+                   "activation_MiB", "act_paper", "act_ours", "act_ours/paper", "peak_source", "act_source"]
+    return df[cols]
+
+
+def speed_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
+    df = per_cell(runs, "step_time_p50", "median")
+    sps = per_cell(runs, "samples_per_s", "median")[KEYS + ["samples_per_s"]]
+    df = df.merge(sps, on=KEYS, how="left")
+    df["step_ms"] = df["step_time_p50"] * 1e3
+    df["reference"] = df["method"].map(lambda x: reference_method(x) or "")
+    df["time_ratio"] = with_reference(df, "step_time_p50")
+    df = add_paper(df, "time_ratio", "step_time_ratio", claims, "time")
+    cols = KEYS + ["status", "reference", "step_ms", "samples_per_s", "time_paper", "time_ours", "time_ours/paper",
+                   "time_source"]
+    return df[cols]
+
+
+def accuracy_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
+    ok = runs[runs["status"] == "ok"]
+    g = ok.groupby(KEYS, dropna=False)["metric_value"]
+    df = pd.concat([g.mean().rename("metric_mean"), g.std(ddof=1).rename("metric_std"),
+                    g.min().rename("metric_min"), g.max().rename("metric_max"), g.count().rename("seeds")],
+                   axis=1).reset_index()
+    names = ok.groupby(KEYS, dropna=False)["metric_name"].first().reset_index()
+    status = runs.groupby(KEYS, dropna=False)["status"].agg(_status).reset_index()
+    df = status.merge(df, on=KEYS, how="left").merge(names, on=KEYS, how="left")
+    df["reference"] = df["method"].map(lambda x: reference_method(x) or "")
+    df["metric_ratio"] = with_reference(df, "metric_mean")
+    df = add_paper(df, "metric_ratio", "metric_ratio", claims, "metric")
+    cols = KEYS + ["status", "reference", "metric_name", "seeds", "metric_mean", "metric_std", "metric_min",
+                   "metric_max", "metric_paper", "metric_ours", "metric_ours/paper", "metric_source"]
+    return df[cols]
+
+
+RUN_TABLES = {"memory": memory_table, "speed": speed_table, "accuracy": accuracy_table}
+TITLES = {
+    "memory": "Peak and activation memory per method (ratio to the reference run; paper values as ratios)",
+    "speed": "Step time per method (p50 over seeds; ratio to the reference run)",
+    "accuracy": "Evaluation metric per method: mean, spread over seeds, ratio to the reference run",
+}
+
+
+def _fmt(df: pd.DataFrame) -> pd.DataFrame:
+    out = df.copy()
+    for c in out.columns:
+        if pd.api.types.is_float_dtype(out[c]):
+            out[c] = out[c].map(lambda v: "-" if pd.isna(v) else (f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"))
+        else:
+            out[c] = out[c].map(lambda v: "-" if v is None or (isinstance(v, float) and np.isnan(v)) else v)
+    return out
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write(df: pd.DataFrame, md: Path, csv: Path, title: str, notes: list[str] = ()) -> None:
+    _atomic_write(Path(csv), df.to_csv(index=False))
+    src_cols = [c for c in df.columns if c.endswith("source") or c in ("note", "why", "notes")]
+    body = _fmt(df.drop(columns=src_cols)).to_markdown(index=False) if len(df) else "(no rows)"
+    lines = [f"# {title}", "", *notes, "", body, ""]
+    sources = sorted({s for c in src_cols for s in df[c].dropna().astype(str) if s})
+    if sources:
+        lines += ["Notes and sources:", "", *[f"- {s}" for s in sources], ""]
+    _atomic_write(Path(md), "\n".join(lines))
+
+
+def machine_note(runs: pd.DataFrame) -> list[str]:
+    devs = sorted(set(runs["device"].dropna().astype(str))) if "device" in runs else []
+    counts = runs["status"].value_counts().to_dict() if len(runs) else {}
+    return [f"Measured on: {', '.join(devs) or 'unknown'}. Cells: "
+            + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))]
+
+
+def run_tables(runs_csv: str | Path, outdir: str | Path, names=RUN_TABLES) -> None:
+    runs = pd.read_csv(runs_csv)
+    claims = load_claims()
+    for name in names:
+        df = RUN_TABLES[name](runs, claims)
+        write(df, Path(outdir) / f"{name}.md", Path(outdir) / f"{name}.csv", TITLES[name], machine_note(runs))
+
+
+def repro_table(name: str, repro_csv: str | Path, outdir: str | Path, title: str | None = None) -> None:
+    """A reproduction's rows -> table; adds ours/paper where the rows carry 'paper' and 'ours' columns."""
+    df = pd.read_csv(repro_csv)
+    for p, o in _paper_ours_pairs(df.columns):
+        r = f"{o}/{p}" if not o.startswith("ours") else f"{o.replace('ours', 'ratio', 1)}"
+        if r not in df.columns and f"ratio{p[5:]}" not in df.columns and "ratio" not in df.columns:
+            df[r] = df[o] / df[p]
+    write(df, Path(outdir) / f"{name}.md", Path(outdir) / f"{name}.csv", title or name.replace("_", " "))
+
+
+def _paper_ours_pairs(cols):
+    """('paper', 'ours'), ('paper_mib', 'ours_mib'), ...: columns that pair by their suffix."""
+    cols = list(cols)
+    for c in cols:
+        if c.startswith("paper"):
+            o = "ours" + c[len("paper"):]
+            if o in cols and pd.api.types.is_numeric_dtype:
+                yield c, o
+
+
+if "snakemake" in globals():
+    sm = snakemake  # noqa: F821
+    if sm.params.kind == "runs":
+        run_tables(sm.input.runs, Path(sm.output[0]).parent, names=sm.params.names)
+    else:
+        repro_table(sm.params.name, sm.input[0], Path(sm.output.md).parent, sm.params.title)
+elif __name__ == "__main__":
+    if sys.argv[1] == "runs":
+        run_tables(sys.argv[2], sys.argv[3])
+    else:
+        repro_table(sys.argv[2], sys.argv[3], sys.argv[4])
