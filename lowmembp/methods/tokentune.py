@@ -97,8 +97,11 @@ class TokenTuneState:
         return sel
 
     def checkpoint_flags(self) -> list[bool]:
-        flag = bool(getattr(self.owner, "grad_checkpointing", False))  # timm's own switch
-        return [flag or site.get() is not blk or bool(getattr(blk, "gradient_checkpointing", False))
+        """Per block: checkpoint its selected part? (the ``checkpointing`` method's per-block mark, timm's
+        ``grad_checkpointing``, transformers' per-layer ``gradient_checkpointing``, or a wrapper put in its place)."""
+        flag = bool(getattr(self.owner, "grad_checkpointing", False))
+        return [flag or site.get() is not blk or bool(getattr(blk, "_lowmembp_checkpointed", False))
+                or bool(getattr(blk, "gradient_checkpointing", False))
                 for site, blk in zip(self.sites, self.blocks)]
 
 
@@ -211,8 +214,7 @@ def _reject(kwargs: dict, allowed=()) -> None:
 
 
 def _masked_mean(hs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    if bool(valid.all()):
-        return hs.mean(1)
+    """Mean over the valid selected rows (branch-free: runs on fake tensors too)."""
     w = valid.to(hs.dtype).unsqueeze(-1)
     return (hs * w).sum(1) / w.sum(1).clamp_min(1)
 

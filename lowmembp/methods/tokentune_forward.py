@@ -75,22 +75,22 @@ class Context:
 def attention_mask_for(idx: torch.Tensor, length: int, key_valid: torch.Tensor | None, causal: bool):
     """Boolean SDPA mask for queries at positions ``idx``: padding keys masked, causal (key j ≤ query position).
 
-    A query that could see no key at all (a padding query left of every real token) is let to see itself, so that
-    its (unused) output stays finite; real queries always see themselves already, so nothing changes for them.
+    A query that could see no key at all (a padding query left of every real token, any query of an all-padding
+    sequence) is let to see itself / every key, so that its (unused) output stays finite; real queries always see
+    at least themselves, so nothing changes for them. No data-dependent Python: works on fake tensors.
     """
     if key_valid is None and not causal:
         return None
-    B, r = idx.shape
     pos = torch.arange(length, device=idx.device)
-    mask = torch.ones(B, 1, 1, length, dtype=torch.bool, device=idx.device)
+    mask = torch.ones(idx.shape[0], 1, 1, length, dtype=torch.bool, device=idx.device)
     if key_valid is not None:
-        mask = mask & key_valid[:, None, None, :].bool()
+        key_valid = key_valid.bool()
+        key_valid = key_valid | ~key_valid.any(-1, keepdim=True)  # an all-padding sequence: let it see itself
+        mask = mask & key_valid[:, None, None, :]
     if causal:
         mask = mask & (pos[None, None, None, :] <= idx[:, None, :, None])
         self_pos = pos[None, None, None, :] == idx[:, None, :, None]
         mask = mask | (self_pos & ~mask.any(-1, keepdim=True))
-    elif key_valid is not None and not bool(mask.any(-1).all()):
-        mask = mask.expand(B, 1, r, length) | (pos[None, None, None, :] == idx[:, None, :, None])
     return mask
 
 
@@ -188,7 +188,6 @@ class ViTFamily(Family):
     def rows(self, block, prep, h, rows, ctx):
         a = block.attn
         x, qkv, k, v = prep  # qkv: 3×B×H×L×D, a view of the B×L×3·H·D projection output
-        B, r = rows.idx.shape
         q = take(qkv.permute(1, 3, 0, 2, 4), rows.idx)[:, :, 0].transpose(1, 2)  # B×H×r×D
         q = a.q_norm(q)
         o = sdpa(q, k, v, rows.mask, a.attn_drop.p if a.training else 0.0, a.head_dim ** -0.5)
