@@ -159,27 +159,37 @@ def hash_uniform(n: int, seed: int, device=None, start: int = 0) -> torch.Tensor
     return (h >> 8).to(torch.float32) * (2.0 ** -24)
 
 
-def _group_index(n: int, inner: int, groups: int, device) -> torch.Tensor:
-    return (torch.arange(n, device=device) // inner) % groups
+_CHUNK = 1 << 13  # the references work in chunks so that their int64 / fp32 temporaries stay small
+
+
+def _group_index(start: int, n: int, inner: int, groups: int, device) -> torch.Tensor:
+    return (torch.arange(start, start + n, device=device) // inner) % groups
 
 
 def quantize_ref(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
                  seed: int) -> torch.Tensor:
     """Reference quantiser: ``clamp(floor((x − β[g])·scale[g] + u), 0, 255)`` as uint8, ``scale = 255/α``."""
-    flat = x.reshape(-1).float()
-    g = _group_index(flat.numel(), inner, groups, x.device)
-    u = hash_uniform(flat.numel(), seed, x.device)
-    y = (flat - beta[g]) * scale[g]
-    q = torch.floor(y + u).clamp_(0, 255)
-    return q.to(torch.uint8).reshape(x.shape)
+    flat = x.reshape(-1)
+    out = torch.empty(flat.shape, dtype=torch.uint8, device=x.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        n = min(_CHUNK, flat.numel() - start)
+        g = _group_index(start, n, inner, groups, x.device)
+        y = (flat[start:start + n].float() - beta[g]) * scale[g]
+        q = torch.floor(y + hash_uniform(n, seed, x.device, start)).clamp_(0, 255)
+        out[start:start + n] = q.to(torch.uint8)
+    return out.reshape(x.shape)
 
 
 def dequantize_ref(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
                    dtype: torch.dtype) -> torch.Tensor:
     """Reference dequantiser: ``q·step[g] + β[g]`` in fp32, cast to ``dtype``."""
     flat = codes.reshape(-1)
-    g = _group_index(flat.numel(), inner, groups, codes.device)
-    return (flat.float() * step[g] + beta[g]).to(dtype).reshape(codes.shape)
+    out = torch.empty(flat.shape, dtype=dtype, device=codes.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        n = min(_CHUNK, flat.numel() - start)
+        g = _group_index(start, n, inner, groups, codes.device)
+        out[start:start + n] = (flat[start:start + n].float() * step[g] + beta[g]).to(dtype)
+    return out.reshape(codes.shape)
 
 
 # --------------------------------------------------------------------------------------------------- Triton kernels

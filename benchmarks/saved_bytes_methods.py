@@ -1,0 +1,148 @@
+"""Saved-for-backward bytes per method × family on small random models at sequence length L (CPU, fp32).
+
+    OMP_NUM_THREADS=1 python benchmarks/saved_bytes_methods.py                 # L = 128, k = 16, batch 2
+    OMP_NUM_THREADS=1 python benchmarks/saved_bytes_methods.py --peak          # also the step's peak memory
+    python benchmarks/saved_bytes_methods.py --seq-len 256 --k 32 --methods baseline,mesa,tokentune
+
+Models (random weights, 2 blocks, width 64, 4 heads): timm ViT with a 64×128 image and 8-px patches (128 patches +
+class token), BERT for sequence classification and LLaMA for causal LM (2 KV heads), L tokens each. The forward runs
+in training mode under :class:`lowmembp.memory.SavedTensorAccountant` (storage-deduplicated bytes that autograd
+saves, parameters excluded). ``checkpointing``: the accountant does not see the block inputs a checkpoint holds for
+recomputation; the column ``+ckpt inputs`` adds them (one hidden state per checkpointed block). ``--peak`` adds the
+peak of one whole training step (AdamW) measured by :func:`lowmembp.peak.measure_step_peak` (CPU tensor tracker),
+activations + temporaries only.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import lowmembp
+from lowmembp.memory import saved_bytes
+
+FAMILIES = ("vit", "bert", "llama")
+METHODS = ("baseline", "lora", "checkpointing", "mesa", "mesa-gelu-ln", "lowmembp", "lowmembp-act",
+           "lowmembp-norm", "tokentune", "lora+lowmembp", "lora+checkpointing", "lora+mesa-gelu-ln",
+           "lowmembp+tokentune", "lora+lowmembp+tokentune")
+WIDTH, DEPTH, HEADS, VOCAB = 64, 2, 4, 97
+
+
+def build(family: str, seq_len: int = 128, batch: int = 2, seed: int = 0):
+    """(model in train mode, batch dict, loss function) for ``family`` at ``seq_len`` tokens."""
+    import transformers
+
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    if family == "vit":
+        from timm.models.vision_transformer import VisionTransformer
+
+        if seq_len % 8:
+            raise ValueError(f"vit: seq_len must be a multiple of 8 (8-px patches, 64-px high image), got {seq_len}")
+        # a 64 x L image in 8-px patches: 8 rows of L/8 patches = L patch tokens (+ the class token)
+        model = VisionTransformer(img_size=(64, seq_len), patch_size=8, embed_dim=WIDTH, depth=DEPTH,
+                                  num_heads=HEADS, num_classes=5)
+        batch_ = {"x": torch.randn(batch, 3, 64, seq_len, generator=g)}
+        labels = torch.randint(0, 5, (batch,), generator=g)
+
+        def loss(m, b):
+            return torch.nn.functional.cross_entropy(m(**b), labels)
+    elif family == "bert":
+        cfg = transformers.BertConfig(hidden_size=WIDTH, num_hidden_layers=DEPTH, num_attention_heads=HEADS,
+                                      intermediate_size=4 * WIDTH, vocab_size=VOCAB, max_position_embeddings=seq_len,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)
+        model = transformers.BertForSequenceClassification(cfg)
+        batch_ = {"input_ids": torch.randint(1, VOCAB, (batch, seq_len), generator=g),
+                  "labels": torch.randint(0, 3, (batch,), generator=g)}
+
+        def loss(m, b):
+            return m(**b).loss
+    elif family == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=WIDTH, num_hidden_layers=DEPTH, num_attention_heads=HEADS,
+                                       num_key_value_heads=HEADS // 2, intermediate_size=172, vocab_size=VOCAB,
+                                       max_position_embeddings=seq_len, pad_token_id=0)
+        model = transformers.LlamaForCausalLM(cfg)
+        ids = torch.randint(1, VOCAB, (batch, seq_len), generator=g)
+        batch_ = {"input_ids": ids, "labels": ids}
+
+        def loss(m, b):
+            return m(**b).loss
+    else:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    model.train()
+    return model, batch_, loss
+
+
+def apply(model, method: str, k: int):
+    return lowmembp.apply(model, method, **({"k": k} if "tokentune" in method.split("+") else {}))
+
+
+def measure(family: str, method: str, seq_len: int = 128, k: int = 16, batch: int = 2, peak: bool = False) -> dict:
+    """Saved bytes (and optionally the step peak) of ``method`` on ``family``."""
+    model, b, loss = build(family, seq_len, batch)
+    model = apply(model, method, k)
+    rep = saved_bytes(model, lambda: loss(model, b))
+    ck = getattr(model, "_checkpointing", None)
+    held = 0
+    if ck is not None:  # a checkpoint keeps each checkpointed block's input hidden state (fp32 here)
+        held = ck["blocks"] * batch * (seq_len + (1 if family == "vit" else 0)) * WIDTH * 4
+    out = {"saved": rep["total"], "saved_with_ckpt_inputs": rep["total"] + held}
+    if peak:
+        from lowmembp.peak import measure_step_peak
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-4)
+
+        def step():
+            loss(model, b).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        cats = measure_step_peak(model, opt, step)["by_category"]
+        out["peak_act"] = cats.get("activations", 0) + cats.get("temporaries", 0)
+    return out
+
+
+def table(methods=METHODS, families=FAMILIES, seq_len=128, k=16, batch=2, peak=False) -> dict:
+    return {(m, f): measure(f, m, seq_len, k, batch, peak) for m in methods for f in families}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--k", type=int, default=16, help="tokentune: tokens per sequence with gradients")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--peak", action="store_true", help="also measure the peak of one training step (slower)")
+    a = ap.parse_args(argv)
+    methods, families = a.methods.split(","), a.families.split(",")
+    res = table(methods, families, a.seq_len, a.k, a.batch, a.peak)
+    print(f"saved for backward, KiB (fp32, batch {a.batch}, L = {a.seq_len}, k = {a.k}, {DEPTH} blocks of width "
+          f"{WIDTH}); in brackets: share of baseline")
+    cols = [f for f in families]
+    head = f"| method | " + " | ".join(cols) + " |"
+    print(head)
+    print("|---" * (len(cols) + 1) + "|")
+    for m in methods:
+        cells = []
+        for f in families:
+            r, base = res[(m, f)], res.get(("baseline", f))
+            v = r["saved_with_ckpt_inputs"] if "checkpointing" in m else r["saved"]
+            share = f" ({v / base['saved']:.0%})" if base else ""
+            extra = " *" if "checkpointing" in m else ""
+            cells.append(f"{v / 1024:.0f}{share}{extra}")
+        print(f"| {m} | " + " | ".join(cells) + " |")
+    if any("checkpointing" in m for m in methods):
+        print("* checkpointing: includes the block inputs each checkpoint holds (not seen by saved-tensor hooks)")
+    if a.peak:
+        print("\npeak of one training step, activations + temporaries, KiB")
+        print(head)
+        print("|---" * (len(cols) + 1) + "|")
+        for m in methods:
+            print(f"| {m} | " + " | ".join(f"{res[(m, f)]['peak_act'] / 1024:.0f}" for f in families) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
