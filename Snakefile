@@ -12,7 +12,7 @@ min_version("8.0")
 # The default sweep, unless a config file is given on the command line: a paper sweep replaces it (no merging).
 if not workflow.overwrite_configfiles:
 
-    configfile: "config/config.yaml"
+    configfile: f"{workflow.basedir}/config/config.yaml"
 
 
 validate(config, "workflow/schemas/config.schema.yaml")

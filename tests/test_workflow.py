@@ -1,0 +1,209 @@
+"""The Snakemake pipeline: lint, dry runs of every config, the crash/OOM/interrupt handling of one cell, and a tiny
+config of the whole pipeline end to end (train -> records -> runs.csv -> tables, figures, notebooks, report)."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER_CONFIGS = sorted((ROOT / "config" / "paper").glob("*.yaml"))
+sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
+
+
+def snakemake(*args, cwd: Path, timeout=600, check=True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory", str(cwd),
+           *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and p.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n"
+                             f"{p.stderr[-6000:]}")
+    return p
+
+
+def planned_jobs(output: str) -> dict[str, int]:
+    """Rule -> number of jobs, from the 'Job stats' table of a dry run."""
+    stats = output.split("Job stats:", 1)[1].split("\n\n", 1)[0]
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", stats, re.M)}
+
+
+def expected_cells(cfg: dict) -> set:
+    cells = set()
+    for sw in cfg["sweeps"].values():
+        for tm, m, b, s in itertools.product(sw["tasks"], sw["methods"], sw["batch_sizes"], sw.get("seeds", [0])):
+            cells.add((tm["task"], tm["model"], m, b, s))
+    return cells
+
+
+def test_lint_clean(tmp_path):
+    p = snakemake("--lint", cwd=tmp_path, check=False, timeout=300)
+    assert "Congratulations" in p.stdout + p.stderr, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("config", [ROOT / "config" / "config.yaml", *PAPER_CONFIGS], ids=lambda p: p.stem)
+def test_dry_run_plans_every_cell(config, tmp_path):
+    cfg = yaml.safe_load(config.read_text())
+    p = snakemake("-n", "--configfile", str(config), cwd=tmp_path, timeout=300)
+    jobs = planned_jobs(p.stdout + p.stderr)
+    assert jobs.get("train", 0) == len(expected_cells(cfg))
+    names = cfg.get("repro", {}).get("names", ["block-breakdown", "fig1", "mesa-table", "tokentune-memory"])
+    assert jobs.get("repro", 0) == len(names)
+    assert jobs.get("notebook") == 4 and jobs.get("aggregate") == 1
+    assert any(f"--configfile" in line or "Config file(s)" in line for line in (p.stdout + p.stderr).splitlines())
+
+
+def test_paper_configs_ask_for_one_gpu_per_run():
+    assert PAPER_CONFIGS, "no paper configs under config/paper/"
+    for config in PAPER_CONFIGS:
+        for name, sw in yaml.safe_load(config.read_text())["sweeps"].items():
+            assert sw["resources"]["gpu"] == 1, (config.name, name)
+
+
+def test_bad_config_is_rejected_with_a_clear_message(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"sweeps": {"x": {"tasks": [{"task": "mnist5k", "model": "vit-mnist"}],
+                                                    "methods": ["baseline"], "batch_sizes": [0]}}}))
+    p = snakemake("-n", "--configfile", str(bad), cwd=tmp_path, check=False)
+    assert p.returncode != 0 and "batch_sizes" in p.stdout + p.stderr
+
+
+def test_conflicting_cells_are_rejected(tmp_path):
+    sweep = {"tasks": [{"task": "mnist5k", "model": "vit-mnist"}], "methods": ["baseline"], "batch_sizes": [8]}
+    bad = tmp_path / "conflict.yaml"
+    bad.write_text(yaml.safe_dump({"sweeps": {"a": dict(sweep, steps=3), "b": dict(sweep, steps=5)}}))
+    p = snakemake("-n", "--configfile", str(bad), cwd=tmp_path, check=False)
+    assert p.returncode != 0 and "different settings" in p.stdout + p.stderr
+
+
+# --- one cell: a crash is recorded, a usage error or an interrupt is not -------------------------------------
+
+def _fake_python(tmp_path: Path, body: str) -> str:
+    exe = tmp_path / "fake_python"
+    exe.write_text("#!/bin/sh\n" + body + "\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def _run_cell(tmp_path, body):
+    out, log = tmp_path / "rec.json", tmp_path / "cell.log"
+    args = [sys.executable, str(ROOT / "workflow" / "scripts" / "run_cell.py"), "--out", str(out), "--log", str(log),
+            "--python", _fake_python(tmp_path, body), "--", "--model", "vit-mnist", "--task", "mnist5k",
+            "--method", "lora+lowmembp", "--batch-size", "7", "--seed", "3", "--steps", "5", "--dtype", "bf16"]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    return p, out
+
+
+def test_crash_without_record_becomes_an_error_record(tmp_path):
+    import jsonschema
+
+    p, out = _run_cell(tmp_path, "echo 'Segmentation fault in some kernel' >&2; exit 139")
+    assert p.returncode == 0
+    rec = json.loads(out.read_text())
+    jsonschema.validate(rec, json.loads((ROOT / "experiments" / "record.schema.json").read_text()))
+    assert rec["status"] == "error" and "Segmentation fault" in rec["message"] and "exit code 139" in rec["message"]
+    assert (rec["method"], rec["batch_size"], rec["seed"], rec["dtype"]) == ("lora+lowmembp", 7, 3, "bf16")
+
+
+def test_usage_error_and_interrupt_leave_no_record(tmp_path):
+    p, out = _run_cell(tmp_path, "echo 'unknown method' >&2; exit 2")
+    assert p.returncode == 2 and not out.exists()
+    p, out = _run_cell(tmp_path, "kill -TERM $$")
+    assert p.returncode != 0 and not out.exists()
+    assert not list(tmp_path.glob(".rec.json*")), "a temporary file was left behind"
+
+
+def test_aggregate_marks_invalid_records(tmp_path):
+    import aggregate
+
+    p, out = _run_cell(tmp_path, "exit 1")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"status": "ok", "model": "m"')  # cut short
+    wrong = tmp_path / "wrong.json"
+    rec = json.loads(out.read_text())
+    rec["batch_size"] = 0
+    wrong.write_text(json.dumps(rec))
+    df = aggregate.aggregate([out, broken, wrong])
+    assert sorted(df["status"]) == ["error", "invalid", "invalid"]
+    assert df.loc[df["record"] == str(wrong), "message"].str.contains("batch_size").all()
+
+
+# --- the whole pipeline on a tiny config ------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_tiny_pipeline_end_to_end(tmp_path):
+    config = ROOT / "config" / "tiny.yaml"
+    cfg = yaml.safe_load(config.read_text())
+    snakemake("--cores", "2", "--configfile", str(config), cwd=tmp_path, timeout=900)
+    res = tmp_path / "results"
+    records = sorted((res / "runs").rglob("*.json"))
+    assert len(records) == len(expected_cells(cfg))
+    runs = pd.read_csv(res / "runs.csv")
+    assert len(runs) == len(records) and set(runs["status"]) <= {"ok", "oom", "error"}
+    ok = runs[runs["status"] == "ok"]
+    assert len(ok) and (ok["peak_bytes"] > 0).all() and (ok["activation_bytes"] > 0).all()
+    for name in ["memory", "speed", "accuracy"]:
+        t = pd.read_csv(res / "tables" / f"{name}.csv")
+        prefix = {"memory": "peak", "speed": "time", "accuracy": "metric"}[name]
+        assert {f"{prefix}_paper", f"{prefix}_ours", f"{prefix}_ours/paper"} <= set(t.columns)
+        assert (res / "tables" / f"{name}.md").read_text().startswith("# ")
+    mem = pd.read_csv(res / "tables" / "memory.csv")
+    low = mem[mem["method"] == "lowmembp"]
+    assert (low["peak_paper"] == 0.73).all()  # vit-mnist plays ViT
+    for png in res.glob("figures/*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(list(res.glob("figures/*.png"))) == 3 + len(cfg["repro"]["names"])
+    assert len(list(res.glob("notebooks/*.ipynb"))) == 4
+    # nothing left to do; a changed setting reruns only what it touches
+    p = snakemake("-n", "--configfile", str(config), cwd=tmp_path)
+    assert "Nothing to be done" in p.stdout + p.stderr
+    p = snakemake("-n", "--configfile", str(config), "--config", "threads_per_run=2", cwd=tmp_path)
+    assert planned_jobs(p.stdout + p.stderr).get("train") == len(records)
+    # a missing record is redone alone
+    records[0].unlink()
+    p = snakemake("-n", "--configfile", str(config), cwd=tmp_path)
+    assert planned_jobs(p.stdout + p.stderr).get("train") == 1
+    # the report
+    snakemake("--configfile", str(config), "--cores", "1", cwd=tmp_path)
+    snakemake("--configfile", str(config), "--report", str(tmp_path / "report.html"), cwd=tmp_path)
+    assert (tmp_path / "report.html").stat().st_size > 10_000
+
+
+def test_tables_put_paper_ours_and_ratio_side_by_side(tmp_path):
+    """Synthetic rows (a test input, not a result): ratios use the right reference and the paper's claim."""
+    import tables
+
+    rows = []
+    for method, peak, act, t in [("baseline", 100, 40, 1.0), ("lowmembp", 80, 24, 1.05), ("lora", 90, 40, 0.9),
+                                 ("lora+lowmembp", 63, 20, 0.9), ("tokentune", 50, 10, 0.7)]:
+        for seed, acc in [(0, 0.8), (1, 0.9)]:
+            rows.append(dict(task="mnist5k", model="vit-mnist", method=method, batch_size=8, seed=seed, status="ok",
+                             peak_bytes=peak * 2**20, activation_bytes=act * 2**20, step_time_p50=t,
+                             samples_per_s=8 / t, metric_name="accuracy", metric_value=acc, device="cpu"))
+    rows.append(dict(rows[0], seed=2, status="oom", peak_bytes=None, metric_value=None))
+    runs = pd.DataFrame(rows)
+    claims = tables.load_claims()
+    mem = tables.memory_table(runs, claims).set_index("method")
+    assert mem.loc["lowmembp", "peak_ours"] == pytest.approx(0.8)
+    assert mem.loc["lowmembp", "peak_paper"] == pytest.approx(0.73)
+    assert mem.loc["lowmembp", "peak_ours/paper"] == pytest.approx(0.8 / 0.73)
+    assert mem.loc["lora+lowmembp", "peak_ours"] == pytest.approx(0.7)  # against lora, not baseline
+    assert mem.loc["lora+lowmembp", "act_ours"] == pytest.approx(0.5)
+    assert mem.loc["baseline", "status"] == "ok/oom" and mem.loc["baseline", "peak_MiB"] == pytest.approx(100)
+    assert pd.isna(mem.loc["tokentune", "peak_paper"])
+    acc = tables.accuracy_table(runs, claims).set_index("method")
+    assert acc.loc["lowmembp", "metric_std"] == pytest.approx(0.0707, abs=1e-3)
+    assert acc.loc["lowmembp", "metric_ours"] == pytest.approx(1.0) and acc.loc["lowmembp", "seeds"] == 2
+    spd = tables.speed_table(runs, claims).set_index("method")
+    assert spd.loc["lowmembp", "time_ours"] == pytest.approx(1.05)
+    tables.write(tables.memory_table(runs, claims), tmp_path / "m.md", tmp_path / "m.csv", "t")
+    md = (tmp_path / "m.md").read_text()
+    assert "| lowmembp" in md and "peak_ours/paper" in md and "LowMemoryBP headline" in md
