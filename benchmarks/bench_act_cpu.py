@@ -1,6 +1,6 @@
 """CPU benchmark: forward+backward of ReGELU2 / ReSiLU2 (PyTorch reference) against native F.gelu / F.silu.
 
-    OMP_NUM_THREADS=2 pytest benchmarks/bench_act_cpu.py --benchmark-only
+    pytest benchmarks/bench_act_cpu.py --benchmark-only
 
 Shapes: the MLP activation of ViT-B (hidden 3072, 197 tokens) at batch 8 — a slice of the paper's batch 64, which
 takes minutes per round on a 2-core machine; the per-element cost is what matters — and of LLaMA-7B (hidden 11008)
@@ -25,14 +25,14 @@ def ratio_table(request):
     yield
     if not _MEDIANS:
         return
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    write = tr.write_line if tr else print
-    write("")
-    write(f"{'activation':10s} {'shape':26s} {'dtype':5s} {'native ms':>10s} {'ours ms':>10s} {'ours/native':>12s}")
+    lines = ["", f"{'activation':10s} {'shape':26s} {'dtype':5s} {'native ms':>10s} {'ours ms':>10s} {'ours/native':>12s}"]
     for (act, shape, dt), v in sorted(_MEDIANS.items()):
         if "native" in v and "ours" in v:
-            write(f"{act:10s} {shape:26s} {dt:5s} {v['native'] * 1e3:10.1f} {v['ours'] * 1e3:10.1f} "
-                  f"{v['ours'] / v['native']:12.2f}")
+            lines.append(f"{act:10s} {shape:26s} {dt:5s} {v['native'] * 1e3:10.1f} {v['ours'] * 1e3:10.1f} "
+                         f"{v['ours'] / v['native']:12.2f}")
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    with capman.global_and_fixture_disabled():  # print past pytest's output capture
+        print("\n".join(lines), flush=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -47,7 +47,7 @@ def test_fwd_bwd(benchmark, act, impl, shape, dtype, torch_backend_env):
         return torch.autograd.grad(fn(x), x, dy)[0]
 
     benchmark.group = f"{act} {shape} {dtype}"
-    benchmark.pedantic(step, rounds=5, warmup_rounds=1)
+    benchmark.pedantic(step, rounds=7, warmup_rounds=1)
     if benchmark.stats is not None:
         key = "native" if impl == "native" else "ours"
         _MEDIANS.setdefault((act, shape, dtype), {})[key] = benchmark.stats.stats.median

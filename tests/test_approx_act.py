@@ -169,6 +169,10 @@ def test_reference_forward_codes_are_packed_thresholds(kind, n):
     _, packed = A.forward_reference(x, k)
     assert torch.equal(packed, A.pack_codes(_codes64(x, c)))
     assert A.forward_reference(x, k, with_codes=False)[1] is None
+    # every code 3 (all bits set, the int32 lane's sign bit included) and every code 0
+    assert A.forward_reference(torch.full((n,), 50.0), k)[1].tolist() == [255] * (n // 4) + [(1 << 2 * (n % 4)) - 1] * (
+        n % 4 > 0)
+    assert A.forward_reference(torch.full((n,), -50.0), k)[1].tolist() == [0] * ((n + 3) // 4)
 
 
 @pytest.mark.parametrize("kind", KINDS)
