@@ -1,0 +1,65 @@
+"""Step time after warm-up: p20 / p50 / p80 over repeats.
+
+    stats = time_steps(step, warmup=3, repeats=20)   # {"p20", "p50", "p80", "n", "how"}, seconds
+
+CUDA: each step is bracketed by CUDA events (``elapsed_time`` after a synchronise), so asynchronous kernels are
+counted where they run. CPU: ``torch.cuda``-free, ``time.perf_counter`` around the step (CPU ops are synchronous;
+``device="cuda"`` with events is chosen automatically when a CUDA device is given).
+Percentiles use linear interpolation between order statistics (``numpy.percentile``'s default).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["time_steps", "summarize", "throughput"]
+
+
+def summarize(samples: Sequence[float], how: str = "") -> dict:
+    """``{"p20", "p50", "p80", "n", "how"}`` of step times in seconds (linear-interpolated percentiles)."""
+    arr = np.asarray(list(samples), dtype=float)
+    if arr.size == 0:
+        raise ValueError("summarize: no samples (run at least one timed repeat)")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise ValueError(f"summarize: step times must be finite and >= 0, got {arr.tolist()}")
+    p20, p50, p80 = np.percentile(arr, [20, 50, 80])
+    return {"p20": float(p20), "p50": float(p50), "p80": float(p80), "n": int(arr.size), "how": how}
+
+
+def time_steps(step: Callable[[], object], *, warmup: int = 3, repeats: int = 20,
+               device: torch.device | str | None = None) -> dict:
+    """Run ``step`` ``warmup`` times untimed, then ``repeats`` timed; return :func:`summarize` of the times."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"time_steps: need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    device = torch.device(device) if device is not None else None
+    for _ in range(warmup):
+        step()
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return summarize(times, "cuda events")
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return summarize(times, "cpu perf_counter")
+
+
+def throughput(step_time_s: dict, batch_size: int, tokens_per_sample: int | None = None) -> dict:
+    """Samples/s (and tokens/s) at the median step time."""
+    p50 = step_time_s["p50"]
+    if p50 <= 0:
+        raise ValueError(f"throughput: median step time must be > 0, got {p50}")
+    sps = batch_size / p50
+    return {"samples_per_s": sps, "tokens_per_s": sps * tokens_per_sample if tokens_per_sample else None}
