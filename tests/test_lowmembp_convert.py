@@ -303,3 +303,52 @@ def test_halves_compose_to_whole():
         a = lowmembp.apply(copy.deepcopy(model), "lowmembp-act")
         b = lowmembp.apply(a, "lowmembp-norm")
         assert rel(logits(b, batch), ref) <= 1e-5
+
+
+@pytest.mark.parametrize("name", REPS)
+def test_registry_lora_then_lowmembp(name):
+    """The project's ``lora`` method (modules_to_save heads included), then ``lowmembp``; and ``lora+lowmembp``."""
+    model, inputs = build(name)
+    model.eval()
+    batch = inputs()
+    with torch.no_grad():
+        ref = logits(model, batch)
+        both = lowmembp.apply(copy.deepcopy(model), "lora+lowmembp")
+        assert rel(logits(both, batch), ref) <= 1e-5
+        pm = lowmembp.apply(copy.deepcopy(model), "lora")
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+        ref_lora = logits(pm, batch)
+        conv = lowmembp.apply(pm, "lowmembp")
+        assert rel(logits(conv, batch), ref_lora) <= 1e-5
+    rep = get_layout(conv).base.lowmembp_report
+    if name != "bert" and name != "roberta":
+        assert not rep["kept"], rep["kept"]  # the final norm was folded into the (wrapped) head
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("name", ["vit", "llama", "bert"])
+def test_saved_bytes_drop_bf16_autocast(name, lora):
+    """Under bf16 autocast the MS-norm output is the next linears' input (one storage), LoRA included."""
+    model, inputs = build(name)
+    if lora:
+        model = lowmembp.apply(model, "lora")
+    batch = inputs()
+
+    def saved(m):
+        m.train()
+        acc = SavedTensorAccountant(m)
+        with acc, torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = logits(m, batch).float().sum()
+        loss.backward()
+        return acc.report()
+    r0, r1 = saved(copy.deepcopy(model)), saved(lowmembp.apply(copy.deepcopy(model), "lowmembp"))
+    print(f"\n{name}{' +lora' if lora else ''} bf16: {r0['total']} -> {r1['total']} B "
+          f"({100 * (1 - r1['total'] / r0['total']):.1f} % less), by kind {r0['by_kind']} -> {r1['by_kind']}")
+    assert r1["total"] < 0.75 * r0["total"]
+    assert r1["by_kind"]["linear"] <= r0["by_kind"]["linear"] + 2 * 17 * 32 * 2  # + ViT's final-norm output (see README)
+    if name != "bert":  # BERT keeps its last LayerNorm (and ResidualAffine saves nothing new)
+        # what stays: rstd per row, plus the final MS-norm's bf16 output where the head is frozen (LoRA lm_head:
+        # nothing else saves it) — against the fp32 input (+ fp32 normalised copy in LlamaRMSNorm) before
+        assert r1["by_kind"]["norm"] * 4 < r0["by_kind"]["norm"]

@@ -121,7 +121,14 @@ def detect_swin(model: nn.Module, base: nn.Module) -> ModelLayout | None:
             if act is not None:
                 acts.append(act)
     head_mod = getattr(base, "head", None)
-    head = _head_linears(head_mod, ("fc",), "head") if isinstance(head_mod, nn.Module) else []
+    head = []
+    if isinstance(getattr(head_mod, "original_module", None), nn.Module):  # peft modules_to_save on the whole head
+        head = _head_linears(head_mod.original_module, ("fc",), "head.original_module")
+        for k, copy in getattr(head_mod, "modules_to_save", {}).items():
+            head += _head_linears(copy, ("fc",), f"head.modules_to_save.{k}")
+        head_mod = head_mod.original_module
+    elif isinstance(head_mod, nn.Module):
+        head = _head_linears(head_mod, ("fc",), "head")
     final = None
     if norm_kind(getattr(base, "norm", nn.Identity())):
         final = site(base, "norm", "", NormSite, kind=norm_kind(base.norm), consumers=head)
