@@ -103,13 +103,15 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=None, help="default: 8 (ViT), 1 (LLaMA); bytes scale linearly")
     ap.add_argument("--seq-len", type=int, default=512, help="LLaMA tokens per sequence (default 512)")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--layers", type=int, default=3,
+                    help="blocks to build (default 3; the middle one is reported, all blocks are alike)")
     args = ap.parse_args(argv)
     for model in args.models.split(","):
         model = model.strip()
         family = "vit" if model.startswith("vit") else "llama"
         bs = args.batch_size or (8 if family == "vit" else 1)
         base, conv, unit, r = run(model, family, bs, None if family == "vit" else args.seq_len, args.dtype,
-                                  None if family == "vit" else 3)
+                                  args.layers)
         print("\n".join(table(model, family, base, conv, unit, r)))
         sys.stdout.flush()
     return 0

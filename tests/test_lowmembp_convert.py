@@ -352,3 +352,21 @@ def test_saved_bytes_drop_bf16_autocast(name, lora):
         # what stays: rstd per row, plus the final MS-norm's bf16 output where the head is frozen (LoRA lm_head:
         # nothing else saves it) — against the fp32 input (+ fp32 normalised copy in LlamaRMSNorm) before
         assert r1["by_kind"]["norm"] * 4 < r0["by_kind"]["norm"]
+
+
+@pytest.mark.parametrize("name", ["bert", "llama_tied", "swin"])
+def test_state_dict_roundtrip_and_deepcopy(name):
+    """A converted model's state dict loads into a fresh model converted the same way (the structure of a conversion
+    does not depend on weight values); deepcopy keeps the residual re-affine hooks."""
+    model, inputs = build(name, seed=0)
+    model.eval()
+    batch = inputs()
+    conv = lowmembp.apply(copy.deepcopy(model), "lowmembp")
+    other, _ = build(name, seed=5)
+    other = lowmembp.apply(other, "lowmembp").eval()
+    missing, unexpected = other.load_state_dict(conv.state_dict(), strict=True)
+    assert not missing and not unexpected
+    with torch.no_grad():
+        ref = logits(model, batch)
+        assert rel(logits(other, batch), ref) <= 1e-5
+        assert rel(logits(copy.deepcopy(conv), batch), ref) <= 1e-5
