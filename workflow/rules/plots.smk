@@ -1,4 +1,4 @@
-# Figures, each registered in the HTML report with its caption (workflow/report/<figure>.rst).
+# Figures, each registered in the HTML report with its caption (workflow/report/figure.rst, one section per figure).
 
 
 rule run_figure:
@@ -7,7 +7,7 @@ rule run_figure:
     output:
         report(
             f"{R}/figures/{{fig}}.png",
-            caption="../report/{fig}.rst",
+            caption="../report/figure.rst",
             category="Sweep",
             labels={"figure": "{fig}"},
         ),
@@ -27,7 +27,7 @@ rule repro_figure:
     output:
         report(
             f"{R}/figures/{{rfig}}.png",
-            caption="../report/{rfig}.rst",
+            caption="../report/figure.rst",
             category="Paper-scale reproductions",
             labels={"figure": "{rfig}"},
         ),

@@ -6,7 +6,6 @@ temporary file and renamed, so an interrupted aggregation leaves no half-written
 
 Run by Snakemake (rule aggregate), or by hand: ``python aggregate.py OUT.csv RECORD.json ...``.
 """
-from __future__ import annotations
 
 import json
 import logging
@@ -22,7 +21,8 @@ try:
 except ImportError:  # validation is a check, not a requirement
     jsonschema = None
 
-SCHEMA = Path(__file__).resolve().parents[2] / "experiments" / "record.schema.json"
+HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
+SCHEMA = HERE.parents[1] / "experiments" / "record.schema.json"
 COLUMNS = ["task", "model", "method", "batch_size", "seed", "status", "message", "steps", "epochs", "dtype",
            "seq_len", "peak_bytes", "peak_how", "activation_bytes", "step_time_p20", "step_time_p50",
            "step_time_p80", "samples_per_s", "tokens_per_s", "final_loss", "metric_name", "metric_value",

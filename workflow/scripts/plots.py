@@ -9,7 +9,6 @@
 The reproductions' figures are in plots_repro.py. Run by Snakemake (rule run_figure) or by hand:
 ``python plots.py RUNS.csv FIGURE_NAME OUT.png``.
 """
-from __future__ import annotations
 
 import sys
 from pathlib import Path
@@ -21,7 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
+sys.path.insert(0, str(HERE))
 from tables import KEYS, MiB, claim, load_claims, per_cell, reference_method, with_reference  # noqa: E402
 
 METHOD_ORDER = ["baseline", "checkpointing", "mesa-gelu-ln", "mesa", "lowmembp", "tokentune", "lora",

@@ -6,7 +6,6 @@ stacked bars by op kind, one bar per (model, variant), when its rows carry an op
 
 Run by Snakemake (rule repro_figure) or by hand: ``python plots_repro.py REPRO.csv OUT.png [TITLE]``.
 """
-from __future__ import annotations
 
 import sys
 from pathlib import Path

@@ -5,7 +5,6 @@
 NAME is one of block-breakdown, fig1, mesa-table, tokentune-memory; key=value pairs (or the config's
 repro.options.<NAME>) are passed to the reproduction's function as keyword arguments (e.g. a reduced scale).
 """
-from __future__ import annotations
 
 import importlib
 import logging

@@ -4,7 +4,6 @@
 
 The notebook runs in its own folder (so it imports notebooks/resultset.py) with LOWMEMBP_RESULTS=RESULTS_DIR.
 """
-from __future__ import annotations
 
 import os
 import sys

@@ -1,5 +1,4 @@
 """A table's CSV -> a small standalone HTML page for the Snakemake report (numbers rounded, '-' for missing)."""
-from __future__ import annotations
 
 import html
 import sys
@@ -7,7 +6,8 @@ from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
+sys.path.insert(0, str(HERE))
 from tables import _atomic_write, _fmt  # noqa: E402
 
 STYLE = ("<style>body{font-family:sans-serif;font-size:13px}table{border-collapse:collapse}"

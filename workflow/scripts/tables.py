@@ -8,7 +8,6 @@ the reproduction's own rows (lowmembp.repro).
 Run by Snakemake (rules run_tables, repro_table), or by hand:
 ``python tables.py runs RUNS.csv OUTDIR`` / ``python tables.py repro NAME REPRO.csv OUTDIR``.
 """
-from __future__ import annotations
 
 import os
 import sys
@@ -19,7 +18,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
-CLAIMS = Path(__file__).resolve().parents[1] / "resources" / "paper_claims.yaml"
+HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
+CLAIMS = HERE.parent / "resources" / "paper_claims.yaml"
 MiB = 2**20
 KEYS = ["task", "model", "method", "batch_size"]
 
