@@ -293,6 +293,7 @@ def _llama_forward(self, state, original, input_ids=None, attention_mask=None, p
             raise TypeError(f"tokentune training forward does not use a KV cache ({key}); call model.eval() to "
                             f"generate")
     kwargs.pop("logits_to_keep", None)
+    kwargs.pop("num_items_in_batch", None)  # the loss is the mean over the selected targets of this batch
     _reject(kwargs)
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")

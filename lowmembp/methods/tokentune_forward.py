@@ -13,8 +13,11 @@ Every block is run twice over disjoint query rows, sharing one computation of th
   the graph for the selected rows.
 
 What backward keeps per block: the row-wise activations of the k selected rows (queries, attention output, MLP,
-norms: scale with k/L) plus the O(L·d) floor of the attention: the attention input over all L tokens (saved by the
-K/V projections and the norm before them) and K/V themselves. The unselected rows' activations are never saved.
+norms: scale with k/L) plus the O(L·d) floor of the attention over all L tokens: the attention input (saved by the
+K/V projections), K and V, and — only when the norm before the attention is trainable (full fine-tuning) — that
+norm's input (a frozen or parameter-free norm runs on the selected rows with the graph and on the others without).
+Per token·d per block: BERT 3 values (h, K, V); ViT/LLaMA 3, or 4 with a trainable pre-norm (HF's LlamaRMSNorm also
+keeps its normalised fp32 value: 5). The unselected rows' activations are never saved.
 
 Under checkpointing (a block marked by timm's / transformers' own flags or wrapped in place), the unselected rows
 are computed outside the checkpoint and only the selected part is recomputed in backward.
@@ -50,6 +53,23 @@ def merge(const_rows: torch.Tensor | None, const_idx: torch.Tensor | None, grad_
 
 def _expand_idx(idx: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return idx.view(*idx.shape, *([1] * (like.dim() - 2))).expand(idx.shape[0], idx.shape[1], *like.shape[2:])
+
+
+def norm_all_rows(norm: nn.Module, h: torch.Tensor, ctx: "Context") -> torch.Tensor:
+    """``norm(h)`` over all L rows, saving as little as the gradient allows.
+
+    A norm with frozen parameters (e.g. under LoRA) is run under ``no_grad`` on the unselected rows and with the
+    graph on the selected rows only, so backward keeps k rows of its input, not L. A trainable norm gets gradient
+    from every row through the keys/values, so it runs on all rows; so does a parameter-free one (an MS norm saves
+    its output, which is the K/V projections' input anyway).
+    """
+    params = list(norm.parameters())
+    if not params or any(p.requires_grad for p in params) or ctx.others.idx.shape[1] == 0 \
+            or not torch.is_grad_enabled():
+        return norm(h)
+    with torch.no_grad():
+        x_o = norm(take(h, ctx.others.idx))
+    return merge(x_o, ctx.others.idx, norm(take(h, ctx.selected.idx)), ctx.selected.idx, ctx.length)
 
 
 # ------------------------------------------------------------------------------------------------ per-forward state
@@ -178,7 +198,7 @@ class ViTFamily(Family):
 
     def prepare(self, block, h, ctx):
         a = block.attn
-        x = block.norm1(h)
+        x = norm_all_rows(block.norm1, h, ctx)
         B, L, _ = x.shape
         qkv = a.qkv(x).reshape(B, L, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
         _, k, v = qkv.unbind(0)
@@ -258,7 +278,7 @@ class LlamaFamily(Family):
 
     def prepare(self, block, h, ctx):
         a = block.self_attn
-        x = block.input_layernorm(h)
+        x = norm_all_rows(block.input_layernorm, h, ctx)
         k = apply_rope(self._qk(a, a.k_proj(x), "k_norm"), ctx.extra["cos"], ctx.extra["sin"])
         v = _heads(a.v_proj(x), a.head_dim)
         return x, k, v
