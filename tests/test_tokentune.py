@@ -454,3 +454,24 @@ def test_gradient_equals_reference_on_cuda(name):
     g, gr = grads(model), grads(ref)
     for n in g:
         torch.testing.assert_close(g[n], gr[n], rtol=1e-3, atol=1e-5 * max(gr[n].abs().max().item(), 1e-3))
+
+
+@pytest.mark.parametrize("name", ["vit", "llama"])
+def test_frozen_pre_norm_keeps_only_the_selected_rows_of_its_input(name):
+    """Trainable pre-norm: its input over all L rows is kept (its γ/β get gradient from every key/value). Frozen
+    (LoRA-style): only the k selected rows — at least blocks·B·(L−k)·d floats less."""
+    B, L, k, blocks, d = 2, 40, 6, 2, 24
+    inputs = ({"x": torch.randn(B, 3, 24, 24)} if name == "vit" else batch(name, B=B, L=L, pad=False))
+    if name == "vit":
+        L = 37  # 6×6 patches + class token
+    counts = []
+    for freeze in (False, True):
+        model = lowmembp.apply(build(name), "tokentune", k=k, seed=0).train()
+        for blk in _blocks(name, model):
+            for p in (blk.norm1 if name == "vit" else blk.input_layernorm).parameters():
+                p.requires_grad_(not freeze)
+        counts.append(saved_bytes(model, lambda: loss_of(name, model, inputs)))
+    rows = blocks * B * (L - k) * d * 4  # the unselected rows of each norm's input, fp32
+    # at least those rows go; at most those plus one full normalised copy (HF's RMSNorm keeps it for γ's gradient)
+    # and per-row statistics
+    assert rows <= counts[0] - counts[1] <= rows + blocks * B * L * (d + 4) * 4, (counts, rows)
