@@ -1,12 +1,14 @@
-"""A paper-scale reproduction's rows (results/repro/<name>.csv) -> its figure (results/figures/<name>.png).
+"""A paper-scale reproduction's rows (results/repro/<name>.csv, from lowmembp.repro) -> its figure.
 
-Every reproduction table pairs a published value with ours (columns ``paper...`` and ``ours...``); the figure shows
-the two as bars side by side for each row, labelled by the row's text columns. The per-block breakdown is drawn as
-stacked bars by op kind, one bar per (model, variant), when its rows carry an op kind column.
+- block_breakdown: one panel per model; four stacked bars (paper baseline, paper LowMemoryBP, real-code baseline,
+  real-code LowMemoryBP), each split by op kind, in 16-bit units of b·s·d per block, the saving written on top.
+- fig1, mesa_table: the published memory and ours side by side per method (grey: paper, blue: ours), ratio on top.
+- tokentune_memory: peak memory against batch size per method (the slope is what TokenTune changes).
+Any other table with a numeric ``paper...`` and ``ours...`` column gets the side-by-side bars.
 
-Run by Snakemake (rule repro_figure) or by hand: ``python plots_repro.py REPRO.csv OUT.png [TITLE]``.
+Run by Snakemake (rule repro_figure) or by hand: ``python plots_repro.py NAME REPRO.csv OUT.png``.
 """
-
+import re
 import sys
 from pathlib import Path
 
@@ -17,50 +19,96 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-
-def text_columns(df: pd.DataFrame) -> list[str]:
-    skip = {"note", "notes", "why", "source"}
-    return [c for c in df.columns if not pd.api.types.is_numeric_dtype(df[c]) and c not in skip]
-
-
-def paper_ours(df: pd.DataFrame) -> tuple[str | None, str | None]:
-    """The first pair of numeric columns named paper<suffix> / ours<suffix>."""
-    for c in df.columns:
-        if c.startswith("paper") and pd.api.types.is_numeric_dtype(df[c]):
-            o = "ours" + c[len("paper"):]
-            if o in df.columns:
-                return c, o
-    return None, None
+TITLES = {
+    "block_breakdown": "Activation memory of one block by op kind (16-bit units of b·s·d)",
+    "fig1": "LowMemoryBP Fig. 1: ViT-B/16, batch 64, LoRA r4, fp16 - peak memory",
+    "mesa_table": "Mesa README: training memory, batch 128, AMP",
+    "tokentune_memory": "TokenTune: BERT-large peak memory against batch size",
+}
 
 
-def side_by_side(df: pd.DataFrame, out: Path, title: str) -> None:
-    p, o = paper_ours(df)
-    labels = [" / ".join(str(v) for v in row) for row in df[text_columns(df)].itertuples(index=False)]
-    if o is None:
-        raise SystemExit(f"{title}: no paper/ours column pair in {list(df.columns)}")
+def _numeric(df, prefix):
+    return [c for c in df.columns if c.startswith(prefix) and pd.api.types.is_numeric_dtype(df[c])
+            and not c.endswith("%")]
+
+
+def side_by_side(df: pd.DataFrame, ax, title: str) -> None:
+    """Bars of the first numeric paper* column against the first numeric ours* column, one pair per row."""
+    p, o = (_numeric(df, "paper") or [None])[0], (_numeric(df, "ours") or [None])[0]
+    if p is None or o is None:
+        raise SystemExit(f"{title}: no numeric paper/ours columns in {list(df.columns)}")
+    text = [c for c in df.columns if not pd.api.types.is_numeric_dtype(df[c])
+            and c not in ("note", "spec", "paper", "check")]
+    labels = [" / ".join(str(v) for v in row) for row in df[text].itertuples(index=False)]
     x = np.arange(len(df))
-    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(df) + 2), 4.2))
-    ax.bar(x - 0.2, df[p], 0.4, label=f"paper ({p})", color="0.6")
+    ax.bar(x - 0.2, df[p], 0.4, label=f"paper ({p})", color="0.65")
     ax.bar(x + 0.2, df[o], 0.4, label=f"ours ({o})", color="C0")
     for xi, (pv, ov) in enumerate(zip(df[p], df[o])):
         if pd.notna(pv) and pd.notna(ov) and pv:
             ax.text(xi + 0.2, ov, f"{ov / pv:.2f}x", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(x, labels, rotation=35, ha="right", fontsize=8)
-    ax.set_title(title, fontsize=10)
+    ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("memory")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
+
+
+def block_breakdown(df: pd.DataFrame, fig) -> None:
+    models = list(dict.fromkeys(df["model"]))
+    axes = fig.subplots(1, len(models), squeeze=False)[0]
+    bars = [("paper_base", "paper\nbaseline"), ("paper_lowmembp", "paper\nLowMemoryBP"),
+            ("real_base", "real code\nbaseline"), ("real_lowmembp", "real code\nLowMemoryBP")]
+    for ax, model in zip(axes, models):
+        sub = df[df["model"] == model]
+        slices = sub[~sub["slice"].isin(["total", "saving %"])]
+        bottom = np.zeros(len(bars))
+        for i, row in enumerate(slices.itertuples(index=False)):
+            vals = np.array([getattr(row, c) for c, _ in bars], dtype=float)
+            ax.bar(range(len(bars)), vals, bottom=bottom, color=plt.get_cmap("tab10")(i), label=row.slice)
+            bottom += np.nan_to_num(vals)
+        for j in (1, 3):
+            if bottom[j - 1]:
+                ax.text(j, bottom[j], f"-{100 * (1 - bottom[j] / bottom[j - 1]):.1f}%", ha="center",
+                        va="bottom", fontsize=8)
+        ax.set_xticks(range(len(bars)), [b for _, b in bars], fontsize=7)
+        ax.set_title(model, fontsize=10)
+        ax.set_ylabel("units of b·s·d (16-bit)")
+        ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+
+
+def tokentune_memory(df: pd.DataFrame, ax) -> None:
+    cols = [c for c in df.columns if re.fullmatch(r"peak_MiB_b\d+", c)]
+    bs = [int(c.rsplit("_b", 1)[1]) for c in cols]
+    for row in df.itertuples(index=False):
+        ys = [getattr(row, c) for c in cols]
+        ax.plot(bs, ys, marker="o", label=row.method)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("peak memory of a training step (MiB)")
+    ax.set_xticks(bs, [str(b) for b in bs])
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
+def main(name: str, csv: str, out: str) -> None:
+    df = pd.read_csv(csv)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    if name == "block_breakdown":
+        fig = plt.figure(figsize=(4.2 * df["model"].nunique(), 4.6))
+        block_breakdown(df, fig)
+    else:
+        fig, ax = plt.subplots(figsize=(max(6.5, 0.8 * len(df) + 2), 4.4))
+        if name == "tokentune_memory" and any(re.fullmatch(r"peak_MiB_b\d+", c) for c in df.columns):
+            tokentune_memory(df, ax)
+        else:
+            side_by_side(df, ax, name)
+    fig.suptitle(TITLES.get(name, name), fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1) if name == "block_breakdown" else None)
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
 
-def main(csv: str, out: str, title: str = "") -> None:
-    df = pd.read_csv(csv)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    side_by_side(df, Path(out), title or Path(csv).stem)
-
-
 if "snakemake" in globals():
-    main(snakemake.input[0], snakemake.output[0], snakemake.wildcards.rfig.replace("_", " "))  # noqa: F821
+    main(snakemake.wildcards.rfig, snakemake.input[0], snakemake.output[0])  # noqa: F821
 elif __name__ == "__main__":
     main(*sys.argv[1:4])

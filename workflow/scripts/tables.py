@@ -146,7 +146,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def write(df: pd.DataFrame, md: Path, csv: Path, title: str, notes: list[str] = ()) -> None:
     _atomic_write(Path(csv), df.to_csv(index=False))
-    src_cols = [c for c in df.columns if c.endswith("source") or c in ("note", "why", "notes")]
+    src_cols = [c for c in df.columns if c.endswith("source")]
     body = _fmt(df.drop(columns=src_cols)).to_markdown(index=False) if len(df) else "(no rows)"
     lines = [f"# {title}", "", *notes, "", body, ""]
     sources = sorted({s for c in src_cols for s in df[c].dropna().astype(str) if s})
@@ -171,23 +171,18 @@ def run_tables(runs_csv: str | Path, outdir: str | Path, names=RUN_TABLES) -> No
 
 
 def repro_table(name: str, repro_csv: str | Path, outdir: str | Path, title: str | None = None) -> None:
-    """A reproduction's rows -> table; adds ours/paper where the rows carry 'paper' and 'ours' columns."""
+    """A reproduction's rows (lowmembp.repro: paper value, ours, ratio and a note already side by side) -> table.
+
+    A table without a ``ratio`` column gets one from its first numeric ``paper...`` / ``ours...`` pair."""
     df = pd.read_csv(repro_csv)
-    for p, o in _paper_ours_pairs(df.columns):
-        r = f"{o}/{p}" if not o.startswith("ours") else f"{o.replace('ours', 'ratio', 1)}"
-        if r not in df.columns and f"ratio{p[5:]}" not in df.columns and "ratio" not in df.columns:
-            df[r] = df[o] / df[p]
-    write(df, Path(outdir) / f"{name}.md", Path(outdir) / f"{name}.csv", title or name.replace("_", " "))
-
-
-def _paper_ours_pairs(cols):
-    """('paper', 'ours'), ('paper_mib', 'ours_mib'), ...: columns that pair by their suffix."""
-    cols = list(cols)
-    for c in cols:
-        if c.startswith("paper"):
-            o = "ours" + c[len("paper"):]
-            if o in cols and pd.api.types.is_numeric_dtype:
-                yield c, o
+    if "ratio" not in df.columns:
+        num = [c for c in df.columns if pd.api.types.is_numeric_dtype(df[c])]
+        p = next((c for c in num if c.startswith("paper")), None)
+        o = next((c for c in num if c.startswith("ours")), None)
+        if p and o:
+            df.insert(df.columns.get_loc(o) + 1, "ratio", df[o] / df[p])
+    write(df, Path(outdir) / f"{name}.md", Path(outdir) / f"{name}.csv", title or name.replace("_", " "),
+          [f"From `python -m lowmembp.repro {name.replace('_', '-')}` (fake tensors on the CPU)."])
 
 
 if "snakemake" in globals():
