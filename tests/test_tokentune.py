@@ -322,7 +322,8 @@ def test_saved_bytes_scale_with_k(name):
         torch.manual_seed(0)
         model = lowmembp.apply(make(), "tokentune", k=k, seed=0).train()
         by_k[k] = saved_bytes(model, lambda: loss_of(name, model, inputs))
-    print(f"{name} L={L}: full {full} B; " + ", ".join(f"k={k}: {b} B ({b / full:.2f})" for k, b in by_k.items()))
+    n_tok = 122 if name == "vit" else L
+    print(f"{name} L={n_tok}: full {full} B; " + ", ".join(f"k={k}: {b} B ({b / full:.2f})" for k, b in by_k.items()))
     assert by_k[8] < by_k[16] < by_k[32] < full
     d1, d2 = by_k[16] - by_k[8], by_k[32] - by_k[16]
     assert 1.6 < d2 / d1 < 2.4, (d1, d2)  # linear in k
@@ -475,3 +476,15 @@ def test_frozen_pre_norm_keeps_only_the_selected_rows_of_its_input(name):
     # at least those rows go; at most those plus one full normalised copy (HF's RMSNorm keeps it for γ's gradient)
     # and per-row statistics
     assert rows <= counts[0] - counts[1] <= rows + blocks * B * L * (d + 4) * 4, (counts, rows)
+
+
+@pytest.mark.parametrize("name", ["vit", "bert", "llama"])
+def test_deepcopy_of_a_converted_model_runs_on_its_own_parameters(name):
+    model = lowmembp.apply(build(name), "tokentune", k=4, seed=1).train()
+    twin = copy.deepcopy(model)
+    inputs = batch(name)
+    loss_of(name, twin, inputs).backward()
+    assert not grads(model), "the copy's training forward reached the original's parameters"
+    assert grads(twin)
+    loss_of(name, model, inputs).backward()  # same seed, same draw: identical gradients
+    compare_grads(grads(twin), grads(model))

@@ -190,15 +190,28 @@ def apply_tokentune(model: nn.Module, k: int = 16, seed: int | None = None) -> n
 
 
 def _patch(module: nn.Module, attr: str, fn, state: TokenTuneState) -> None:
-    """Replace ``module.<attr>`` (an instance-level override); eval mode calls the original."""
-    original = getattr(module, attr)
+    """Install the training forward as an instance-level ``module.<attr>``; eval mode calls the original.
 
-    def patched(self, *args, **kwargs):
-        if not self.training:
+    Nothing is captured in closures: the state, the training function and any earlier instance-level override live
+    in the module's ``__dict__``, so ``copy.deepcopy`` of a converted model yields a model that runs on its own
+    blocks and parameters.
+    """
+    d = module.__dict__
+    d["_tokentune"] = state
+    d["_tokentune_attr"] = attr
+    d["_tokentune_fn"] = fn
+    d["_tokentune_original"] = d.get(attr)  # an instance-level override another method installed, if any
+    d[attr] = types.MethodType(_entry, module)
+
+
+def _entry(self, *args, **kwargs):
+    d = self.__dict__
+    if not self.training:
+        original = d["_tokentune_original"]
+        if original is not None:
             return original(*args, **kwargs)
-        return fn(self, state, original, *args, **kwargs)
-
-    object.__setattr__(module, attr, types.MethodType(patched, module))
+        return getattr(type(self), d["_tokentune_attr"])(self, *args, **kwargs)
+    return d["_tokentune_fn"](self, d["_tokentune"], *args, **kwargs)
 
 
 def _reject(kwargs: dict, allowed=()) -> None:
@@ -228,7 +241,7 @@ def _embed_rows(emb: torch.Tensor, sel: Selection) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------- family forwards
-def _vit_forward_features(self, state, original, x, attn_mask=None, is_causal=False):
+def _vit_forward_features(self, state, x, attn_mask=None, is_causal=False):
     if attn_mask is not None or is_causal:
         raise TypeError("tokentune training forward does not take attn_mask / is_causal for timm ViT")
     emb = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
@@ -241,7 +254,7 @@ def _vit_forward_features(self, state, original, x, attn_mask=None, is_causal=Fa
     return pooled[:, None, :].expand(B, L, d)
 
 
-def _bert_forward(self, state, original, input_ids=None, attention_mask=None, token_type_ids=None,
+def _bert_forward(self, state, input_ids=None, attention_mask=None, token_type_ids=None,
                   position_ids=None, inputs_embeds=None, **kwargs):
     from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
     _reject(kwargs)
@@ -284,7 +297,7 @@ def _bert_forward(self, state, original, input_ids=None, attention_mask=None, to
                                                         pooler_output=pooler(last) if pooler is not None else None)
 
 
-def _llama_forward(self, state, original, input_ids=None, attention_mask=None, position_ids=None,
+def _llama_forward(self, state, input_ids=None, attention_mask=None, position_ids=None,
                    inputs_embeds=None, labels=None, **kwargs):
     from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutputWithPast
     return_dict = kwargs.pop("return_dict", None)
