@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -220,13 +221,20 @@ def parse_args(argv: list[str] | None = None):
 
     # method options: config first, command line over it; all must be taken by the chosen methods
     takes = method_options(values["method"])
-    given = {k.replace("-", "_"): v for k, v in options_cfg.items()}
-    given.update(_split_extra(extra))
-    bad = sorted(set(given) - set(takes))
+    given = {}
+    for key, value in options_cfg.items():  # a config serves several methods: options the chosen ones skip are unused
+        key = key.replace("-", "_")
+        if key in takes:
+            given[key] = value
+        else:
+            print(f"note: config option {key!r} is not used by method {values['method']!r}", file=sys.stderr)
+    cli = _split_extra(extra)
+    bad = sorted(set(cli) - set(takes))
     if bad:
         shown = ", ".join(f"--{k.replace('_', '-')}" for k in takes) or "no options"
         raise ArgError(f"option(s) {', '.join('--' + b.replace('_', '-') for b in bad)} not taken by method "
                        f"{values['method']!r}; it takes: {shown}. (Training flags: see --help.)")
+    given.update(cli)
     method_opts = {k: _convert(k, v, takes[k]) for k, v in given.items()}
 
     merged = dict(FIXED_DEFAULTS)

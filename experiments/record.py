@@ -70,6 +70,9 @@ def write_atomic(record: dict, path: str | os.PathLike) -> Path:
     text = json.dumps(record, indent=2, sort_keys=False) + "\n"
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a record is an ordinary file
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
             fh.flush()

@@ -147,7 +147,7 @@ def train(cfg, task, state: dict) -> None:
                 else:
                     loss = setup.loss(model, batch)
             if not torch.isfinite(loss.detach()):
-                raise FloatingPointError(f"training loss is {float(loss)} at step {step} (lr {cfg.lr:g}): diverged")
+                raise FloatingPointError(f"training loss is {float(loss.detach())} at step {step} (lr {cfg.lr:g}): diverged")
             scaler.scale(loss / cfg.grad_accum).backward()
             total_loss += float(loss.detach()) / cfg.grad_accum
             del loss, batch

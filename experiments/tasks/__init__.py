@@ -17,7 +17,7 @@ _MODULES = {
     "cifar100": "cifar",
     "alpaca": "alpaca",
 }
-GLUE_TASKS = ("cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte")
+GLUE_TASKS = ("cola", "sst2", "mrpc", "qqp", "mnli", "qnli", "rte")
 _MODULES.update({f"glue-{t}": "glue" for t in GLUE_TASKS})
 
 

@@ -1,0 +1,193 @@
+"""The training job: argument errors, tiny runs on every offline task, oom / error as results, atomic records."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from experiments import train
+from experiments.record import validate, write_atomic
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--steps", "3", "--limit", "48", "--eval-limit", "8", "--no-progress", "--seed", "1"]
+
+
+def run(argv, capsys=None):
+    rc = train.main([str(a) for a in argv])
+    return rc
+
+
+def record(path) -> dict:
+    rec = json.loads(Path(path).read_text())
+    validate(rec)
+    return rec
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--task", "nope", "--method", "baseline", "--batch-size", "2"], "valid tasks: tweets-sentiment"),
+    (["--task", "mnist5k", "--method", "nope", "--batch-size", "2"], "valid names: baseline"),
+    (["--task", "mnist5k", "--method", "baseline", "--batch-size", "0"], "--batch-size must be a positive"),
+    (["--task", "mnist5k", "--model", "bogus", "--method", "baseline", "--batch-size", "2"],
+     "valid models: bert-large"),
+    (["--task", "mnist5k", "--model", "minilm-l6", "--method", "baseline", "--batch-size", "2"],
+     "mnist5k takes vit-mnist"),
+    (["--task", "mnist5k", "--method", "lowmembp", "--k", "4", "--batch-size", "2"], "not taken by method"),
+    (["--task", "mnist5k", "--method", "tokentune", "--k", "many", "--batch-size", "2"], "cannot read 'many'"),
+    (["--task", "mnist5k", "--method", "baseline+lora", "--batch-size", "2"], "cannot be combined"),
+    (["--task", "mnist5k", "--method", "baseline"], "--batch-size is required"),
+])
+def test_bad_arguments_fail_at_once(argv, needle, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert run(argv + ["--out", out]) == 2
+    assert needle in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("task, method, extra, metric", [
+    ("mnist5k", "baseline", [], "accuracy"),
+    ("tweets-sentiment", "tokentune", ["--k", "4"], "accuracy"),
+    ("tweets-lm", "lora+lowmembp", ["--rank", "2"], "perplexity"),
+])
+def test_tiny_run_writes_a_valid_record(task, method, extra, metric, tmp_path, capsys):
+    out = tmp_path / "sub" / "r.json"
+    assert run(["--task", task, "--method", method, "--batch-size", "4", *TINY, *extra, "--out", out]) == 0
+    rec = record(out)
+    assert rec["status"] == "ok", rec["message"]
+    assert (rec["task"], rec["method"], rec["steps"], rec["seed"]) == (task, method, 3, 1)
+    assert rec["metric"]["name"] == metric and rec["metric"]["value"] > 0
+    assert rec["activation_bytes"]["total"] == sum(rec["activation_bytes"]["by_kind"].values()) > 0
+    assert rec["peak_memory"]["bytes"] > 0 and rec["step_time_s"]["n"] == 1
+    assert rec["throughput"]["samples_per_s"] > 0 and rec["final_loss"] > 0
+    assert rec["env"]["torch"] == torch.__version__
+    assert f"[ok] {rec['model']}/{task}/{method}" in capsys.readouterr().out
+    if extra:
+        key = extra[0].lstrip("-")
+        assert rec["options"][key] == int(extra[1])
+
+
+def test_config_file_with_command_line_override(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("task: mnist5k\nmethod: tokentune\nbatch_size: 4\nseed: 5\nsteps: 3\nlimit: 32\n"
+                   "eval_limit: 8\nno_progress: true\noptions:\n  k: 3\n")
+    out = tmp_path / "r.json"
+    assert run(["--config", cfg, "--seed", "7", "--out", out]) == 0
+    rec = record(out)
+    assert (rec["seed"], rec["options"]["k"], rec["batch_size"], rec["status"]) == (7, 3, 4, "ok")
+
+
+def test_memory_budget_is_an_oom_result(tmp_path):
+    out = tmp_path / "r.json"
+    assert run(["--task", "mnist5k", "--method", "baseline", "--batch-size", "4", *TINY,
+                "--max-memory-mb", "0.01", "--out", out]) == 0
+    rec = record(out)
+    assert rec["status"] == "oom" and "--max-memory-mb" in rec["message"]
+    assert rec["peak_memory"]["bytes"] > 0.01 * 2**20
+
+
+def test_allocator_oom_is_an_oom_result(tmp_path, monkeypatch):
+    from experiments.tasks import mnist5k
+
+    real = mnist5k.build
+
+    def build(model_name, cfg):
+        setup = real(model_name, cfg)
+
+        def loss(model, batch):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        setup.loss = loss
+        return setup
+    monkeypatch.setattr(mnist5k, "build", build)
+    out = tmp_path / "r.json"
+    assert run(["--task", "mnist5k", "--method", "baseline", "--batch-size", "4", *TINY, "--out", out]) == 0
+    rec = record(out)
+    assert rec["status"] == "oom" and "Tried to allocate" in rec["message"] and rec["steps"] == 0
+
+
+def test_training_failure_is_an_error_result(tmp_path, capsys):
+    out = tmp_path / "r.json"  # a learning rate that makes the loss overflow: a real failure of the training
+    assert run(["--task", "mnist5k", "--method", "baseline", "--batch-size", "4", *TINY, "--lr", "1e30",
+                "--out", out]) == 0
+    rec = record(out)
+    assert rec["status"] == "error" and "diverged" in rec["message"] and rec["metric"] is None
+    assert "[error]" in capsys.readouterr().out
+
+
+def test_method_failure_is_an_error_result(tmp_path, monkeypatch):
+    import lowmembp
+
+    def broken(model, method, **options):
+        raise ValueError("this method cannot convert that model")
+    monkeypatch.setattr(lowmembp, "apply", broken)
+    out = tmp_path / "r.json"
+    assert run(["--task", "mnist5k", "--method", "mesa", "--batch-size", "4", *TINY, "--out", out]) == 0
+    rec = record(out)
+    assert rec["status"] == "error" and "cannot convert" in rec["message"]
+
+
+def test_sigkill_mid_run_leaves_no_file(tmp_path):
+    out = tmp_path / "r.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.train", "--task", "mnist5k", "--method", "baseline",
+                             "--batch-size", "4", "--steps", "100000", "--out", str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = ""
+    deadline = time.time() + 120
+    while "loss=" not in seen and time.time() < deadline:  # wait until it is training (progress bar shows loss)
+        seen += proc.stderr.read(64)
+    assert "loss=" in seen, seen
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_atomic_validates_and_leaves_nothing_on_failure(tmp_path):
+    out = tmp_path / "r.json"
+    with pytest.raises(jsonschema.ValidationError):
+        write_atomic({"model": "x"}, out)
+    assert list(tmp_path.iterdir()) == []
+    # an existing record is replaced whole or not at all
+    out.write_text("old")
+    with pytest.raises(jsonschema.ValidationError):
+        write_atomic({"status": "ok"}, out)
+    assert out.read_text() == "old" and len(list(tmp_path.iterdir())) == 1
+
+
+@pytest.mark.parametrize("task, model, needle", [
+    ("cifar100", "vit-b16", "tv.datasets.CIFAR100("),
+    ("glue-rte", "roberta-base", "load_dataset('glue', 'rte')"),
+    ("alpaca", "llama-7b", "stanford_alpaca"),
+])
+def test_paper_task_without_data_stops_with_what_to_fetch(task, model, needle, tmp_path, capsys):
+    t0 = time.time()
+    rc = run(["--task", task, "--model", model, "--method", "lora", "--batch-size", "2", "--data-dir", tmp_path,
+              "--out", tmp_path / "r.json"])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and str(tmp_path) in err
+    assert time.time() - t0 < 10 and not (tmp_path / "r.json").exists()
+
+
+def test_paper_task_without_weights_says_which_to_fetch(tmp_path, capsys):
+    (tmp_path / "cifar10" / "cifar-10-batches-py").mkdir(parents=True)
+    rc = run(["--task", "cifar10", "--model", "swin-t", "--method", "lora", "--batch-size", "2", "--data-dir",
+              tmp_path, "--out", tmp_path / "r.json"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "huggingface-cli download timm/swin_tiny_patch4_window7_224.ms_in22k" in err
+    assert str(tmp_path / "weights" / "swin-t") in err
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "experiments" / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_paper_configs_parse_up_to_the_data_check(config, tmp_path):
+    from experiments.args import ArgError, parse_args
+
+    with pytest.raises(ArgError, match="not found") as err:  # every key and option valid; only the data is missing
+        parse_args(["--config", str(config), "--data-dir", str(tmp_path), "--out", str(tmp_path / "r.json")])
+    assert "Fetch" in str(err.value)
