@@ -270,6 +270,24 @@ def test_no_grad_saves_nothing_and_matches(kind, torch_backend):
     assert torch.equal(y, y2)
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_fake_tensors_take_the_reference_and_save_the_same_bytes(device, triton_backend):
+    """Paper-scale memory estimates run models on fake tensors: no kernel launch, same saved bytes, no cache poisoning."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.empty(64, 197, 3072, device=device, dtype=torch.bfloat16, requires_grad=True)
+        with _SavedLog() as log:
+            y = A.regelu2(x)
+        (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert y.shape == dx.shape == x.shape and dx.dtype == torch.bfloat16
+    assert [(t.dtype, t.numel()) for t in log.saved] == [(torch.uint8, 64 * 197 * 3072 // 4)]
+    monkey = torch.randn(7, requires_grad=True)  # real tensors afterwards still work
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOWMEMBP_BACKEND", "torch")
+        (g,) = torch.autograd.grad(A.regelu2(monkey), monkey, torch.ones(7))
+    assert torch.equal(g, A.backward_reference(torch.ones(7), A.forward_reference(monkey.detach(), A._GELU)[1], 0))
+
+
 # ------------------------------------------------------------------------------------------ modules and errors
 @pytest.mark.parametrize("kind", KINDS)
 def test_module_equals_function(kind):

@@ -12,12 +12,14 @@ the derivative of the piecewise-linear ``h̃(x) = Σ a_i·max(x − c_i, 0)`` fi
 activation itself: that approximation is the method.
 
 Backends (``lowmembp._backend.backend_for``): Triton kernels on CUDA tensors (and on CPU tensors under
-``TRITON_INTERPRET=1`` with ``LOWMEMBP_BACKEND=triton``), the PyTorch reference otherwise. Both give bitwise-equal
+``TRITON_INTERPRET=1`` with ``LOWMEMBP_BACKEND=triton``), the PyTorch reference otherwise, and always for fake / meta
+tensors (paper-scale memory estimates under FakeTensorMode; the reference saves the same ceil(N/4) bytes). Both give bitwise-equal
 codes and gradients; forward outputs agree to fp32 rounding of erf/exp.
 """
 from __future__ import annotations
 
 import os
+import struct
 import sys
 
 import torch
@@ -59,8 +61,10 @@ def slopes(a) -> tuple[float, float, float, float]:
 
 
 def _fp32(v: float) -> float:
-    """Round a Python float to the nearest fp32 value (what both backends compare and multiply with)."""
-    return torch.tensor(v, dtype=torch.float32).item()
+    """Round a Python float to the nearest fp32 value (what both backends compare and multiply with).
+
+    Pure Python (no tensor), so it also works under FakeTensorMode."""
+    return struct.unpack("<f", struct.pack("<f", v))[0]
 
 
 _C32 = {k: tuple(_fp32(c) for c in cs) for k, (cs, _) in _CONSTS.items()}
@@ -68,6 +72,16 @@ _S32 = {k: tuple(_fp32(s) for s in slopes(a)) for k, (_, a) in _CONSTS.items()}
 
 
 # ----------------------------------------------------------------------------------------------- PyTorch reference
+def _is_fake(x: torch.Tensor) -> bool:
+    if x.device.type == "meta":
+        return True
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+        return bool(is_fake(x))
+    except Exception:  # pragma: no cover
+        return False
+
+
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """Pack uint8 codes in {0..3} (any shape, read in flat order) four per byte: returns ``ceil(N/4)`` uint8."""
     flat = codes.reshape(-1).to(torch.uint8)
@@ -143,14 +157,20 @@ def forward_reference(x: torch.Tensor, kind: int, with_codes: bool = True):
 _BYTE_TABLES: dict = {}
 
 
-def _byte_table(kind: int, device) -> torch.Tensor:
-    """[256, 4] fp32: the four slopes s[code] encoded by each possible code byte."""
-    key = (kind, str(device))
-    if key not in _BYTE_TABLES:
-        s = torch.tensor(_S32[kind], dtype=torch.float32)
-        b = torch.arange(256)
-        _BYTE_TABLES[key] = torch.stack([s[(b >> (2 * j)) & 3] for j in range(4)], 1).contiguous().to(device)
-    return _BYTE_TABLES[key]
+def _byte_table(kind: int, like: torch.Tensor) -> torch.Tensor:
+    """[256, 4] fp32 on ``like``'s device: the four slopes s[code] encoded by each possible code byte.
+
+    Cached per device for real tensors; built afresh (never cached) for fake / meta ones."""
+    fake = _is_fake(like)
+    key = (kind, str(like.device))
+    if not fake and key in _BYTE_TABLES:
+        return _BYTE_TABLES[key]
+    s = _S32[kind]
+    table = torch.tensor([[s[(b >> (2 * j)) & 3] for j in range(4)] for b in range(256)], dtype=torch.float32)
+    table = table.to(like.device)
+    if not fake and not _is_fake(table):
+        _BYTE_TABLES[key] = table
+    return table
 
 
 def backward_reference(dy: torch.Tensor, packed: torch.Tensor, kind: int) -> torch.Tensor:
@@ -161,7 +181,7 @@ def backward_reference(dy: torch.Tensor, packed: torch.Tensor, kind: int) -> tor
     dx = torch.empty(n, dtype=torch.float32, device=dy.device)
     if n4:
         dx4 = dx[:n4].view(-1, 4)
-        torch.index_select(_byte_table(kind, dy.device), 0, packed[: n4 // 4].to(torch.int32), out=dx4)
+        torch.index_select(_byte_table(kind, dy), 0, packed[: n4 // 4].to(torch.int32), out=dx4)
         dx4.mul_(flat[:n4].view(-1, 4))  # fp32 slopes times dy (any float dtype), in fp32
     if n4 < n:
         s = torch.tensor(_S32[kind], dtype=torch.float32, device=dy.device)
@@ -212,6 +232,11 @@ if triton is not None:
         s = tl.where(code == 1, a, tl.where(code == 2, b, tl.where(code == 3, c, 0.0)))
         dy = tl.load(dy_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + idx, (dy * s).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    """Triton per lowmembp._backend, except for fake / meta tensors (memory estimates), which take the reference."""
+    return backend_for(x) == "triton" and not _is_fake(x)
 
 
 def _interpreting() -> bool:
@@ -265,7 +290,7 @@ def backward_triton(dy: torch.Tensor, packed: torch.Tensor, kind: int) -> torch.
 class _ApproxActFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, kind: int):
-        fwd = forward_triton if backend_for(x) == "triton" else forward_reference
+        fwd = forward_triton if _use_triton(x) else forward_reference
         y, packed = fwd(x, kind, True)
         ctx.save_for_backward(packed)
         ctx.kind = kind
@@ -276,7 +301,7 @@ class _ApproxActFn(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy: torch.Tensor):
         (packed,) = ctx.saved_tensors
-        bwd = backward_triton if backend_for(dy) == "triton" else backward_reference
+        bwd = backward_triton if _use_triton(dy) else backward_reference
         return bwd(dy, packed, ctx.kind), None
 
 
@@ -284,7 +309,7 @@ def _apply(x: torch.Tensor, kind: int) -> torch.Tensor:
     check_float_input(x, _NAMES[kind])
     if torch.is_grad_enabled() and x.requires_grad:
         return _ApproxActFn.apply(x, kind)
-    fwd = forward_triton if backend_for(x) == "triton" else forward_reference
+    fwd = forward_triton if _use_triton(x) else forward_reference
     return fwd(x, kind, False)[0]  # nothing to save: no codes
 
 
