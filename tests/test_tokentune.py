@@ -402,6 +402,8 @@ def test_unsupported_models():
     model = lowmembp.apply(build("llama"), "tokentune", k=4).train()
     with pytest.raises(TypeError, match="output_attentions"):
         model(input_ids=torch.randint(2, VOCAB, (1, 6)), output_attentions=True)
+    with pytest.raises(ValueError, match="2-D attention_mask"):
+        model(input_ids=torch.randint(2, VOCAB, (1, 6)), attention_mask=torch.ones(1, 1, 6, 6))
 
 
 @pytest.mark.parametrize("name", ["vit", "bert", "llama"])

@@ -31,10 +31,17 @@ stop-gradient on every unselected hidden state (at every block input). Outputs:
   ``tokentune_state(model).last.positions``; with ``labels=`` (B×L, -100 = ignore, shifted inside as usual)
   ``out.loss`` is the mean cross-entropy of the next-token targets of the selected positions.
 
+The training forward is chosen by ``module.training`` alone (also under ``torch.no_grad()``); it does not take KV
+caches, ``output_attentions`` / ``output_hidden_states`` or 4-D masks (clear errors: use ``model.eval()``).
+Stochastic layers draw separately for the selected and the unselected rows (dropout is element-wise anyway;
+timm's per-sample DropPath may then drop a block for one set of rows of a sample and not for the other).
+
 **Evaluation (``model.eval()``).** The ordinary forward, untouched: outputs equal the unconverted model's.
 
 Memory: per block, backward keeps the selected rows' activations (∝ k/L) plus K/V and the attention input over all L
-tokens (an O(L·d) floor). The unselected rows' activations are freed at once.
+tokens (an O(L·d) floor; see :mod:`lowmembp.methods.tokentune_forward`). The unselected rows' activations are never
+saved. Composes with ``lora`` (order 10), ``lowmembp*`` (20) and ``checkpointing`` (50, applied after: only the
+selected part of each marked block is recomputed in backward).
 """
 from __future__ import annotations
 
@@ -226,6 +233,15 @@ def _reject(kwargs: dict, allowed=()) -> None:
                         f"labels")
 
 
+def _valid_tokens(attention_mask, B: int, L: int, device) -> torch.Tensor:
+    if attention_mask is None:
+        return torch.ones(B, L, dtype=torch.bool, device=device)
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, L):
+        raise ValueError(f"tokentune training forward takes a 2-D attention_mask of shape {(B, L)} (1 = real token, "
+                         f"0 = padding), got shape {tuple(attention_mask.shape)}")
+    return attention_mask.to(device).bool()
+
+
 def _masked_mean(hs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Mean over the valid selected rows (branch-free: runs on fake tensors too)."""
     w = valid.to(hs.dtype).unsqueeze(-1)
@@ -263,8 +279,7 @@ def _bert_forward(self, state, input_ids=None, attention_mask=None, token_type_i
     ref = input_ids if input_ids is not None else inputs_embeds
     B, L = ref.shape[:2]
     device = ref.device
-    valid = (attention_mask.to(device).bool() if attention_mask is not None
-             else torch.ones(B, L, dtype=torch.bool, device=device))
+    valid = _valid_tokens(attention_mask, B, L, device)
     sel = state.select(valid, decoder=False)
     emb_mod = self.embeddings
     if position_ids is None:
@@ -313,8 +328,7 @@ def _llama_forward(self, state, input_ids=None, attention_mask=None, position_id
     backbone = self.model
     emb = backbone.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
     B, L, _ = emb.shape
-    valid = (attention_mask.to(emb.device).bool() if attention_mask is not None
-             else torch.ones(B, L, dtype=torch.bool, device=emb.device))
+    valid = _valid_tokens(attention_mask, B, L, emb.device)
     window = getattr(self.config, "sliding_window", None)
     if window and L > window:
         raise TypeError(f"tokentune: sequence length {L} exceeds the sliding window {window}; sliding-window "
