@@ -481,9 +481,17 @@ def test_frozen_pre_norm_keeps_only_the_selected_rows_of_its_input(name):
 
 
 @pytest.mark.parametrize("name", ["vit", "bert", "llama"])
-def test_deepcopy_of_a_converted_model_runs_on_its_own_parameters(name):
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_copies_of_a_converted_model_run_on_their_own_parameters(name, how):
+    import io
     model = lowmembp.apply(build(name), "tokentune", k=4, seed=1).train()
-    twin = copy.deepcopy(model)
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
     inputs = batch(name)
     loss_of(name, twin, inputs).backward()
     assert not grads(model), "the copy's training forward reached the original's parameters"

@@ -45,7 +45,6 @@ selected part of each marked block is recomputed in backward).
 """
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -208,7 +207,17 @@ def _patch(module: nn.Module, attr: str, fn, state: TokenTuneState) -> None:
     d["_tokentune_attr"] = attr
     d["_tokentune_fn"] = fn
     d["_tokentune_original"] = d.get(attr)  # an instance-level override another method installed, if any
-    d[attr] = types.MethodType(_entry, module)
+    d[attr] = _Entry(module)
+
+
+class _Entry:
+    """The instance-level forward: a picklable callable (``torch.save(model)`` works; a bound method would not)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return _entry(self.module, *args, **kwargs)
 
 
 def _entry(self, *args, **kwargs):
