@@ -84,3 +84,15 @@ def test_errors():
     with pytest.raises(ValueError, match="already a peft model"):
         from lowmembp.methods.lora import apply_lora
         apply_lora(pm)
+
+
+def test_lora_after_lowmembp_shares_norm_output():
+    """lowmembp first, lora in a later call: the new LoRA A layers save the MS-norm output, not peft's cast copy."""
+    from lowmembp.ops.shared_linear import CastWeightLinear
+
+    model = lowmembp.apply(build("vit")[0], "lowmembp")
+    model = lowmembp.apply(model, "lora")
+    lora_a = [m for n, m in model.named_modules() if n.endswith("lora_A.default")]
+    assert lora_a and all(isinstance(m, CastWeightLinear) for m in lora_a)
+    plain = lowmembp.apply(build("vit")[0], "lora")  # no MS norms: peft's layers are left as they are
+    assert not any(isinstance(m, CastWeightLinear) for m in plain.modules())

@@ -52,10 +52,21 @@ def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targ
     config = LoraConfig(r=rank, lora_alpha=rank if alpha is None else alpha, target_modules=targets,
                         lora_dropout=0.0, bias="none", modules_to_save=head_modules(layout.base) or None)
     try:
-        return get_peft_model(model, config)
+        peft_model = get_peft_model(model, config)
     except ValueError as e:
         raise ValueError(f"lora: peft could not place adapters on {type(model).__name__} with targets "
                          f"{targets!r}: {e}") from e
+    if _has_ms_norms(peft_model):
+        # lowmembp ran first (a separate apply call): make the new LoRA layers save the MS-norm output itself
+        # rather than peft's cast copy, as lowmembp does when LoRA is already there.
+        from lowmembp.ops.shared_linear import share_lora_inputs
+        share_lora_inputs(peft_model)
+    return peft_model
+
+
+def _has_ms_norms(model: nn.Module) -> bool:
+    from lowmembp.ops.ms_norm import MSLayerNorm, MSRMSNorm
+    return any(isinstance(m, (MSLayerNorm, MSRMSNorm)) for m in model.modules())
 
 
 def head_modules(base: nn.Module) -> list[str]:
