@@ -498,3 +498,29 @@ def test_copies_of_a_converted_model_run_on_their_own_parameters(name, how):
     assert grads(twin)
     loss_of(name, model, inputs).backward()  # same seed, same draw: identical gradients
     compare_grads(grads(twin), grads(model))
+
+
+@pytest.mark.parametrize("name", ["vit", "bert", "llama"])
+def test_training_steps_lower_the_loss(name):
+    """A few AdamW steps on one batch (fresh positions every step) lower the ordinary full-sequence loss."""
+    model = lowmembp.apply(build(name), "tokentune", k=4, seed=0)
+    inputs = batch(name)
+    y = torch.randint(0, 5, (3,), generator=torch.Generator().manual_seed(2))
+
+    def eval_loss():
+        model.eval()
+        with torch.no_grad():
+            if "x" in inputs:
+                return F.cross_entropy(model(inputs["x"]), y).item()
+            return model(**inputs).loss.item()
+
+    before = eval_loss()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(15):
+        loss = F.cross_entropy(model(inputs["x"]), y) if "x" in inputs else model(**inputs).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = eval_loss()
+    assert after < 0.9 * before, (before, after)
