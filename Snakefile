@@ -29,6 +29,7 @@ include: "workflow/rules/tables.smk"
 include: "workflow/rules/plots.smk"
 include: "workflow/rules/notebooks.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/reference.smk"
 
 
 rule all:

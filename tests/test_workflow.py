@@ -207,3 +207,23 @@ def test_tables_put_paper_ours_and_ratio_side_by_side(tmp_path):
     tables.write(tables.memory_table(runs, claims), tmp_path / "m.md", tmp_path / "m.csv", "t")
     md = (tmp_path / "m.md").read_text()
     assert "| lowmembp" in md and "peak_ours/paper" in md and "LowMemoryBP headline" in md
+
+
+def test_stopping_the_wrapper_stops_the_job(tmp_path):
+    import signal
+    import time
+
+    out, log = tmp_path / "rec.json", tmp_path / "cell.log"
+    marker = tmp_path / "child_alive"
+    exe = _fake_python(tmp_path, f"trap 'rm -f {marker}; exit 143' TERM; touch {marker}; sleep 30 & wait")
+    p = subprocess.Popen([sys.executable, str(ROOT / "workflow" / "scripts" / "run_cell.py"), "--out", str(out),
+                          "--log", str(log), "--python", exe, "--", "--model", "m"])
+    for _ in range(100):
+        if marker.exists():
+            break
+        time.sleep(0.05)
+    assert marker.exists()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) != 0
+    assert not marker.exists(), "the training job kept running after its wrapper was stopped"
+    assert not out.exists()

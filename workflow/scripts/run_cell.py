@@ -76,12 +76,19 @@ def main(argv: list[str] | None = None) -> int:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait()
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
-            proc.wait()
-            raise
+
+        stopped = []
+
+        def forward(signum, frame):  # stopping this wrapper stops the job too, and leaves no record
+            stopped.append(signum)
+            proc.send_signal(signum)
+
+        for sig in USER_SIGNALS:
+            signal.signal(sig, forward)
+        rc = proc.wait()
+    if stopped:
+        a.out.unlink(missing_ok=True)
+        return 128 + stopped[0]
     if a.out.exists():
         return 0
     if rc < 0 and -rc in USER_SIGNALS:
