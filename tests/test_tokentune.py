@@ -524,3 +524,29 @@ def test_training_steps_lower_the_loss(name):
         opt.step()
     after = eval_loss()
     assert after < 0.9 * before, (before, after)
+
+
+@pytest.mark.parametrize("spec", ["tokentune", "tokentune+checkpointing"])
+def test_vit_drop_path_drops_a_sample_for_all_its_rows(spec):
+    """Stochastic depth decides per sample: drawn once per block for the selected and the unselected rows, in timm's
+    order, so with the same global RNG state the gradient equals the reference's (which runs timm's DropPath)."""
+    torch.manual_seed(0)
+    model = _vit(drop_path_rate=0.5, depth=3)
+    _randomise(model)
+    ref = copy.deepcopy(model).train()
+    inputs = batch("vit", B=6)
+    model = lowmembp.apply(model, spec, k=5, seed=3).train()  # private generator: global RNG left alone
+    torch.manual_seed(11)
+    loss = loss_of("vit", model, inputs)
+    loss.backward()
+    sel = tokentune_state(model).last
+    torch.manual_seed(11)
+    loss_ref = reference_loss("vit", ref, inputs, sel.positions, sel.valid)
+    loss_ref.backward()
+    torch.testing.assert_close(loss.detach(), loss_ref.detach(), rtol=1e-5, atol=1e-6)
+    compare_grads(grads(model), grads(ref))
+    tokentune_state(model).selector = lambda valid, k, decoder, gen: sel.positions  # same positions again
+    torch.manual_seed(11)
+    assert loss_of("vit", model, inputs).item() == loss.item()
+    torch.manual_seed(12)  # another draw of the masks alone changes the loss: they do matter here
+    assert abs(loss_of("vit", model, inputs).item() - loss.item()) > 1e-4

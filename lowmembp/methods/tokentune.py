@@ -33,8 +33,8 @@ stop-gradient on every unselected hidden state (at every block input). Outputs:
 
 The training forward is chosen by ``module.training`` alone (also under ``torch.no_grad()``); it does not take KV
 caches, ``output_attentions`` / ``output_hidden_states`` or 4-D masks (clear errors: use ``model.eval()``).
-Stochastic layers draw separately for the selected and the unselected rows (dropout is element-wise anyway;
-timm's per-sample DropPath may then drop a block for one set of rows of a sample and not for the other).
+Dropout draws separately for the selected and the unselected rows (it is element-wise anyway); timm's per-sample
+DropPath is drawn once per block for both, in timm's order (same global RNG state → same masks as the plain model).
 
 **Evaluation (``model.eval()``).** The ordinary forward, untouched: outputs equal the unconverted model's.
 

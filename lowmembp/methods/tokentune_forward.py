@@ -90,6 +90,7 @@ class Context:
     key_valid: torch.Tensor | None = None  # B×L bool, True = a real (non-padding) token
     causal: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # family data over all L positions (RoPE cos/sin)
+    noise: Any = None  # the current block's per-sample random decisions (ViT DropPath masks)
 
 
 def attention_mask_for(idx: torch.Tensor, length: int, key_valid: torch.Tensor | None, causal: bool):
@@ -148,6 +149,7 @@ def run_blocks(family: "Family", blocks: list[nn.Module], h: torch.Tensor, ctx: 
 
 def block_step(family: "Family", block: nn.Module, h: torch.Tensor, ctx: Context, ckpt: bool) -> torch.Tensor:
     sel, oth = ctx.selected, ctx.others
+    noise = ctx.noise = family.draw(block, h)  # per-sample randomness shared by both row sets
     if ckpt and torch.is_grad_enabled():
         out_o = None
         if oth.idx.shape[1] > 0:
@@ -155,6 +157,7 @@ def block_step(family: "Family", block: nn.Module, h: torch.Tensor, ctx: Context
                 out_o = family.rows(block, family.prepare(block, h, ctx), h, oth, ctx)
 
         def selected_part(h_):
+            ctx.noise = noise  # (the recompute runs later, after other blocks set theirs)
             return family.rows(block, family.prepare(block, h_, ctx), h_, sel, ctx)
 
         out_s = checkpoint(selected_part, h, use_reentrant=False)
@@ -185,6 +188,9 @@ class Family:
 
     def add_row_extras(self, rows: Rows, ctx: Context) -> None:
         pass
+
+    def draw(self, block, h):  # per-sample random decisions of the block, drawn once for both row sets
+        return None
 
 
 def _heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -231,8 +237,29 @@ class ViTFamily(Family):
         if getattr(a, "gate", None) is not None:
             o = o * a.gate(take(x, rows.idx)).sigmoid()
         o = a.proj_drop(a.proj(o))
-        hr = take(h, rows.idx) + block.drop_path1(block.ls1(o))
-        return hr + block.drop_path2(block.ls2(block.mlp(block.norm2(hr))))
+        m1, m2 = ctx.noise or (None, None)
+        hr = take(h, rows.idx) + _drop_path(block.drop_path1, block.ls1(o), m1)
+        return hr + _drop_path(block.drop_path2, block.ls2(block.mlp(block.norm2(hr))), m2)
+
+    def draw(self, block, h):
+        """timm DropPath decides per sample: draw each block's two keep-masks once (B×1×1, in the order and shape
+        timm draws them), so the selected and unselected rows of a sample are dropped together."""
+        masks = []
+        for dp in (block.drop_path1, block.drop_path2):
+            p = float(getattr(dp, "drop_prob", 0.0) or 0.0)
+            if not (dp.training and p > 0.0):
+                masks.append(None)
+                continue
+            keep = 1.0 - p
+            m = h.new_empty((h.shape[0],) + (1,) * (h.dim() - 1)).bernoulli_(keep)
+            if keep > 0.0 and getattr(dp, "scale_by_keep", True):
+                m.div_(keep)
+            masks.append(m)
+        return masks
+
+
+def _drop_path(dp: nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return dp(x) if mask is None else x * mask
 
 
 class BertFamily(Family):
