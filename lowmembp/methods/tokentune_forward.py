@@ -14,10 +14,11 @@ Every block is run twice over disjoint query rows, sharing one computation of th
 
 What backward keeps per block: the row-wise activations of the k selected rows (queries, attention output, MLP,
 norms: scale with k/L) plus the O(L·d) floor of the attention over all L tokens: the attention input (saved by the
-K/V projections), K and V, and — only when the norm before the attention is trainable (full fine-tuning) — that
-norm's input (a frozen or parameter-free norm runs on the selected rows with the graph and on the others without).
-Per token·d per block: BERT 3 values (h, K, V); ViT/LLaMA 3, or 4 with a trainable pre-norm (HF's LlamaRMSNorm also
-keeps its normalised fp32 value: 5). The unselected rows' activations are never saved.
+K/V projections), K and V, and — when the norm before the attention is trainable (full fine-tuning) — that norm's
+input too (a norm with frozen parameters, as under LoRA, runs on the selected rows with the graph and on the others
+without; a parameter-free MS norm saves only its output, which is the K/V projections' input anyway).
+Per token·d per block: BERT 3 values (h, K, V); ViT/LLaMA 3 (x, K, V), 4 with a trainable pre-norm (HF's
+LlamaRMSNorm also keeps its normalised fp32 value: 5). The unselected rows' activations are never saved.
 
 Under checkpointing (a block marked by timm's / transformers' own flags or wrapped in place), the unselected rows
 are computed outside the checkpoint and only the selected part is recomputed in backward.
