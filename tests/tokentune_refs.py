@@ -17,12 +17,13 @@ def _bert(roberta=False, layers=2, max_pos=160):
     return cls(cfg)
 
 
-def _llama(head="ForCausalLM", layers=2):
+def _llama(head="ForCausalLM", layers=2, arch="Llama"):
     import transformers
-    cfg = transformers.LlamaConfig(hidden_size=24, num_hidden_layers=layers, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=40, vocab_size=VOCAB,
-                                   max_position_embeddings=256, num_labels=3, pad_token_id=0)
-    return getattr(transformers, f"Llama{head}")(cfg)
+    extra = {"head_dim": 6} if arch == "Qwen3" else {}
+    cfg = getattr(transformers, f"{arch}Config")(hidden_size=24, num_hidden_layers=layers, num_attention_heads=4,
+                                                 num_key_value_heads=2, intermediate_size=40, vocab_size=VOCAB,
+                                                 max_position_embeddings=256, num_labels=3, pad_token_id=0, **extra)
+    return getattr(transformers, f"{arch}{head}")(cfg)
 
 
 def _vit(img=24, patch=4, depth=2, **kw):
@@ -44,6 +45,7 @@ MODELS = {
     "vit": (lambda: _vit(), "img"),
     "vit_avg": (lambda: _vit(global_pool="avg", class_token=False), "img"),
     "llama": (lambda: _llama(), "ids"),
+    "llama_qwen3": (lambda: _llama(arch="Qwen3"), "ids"),  # LLaMA-like with per-head q/k RMSNorm before RoPE
     "llama_cls": (lambda: _llama("ForSequenceClassification"), "ids"),
 }
 
@@ -121,7 +123,7 @@ def reference_loss(name, model, inputs, positions, valid):
         ids, mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
         if name.startswith("llama"):
             hs = pick(model.model(input_ids=ids, attention_mask=mask).last_hidden_state)
-            if name == "llama":
+            if not name.endswith("cls"):
                 logits = model.lm_head(hs)
                 nxt = F.pad(labels[:, 1:], (0, 1), value=-100)
                 targets = nxt.gather(1, positions).masked_fill(~valid, -100)
@@ -144,13 +146,16 @@ def grads(model):
 
 
 def compare_grads(g, gr):
+    """Every gradient equal to fp32 rounding: 2e-5 of its own scale, plus 1e-6 of the largest gradient of the model
+    (a gradient that is zero in exact arithmetic — a lone query's softmax — carries rounding noise of the others)."""
     assert set(g) == set(gr), set(g) ^ set(gr)
+    top = max(t.abs().max().item() for t in gr.values())
     worst = 0.0
     for n in g:
         scale = gr[n].abs().max().item()
         diff = (g[n] - gr[n]).abs().max().item()
         worst = max(worst, diff)
-        assert diff <= 2e-5 * max(scale, 1e-3), f"{n}: max diff {diff:.3g} vs scale {scale:.3g}"
+        assert diff <= 2e-5 * scale + 1e-6 * top, f"{n}: max diff {diff:.3g} vs scale {scale:.3g} (top {top:.3g})"
     return worst
 
 
