@@ -191,3 +191,15 @@ def test_paper_configs_parse_up_to_the_data_check(config, tmp_path):
     with pytest.raises(ArgError, match="not found") as err:  # every key and option valid; only the data is missing
         parse_args(["--config", str(config), "--data-dir", str(tmp_path), "--out", str(tmp_path / "r.json")])
     assert "Fetch" in str(err.value)
+
+
+def test_evidence_table_gaps_and_ratios():
+    from experiments.evidence import table
+
+    def rec(acc):
+        return {"status": "ok", "metric": {"value": acc}}
+    records = {("baseline", 0): rec(0.60), ("baseline", 1): rec(0.62), ("mesa", 0): rec(0.59), ("mesa", 1): rec(0.60)}
+    times = {"baseline": [1.0, 2.0, 1.0], "mesa": [1.5, 2.4, 1.3]}
+    rows = table(records, ["baseline", "mesa"], [0, 1], 16, times).splitlines()
+    assert rows[2].startswith("| baseline | 60.0 | 62.0 | 61.0 ± 1.4 | +0.0 | 1000 | 1.00 |")
+    assert rows[3] == "| mesa | 59.0 | 60.0 | 59.5 ± 0.7 | -1.5 | 1500 | 1.30 |"  # median of 1.5, 1.2, 1.3
