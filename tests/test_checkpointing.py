@@ -136,3 +136,27 @@ def test_after_tokentune_same_gradients_fewer_bytes(name):
     assert g0 and g0.keys() == g1.keys()
     for k in g0:
         torch.testing.assert_close(g1[k], g0[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["vit", "bert"])
+def test_wrapped_blocks_survive_save_load_and_deepcopy(name, tmp_path):
+    """torch.save / torch.load and deepcopy of a model whose blocks our wrapper checkpoints: the copy trains on its
+    own blocks, checkpointed like the original, with the same gradients."""
+    model, inputs = build(name)
+    model = lowmembp.apply(model, "checkpointing", every=2)
+    torch.save(model, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    for other in (loaded, copy.deepcopy(model)):
+        blocks = [s.get() for s in get_layout(other).blocks]
+        assert [is_checkpointed(b) for b in blocks] == [i % 2 == 0 for i in range(len(blocks))]
+        assert all(b.forward.block is b for b in blocks if is_checkpointed(b))
+        model.train(), other.train()
+        model.zero_grad()
+        batch = inputs()
+        logits(model, batch).sum().backward()
+        logits(other, batch).sum().backward()
+        ref = _grads(model)
+        got = _grads(other)
+        assert ref.keys() == got.keys()
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n])

@@ -18,7 +18,6 @@ checkpoints only in training mode with grad enabled — in eval it runs the plai
 from __future__ import annotations
 
 import functools
-import types
 
 import torch
 import torch.nn as nn
@@ -78,13 +77,24 @@ def wrap_block(block: nn.Module) -> nn.Module:
         return block
     inner = block.__dict__.get("forward")  # an instance-level forward another method installed, if any
     object.__setattr__(block, "_lowmembp_inner_forward", inner)
-    block.forward = types.MethodType(_checkpointed_forward, block)
+    block.forward = _CheckpointedForward(block)
     block._lowmembp_checkpointed = True
     return block
 
 
 def is_checkpointed(block: nn.Module) -> bool:
     return bool(getattr(block, "_lowmembp_checkpointed", False))
+
+
+class _CheckpointedForward:
+    """The instance-level forward of a wrapped block: a picklable callable (``torch.save(model)`` and
+    ``copy.deepcopy`` work; a bound method of a module-level function would not unpickle)."""
+
+    def __init__(self, block: nn.Module):
+        self.block = block
+
+    def __call__(self, *args, **kwargs):
+        return _checkpointed_forward(self.block, *args, **kwargs)
 
 
 def _checkpointed_forward(self, *args, **kwargs):
