@@ -165,8 +165,13 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     # nothing left to do; a changed setting reruns only what it touches
     p = snakemake("-n", "--configfile", str(config), cwd=tmp_path)
     assert "Nothing to be done" in p.stdout + p.stderr
-    p = snakemake("-n", "--configfile", str(config), "--config", "threads_per_run=2", cwd=tmp_path)
-    assert planned_jobs(p.stdout + p.stderr).get("train") == len(records)
+    changed = tmp_path / "changed.yaml"
+    cfg2 = yaml.safe_load(config.read_text())
+    cfg2["sweeps"]["tiny"]["steps"] += 1
+    changed.write_text(yaml.safe_dump(cfg2))
+    p = snakemake("-n", "--configfile", str(changed), cwd=tmp_path)
+    assert planned_jobs(p.stdout + p.stderr).get("train") == len(records)  # a changed parameter reruns the cells
+    assert "repro" not in planned_jobs(p.stdout + p.stderr)  # and not what does not depend on them
     # a missing record is redone alone
     records[0].unlink()
     p = snakemake("-n", "--configfile", str(config), cwd=tmp_path)
