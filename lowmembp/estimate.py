@@ -14,7 +14,8 @@ gradients (so the measured step is a steady one). Nothing large is allocated; Vi
 
 Numbers are exact storage bytes of the CPU kernels' choices under CPU autocast (flash attention saves q, k, v, o and
 the log-sum-exp, as on a GPU). Not included: CUDA allocator rounding and caching, cuBLAS/cuDNN workspaces, the CUDA
-context, the data loader, and what the GPU autocast casts differently.
+context, the data loader, and what the GPU autocast casts differently. A scalar read back from a fake tensor
+(``.item()``: a random seed) is 0.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lowmembp.memory import SavedTensorAccountant
 from lowmembp.memory_kinds import KINDS
@@ -74,10 +76,21 @@ _HF_CONFIGS = {
 
 
 def build(spec: ModelSpec, *, layers: int | None = None, overrides: dict | None = None,
-          device: str = "meta") -> nn.Module:
+          device: str = "meta", attention: str = "sdpa") -> nn.Module:
     """The model of ``spec`` on ``device`` (meta: no memory; ``layers``: keep only that many blocks; ``overrides``:
-    config changes, e.g. a smaller width for tests)."""
-    overrides = dict(overrides or {})
+    config changes, e.g. a smaller width for tests; ``attention``: ``"sdpa"`` (fused: flash on CPU) or ``"eager"``
+    (softmax and matmuls, as timm / transformers did before fused attention))."""
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(f"attention must be 'sdpa' or 'eager', got {attention!r}")
+    model = _build(spec, layers, dict(overrides or {}), device, attention)
+    if spec.family == "timm":
+        for m in model.modules():
+            if hasattr(m, "fused_attn"):
+                m.fused_attn = attention == "sdpa"
+    return model
+
+
+def _build(spec, layers, overrides, device, attention):
     with torch.device(device):
         if spec.family == "timm":
             import timm
@@ -92,15 +105,15 @@ def build(spec: ModelSpec, *, layers: int | None = None, overrides: dict | None 
             cfg["num_hidden_layers"] = layers
         if spec.family == "llama":
             from transformers import LlamaConfig, LlamaForCausalLM
-            return LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="sdpa"))
+            return LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation=attention))
         if spec.family == "bert":
             from transformers import BertConfig, BertForSequenceClassification
             return BertForSequenceClassification(BertConfig(**cfg, num_labels=spec.num_classes,
-                                                            attn_implementation="sdpa"))
+                                                            attn_implementation=attention))
         if spec.family == "roberta":
             from transformers import RobertaConfig, RobertaForSequenceClassification
             return RobertaForSequenceClassification(RobertaConfig(**cfg, num_labels=spec.num_classes,
-                                                                  attn_implementation="sdpa"))
+                                                                  attn_implementation=attention))
     raise ValueError(f"unknown model family {spec.family!r}")
 
 
@@ -118,18 +131,20 @@ def block_names(model: nn.Module) -> list[str]:
 def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: int | None = None,
              seq_len: int | None = None, dtype: str | None = None, layers: int | None = None,
              overrides: dict | None = None, device: str = "fake", peak: bool = True, seed: int = 0,
-             **method_options) -> dict:
+             attention: str = "sdpa", **method_options) -> dict:
     """Saved-for-backward bytes (whole model and one middle block) and the peak of one training step.
 
     ``model``: a key of :data:`MODELS` or a :class:`ModelSpec`; ``batch_size``/``seq_len``/``dtype`` default to the
     paper setting; ``layers``: build only that many blocks; ``device``: ``"fake"`` (no allocation) or ``"cpu"``
-    (real tensors, same procedure); ``peak=False`` skips the training step (saved bytes only, one forward).
+    (real tensors, same procedure); ``peak=False`` skips the training step (saved bytes only, one forward);
+    ``attention``: ``"sdpa"`` (default) or ``"eager"`` (see :func:`build`).
     """
     import lowmembp
+    from lowmembp.methods.registry import method_options as options_of
 
-    spec = MODELS[model] if isinstance(model, str) else model
     if isinstance(model, str) and model not in MODELS:
         raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
+    spec = MODELS[model] if isinstance(model, str) else model
     if device not in ("fake", "cpu"):
         raise ValueError(f"device must be 'fake' or 'cpu', got {device!r}")
     dtype = dtype or spec.dtype
@@ -141,13 +156,14 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     names = [n.strip() for n in method.split("+")]
     early = "+".join(n for n in names if n == "lora")
     late = "+".join(n for n in names if n not in ("lora", "baseline")) or None
-    opts_early = {k: v for k, v in method_options.items() if early and k in lowmembp.methods.method_options(early)}
+    opts_early = {k: v for k, v in method_options.items() if early and k in options_of(early)}
     opts_late = {k: v for k, v in method_options.items() if k not in opts_early}
 
-    model_ = build(spec, layers=layers, overrides=overrides, device="meta" if device == "fake" else "cpu")
+    model_ = build(spec, layers=layers, overrides=overrides, device="meta" if device == "fake" else "cpu",
+                   attention=attention)
     if early:
         model_ = lowmembp.apply(model_, early, **opts_early)
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if device == "fake" else contextlib.nullcontext()
+    mode = _fake_mode() if device == "fake" else contextlib.nullcontext()
     with mode:
         if device == "fake":
             model_ = model_.to_empty(device="cpu")
@@ -156,7 +172,7 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
         elif opts_late:
             raise TypeError(f"options {sorted(opts_late)} given but no method takes them")
         model_.train()
-        batch = _batch(spec, model_, bs, L)
+        batch = _batch(spec, model_, bs, L, (overrides or {}).get("vocab_size"))
         params = [p for p in model_.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True) if params else None
         acc = SavedTensorAccountant(model_)
@@ -188,6 +204,44 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
             "layers": len(blocks), "saved": acc.report(), "per_block": per_block, "peak": pk}
 
 
+class _ZeroScalars(TorchDispatchMode):
+    """Answer ``.item()`` on a fake tensor (a random seed, a range read back) with 0 instead of raising: values do
+    not matter for memory, and methods that read a scalar back (Mesa's seed) then run on fake tensors too."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            t = args[0]
+            return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _fake_mode():
+    with FakeTensorMode(allow_non_fake_inputs=True), _ZeroScalars(), _coarse_mesa_chunks():
+        yield
+
+
+@contextlib.contextmanager
+def _coarse_mesa_chunks(elements: int = 1 << 21):
+    """Mesa's CPU reference quantises in chunks of 8192 elements to keep its temporaries small; on fake tensors at
+    paper scale that is ~10^5 Python-level ops per step (minutes). Use chunks of 2M elements there: the same saved
+    bytes, a transient of ~32 MiB (<1 % of a ViT-B peak) instead of ~0.1 MiB, a few seconds."""
+    try:
+        from lowmembp.ops import mesa_quant
+    except ImportError:  # pragma: no cover - mesa not installed
+        yield
+        return
+    old = getattr(mesa_quant, "_CHUNK", None)
+    if old is None:
+        yield
+        return
+    mesa_quant._CHUNK = max(old, elements)
+    try:
+        yield
+    finally:
+        mesa_quant._CHUNK = old
+
+
 def _autocast(dtype: str):
     if DTYPES[dtype] is None:
         return contextlib.nullcontext()
@@ -204,14 +258,14 @@ def _timm_tokens(model: nn.Module) -> int | None:
     return n + getattr(base, "num_prefix_tokens", 0)
 
 
-def _batch(spec: ModelSpec, model: nn.Module, bs: int, L: int | None) -> dict:
+def _batch(spec: ModelSpec, model: nn.Module, bs: int, L: int | None, vocab: int | None = None) -> dict:
     if spec.family == "timm":
         base = getattr(getattr(model, "base_model", None), "model", model)
         size = getattr(base, "default_cfg", {}).get("input_size", (3, 224, 224))
         img = getattr(getattr(base, "patch_embed", None), "img_size", None)
         hw = tuple(img) if img is not None else tuple(size[1:])
         return {"x": torch.randn(bs, 3, *hw), "y": torch.randint(0, spec.num_classes, (bs,))}
-    vocab = _HF_CONFIGS[spec.arch]["vocab_size"]
+    vocab = vocab or _HF_CONFIGS[spec.arch]["vocab_size"]
     ids = torch.randint(3, vocab, (bs, L))
     if spec.family == "llama":
         return {"input_ids": ids, "labels": ids.clone()}

@@ -1,0 +1,36 @@
+"""Reproductions of published memory numbers, each a function returning a pandas DataFrame.
+
+    from lowmembp.repro import REPROS, run
+    df = run("fig1")                 # or REPROS["fig1"](small=True) for a reduced, seconds-long version
+    python -m lowmembp.repro fig1    # prints the table as markdown
+
+Names: ``block-breakdown`` (LowMemoryBP's per-block activation memory by op kind), ``fig1`` (LowMemoryBP Fig. 1 peak
+memory), ``mesa-table`` (the Mesa README's memory column), ``tokentune-memory`` (TokenTune memory vs batch size).
+All run the real timm / transformers code on fake tensors (:mod:`lowmembp.estimate`): no GPU, nothing large allocated.
+Every table puts the paper's value (where there is one), ours and their ratio side by side, and a ``note`` says why
+where they differ by more than 5 %.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import pandas as pd
+
+from lowmembp.repro._common import MiB, ratio, to_markdown
+from lowmembp.repro.block_breakdown import block_breakdown
+from lowmembp.repro.fig1 import fig1
+from lowmembp.repro.mesa_table import mesa_table
+from lowmembp.repro.tokentune_memory import tokentune_memory
+
+__all__ = ["REPROS", "run", "to_markdown", "MiB", "ratio"]
+
+REPROS: dict[str, Callable[..., pd.DataFrame]] = {
+    "block-breakdown": block_breakdown, "fig1": fig1, "mesa-table": mesa_table,
+    "tokentune-memory": tokentune_memory}
+
+
+def run(name: str, **kwargs) -> pd.DataFrame:
+    """Run reproduction ``name`` (see :data:`REPROS`); ``small=True`` for the reduced, fast version."""
+    if name not in REPROS:
+        raise ValueError(f"unknown reproduction {name!r}; known: {', '.join(REPROS)}")
+    return REPROS[name](**kwargs)

@@ -1,0 +1,62 @@
+"""The Mesa README's memory column: ImageNet training, batch 128, AMP, baseline vs Mesa (8-bit activations).
+
+Ours: the peak of one whole training step (all parameters trainable, AdamW) of the real timm model with eager attention
+(the timm of 2021 that Mesa measured: softmax output and attention matmul operands saved) on fake tensors,
+``baseline`` vs ``mesa`` (Linear, GELU, LayerNorm, softmax and attention matmuls saved in int8; lowmembp.methods.mesa).
+Paper: Mesa README (github.com/ziplab/Mesa), "train memory (MB)" on one GPU.
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from lowmembp.repro._common import MiB, ratio
+
+PAPER = {  # model key -> (label, baseline MB, mesa MB)
+    "deit_ti": ("DeiT-Ti", 4171, 1858),
+    "deit_s": ("DeiT-S", 8459, 3840),
+    "deit_b": ("DeiT-B", 17691, 8616),
+    "swin_t": ("Swin-T", 11812, 5371),
+}
+
+
+def mesa_table(small: bool = False, batch_size: int = 128, models: tuple[str, ...] | None = None) -> pd.DataFrame:
+    """One row per (model, method): paper MB, ours MiB, ratio, saving (paper, ours)."""
+    from lowmembp.estimate import estimate
+
+    rows = []
+    for key in models or tuple(PAPER):
+        label, p_base, p_mesa = PAPER[key]
+        # eager attention, as the timm of 2021 that Mesa measured (softmax output and attention matmuls saved);
+        # Mesa's own method compresses exactly those
+        kw = dict(batch_size=2 if small else batch_size, dtype="fp16", attention="eager")
+        if small:
+            kw["overrides"] = {"img_size": 64} if key.startswith("deit") else {"img_size": 64, "window_size": 2}
+        ours = {}
+        for method, paper in (("baseline", p_base), ("mesa", p_mesa)):
+            est = estimate(key, method, **kw)
+            ours[method] = est["peak"]["bytes"] / MiB
+            r = ratio(ours[method], paper)
+            rows.append({"model": label, "method": method, "paper_MB": paper, "ours_MiB": ours[method], "ratio": r,
+                         "paper_saving_%": None if method == "baseline" else 100 * (1 - p_mesa / p_base),
+                         "ours_saving_%": None if method == "baseline" else
+                         100 * (1 - ours["mesa"] / ours["baseline"]),
+                         "saved_for_backward_MiB": est["saved"]["total"] / MiB,
+                         "note": ""})
+            if r is not None and abs(r - 1) > 0.05 and not small:
+                rows[-1]["note"] = _why(method, r)
+    df = pd.DataFrame(rows)
+    df.attrs["caption"] = (f"batch {2 if small else batch_size}, 224 px, 1000 classes, fp16 CPU autocast, AdamW, all "
+                           "parameters trainable; peak of one steady training step on fake tensors. Paper: Mesa "
+                           "README (MB as printed there; the repository reports torch.cuda.max_memory_allocated/2**20).")
+    return df
+
+
+def _why(method: str, r: float) -> str:
+    if method == "baseline":
+        return (f"ours is {r:.2f}× the README's: we count exact tensor bytes of today's timm block (the LowMemoryBP "
+                "block model's 19 units plus eager attention's B·H·N² softmax and matmul operands); the README's "
+                "run (2021 timm, DeiT recipe with drop-path, apex AMP, CUDA caching allocator) held more, which "
+                "we cannot attribute from the README alone (not verified on a GPU here)")
+    return ("compare the savings: Mesa's README halves memory; our Mesa compresses the same layers but the "
+            "baseline it is measured against keeps less (see the baseline row), and CPU autocast's fp16 copies "
+            "of linear inputs that Mesa does not replace stay")

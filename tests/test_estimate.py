@@ -1,0 +1,95 @@
+"""Paper-scale estimates (lowmembp.estimate): fake tensors reproduce real CPU runs on small configs."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowmembp.estimate import MODELS, block_names, build, estimate
+from lowmembp.memory_kinds import KINDS
+from lowmembp.peak import profiler_peak
+
+VIT_SMALL = dict(overrides={"img_size": 32, "embed_dim": 48, "num_heads": 3}, layers=2, batch_size=3)
+LLAMA_SMALL = dict(overrides={"hidden_size": 64, "intermediate_size": 172, "num_attention_heads": 4,
+                              "num_key_value_heads": 4, "vocab_size": 97}, layers=2, batch_size=2, seq_len=11)
+BERT_SMALL = dict(overrides={"hidden_size": 48, "intermediate_size": 96, "num_attention_heads": 4, "vocab_size": 101},
+                  layers=2, batch_size=3, seq_len=13)
+
+
+def _same(fake, real):
+    assert fake["saved"] == real["saved"]                   # saved bytes: exactly
+    assert fake["per_block"] == real["per_block"]
+    assert abs(fake["peak"]["bytes"] - real["peak"]["bytes"]) <= 0.05 * real["peak"]["bytes"]
+    assert "fake" in fake["peak"]["how"] and "fake" not in real["peak"]["how"]
+
+
+@pytest.mark.parametrize("method,dtype", [("baseline", "bf16"), ("lora", "fp16"), ("lora+lowmembp", "bf16")])
+def test_vit_fake_equals_real(method, dtype):
+    kw = dict(VIT_SMALL, dtype=dtype)
+    _same(estimate("vit_b16", method, **kw), estimate("vit_b16", method, device="cpu", **kw))
+
+
+@pytest.mark.parametrize("method", ["baseline", "lowmembp"])
+def test_llama_fake_equals_real(method):
+    _same(estimate("llama_7b", method, **LLAMA_SMALL), estimate("llama_7b", method, device="cpu", **LLAMA_SMALL))
+
+
+def test_bert_tokentune_fake_equals_real():
+    kw = dict(BERT_SMALL, k=4)
+    _same(estimate("bert_large", "tokentune", **kw), estimate("bert_large", "tokentune", device="cpu", **kw))
+
+
+def test_fake_peak_matches_cpu_allocator():
+    """The fake estimate against the CPU allocator's own event log on a real run of the same step."""
+    est = estimate("vit_b16", "lora", dtype="bf16", **VIT_SMALL)
+    import lowmembp
+    torch.manual_seed(0)
+    model = lowmembp.apply(build(MODELS["vit_b16"], layers=2, overrides=VIT_SMALL["overrides"], device="cpu"),
+                           "lora", rank=4)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.1,
+                            fused=True)
+    x, y = torch.randn(3, 3, 32, 32), torch.randint(0, 100, (3,))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    real = profiler_peak(model, opt, step, external=(x, y))
+    assert abs(est["peak"]["bytes"] - real) <= 0.05 * real
+
+
+def test_per_block_and_categories_are_consistent():
+    est = estimate("vit_b16", "baseline", **VIT_SMALL)
+    assert est["layers"] == 2 and est["seq_len"] == 5  # (32/16)^2 patches + the class token
+    assert set(est["per_block"]) == set(KINDS)
+    assert 0 < sum(est["per_block"].values()) < est["saved"]["total"]
+    cats = est["peak"]["by_category"]
+    assert sum(cats.values()) == est["peak"]["bytes"]
+    nparam = 4 * sum(p.numel() for p in build(MODELS["vit_b16"], **{k: VIT_SMALL[k] for k in ("layers", "overrides")})
+                     .parameters())
+    assert cats["parameters"] == nparam
+
+
+def test_saved_bytes_scale_with_batch():
+    a = estimate("vit_b16", "baseline", peak=False, **dict(VIT_SMALL, batch_size=2))
+    b = estimate("vit_b16", "baseline", peak=False, **dict(VIT_SMALL, batch_size=4))
+    assert a["peak"] is None
+    for k in KINDS:
+        assert b["per_block"][k] == 2 * a["per_block"][k]
+
+
+def test_block_names():
+    m = build(MODELS["swin_t"])
+    names = block_names(m)
+    assert len(names) == 12 and names[0] == "layers.0.blocks.0"
+    assert block_names(build(MODELS["llama_7b"], layers=3)) == [f"model.layers.{i}" for i in range(3)]
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="unknown model"):
+        estimate("vit_x")
+    with pytest.raises(ValueError, match="dtype"):
+        estimate("vit_b16", dtype="fp8", **{k: VIT_SMALL[k] for k in ("layers", "overrides")})
+    with pytest.raises(ValueError, match="device"):
+        estimate("vit_b16", device="cuda")
