@@ -30,7 +30,10 @@ def mesa_table(small: bool = False, batch_size: int = 128, models: tuple[str, ..
         # Mesa's own method compresses exactly those
         kw = dict(batch_size=2 if small else batch_size, dtype="fp16", attention="eager")
         if small:
-            kw["overrides"] = {"img_size": 64} if key.startswith("deit") else {"img_size": 64, "window_size": 2}
+            if key.startswith("deit"):
+                kw.update(overrides={"img_size": 64}, layers=2)
+            else:
+                kw.update(overrides={"img_size": 64, "window_size": 2, "depths": (1, 1, 1, 1)})
         ours = {}
         for method, paper in (("baseline", p_base), ("mesa", p_mesa)):
             est = estimate(key, method, **kw)
