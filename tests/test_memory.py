@@ -218,3 +218,26 @@ def test_storage_tracker_frees_and_tags():
     assert tr.total == 16 * 16 * 4 + 200 + 40
     assert tr.peak_by_category["activations"] == 600
     del b, c
+
+
+@pytest.mark.gpu
+def test_cuda_peak_from_allocator_and_events():
+    from lowmembp.timing import time_steps
+
+    torch.manual_seed(0)
+    model = _tiny_vit("cpu").cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(4, 3, 48, 48, device="cuda"), torch.randint(0, 5, (4,), device="cuda")
+
+    def step():
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    pk = measure_step_peak(model, opt, step, external=(x, y))
+    assert pk["how"] == "cuda max_memory_allocated"
+    cats = pk["by_category"]
+    assert cats["parameters"] == sum(p.numel() for p in model.parameters()) * 4
+    assert pk["bytes"] >= cats["parameters"] + cats["optimizer_state"]
+    t = time_steps(step, warmup=1, repeats=3, device="cuda")
+    assert t["how"] == "cuda events" and t["n"] == 3 and 0 < t["p20"] <= t["p80"]
