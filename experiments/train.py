@@ -260,7 +260,9 @@ def summary(rec: dict, out: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    argv = sys.argv[1:] if argv is None else argv
+    if "--download" not in argv:  # no hub at run time unless asked (read by huggingface_hub at import)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
         cfg, task = parse_args(argv)
