@@ -14,8 +14,9 @@ gradients (so the measured step is a steady one). Nothing large is allocated; Vi
 
 Numbers are exact storage bytes of the CPU kernels' choices under CPU autocast (flash attention saves q, k, v, o and
 the log-sum-exp, as on a GPU). Not included: CUDA allocator rounding and caching, cuBLAS/cuDNN workspaces, the CUDA
-context, the data loader, and what the GPU autocast casts differently. A scalar read back from a fake tensor
-(``.item()``: a random seed) is 0.
+context, the data loader, and what the GPU autocast casts differently. Code that reads a value back from a fake
+tensor (``.item()``) fails here, as it would under any fake mode: the ops of this package do not (Mesa draws its seed
+from a real CPU generator and, on fake tensors, allocates its codes without computing them).
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lowmembp.memory import SavedTensorAccountant
 from lowmembp.memory_kinds import KINDS
@@ -163,7 +163,7 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
                    attention=attention)
     if early:
         model_ = lowmembp.apply(model_, early, **opts_early)
-    mode = _fake_mode() if device == "fake" else contextlib.nullcontext()
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if device == "fake" else contextlib.nullcontext()
     with mode:
         if device == "fake":
             model_ = model_.to_empty(device="cpu")
@@ -202,44 +202,6 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     tokens = L if spec.family != "timm" else _timm_tokens(model_)
     return {"model": spec.arch, "method": method, "batch_size": bs, "seq_len": tokens, "dtype": dtype,
             "layers": len(blocks), "saved": acc.report(), "per_block": per_block, "peak": pk}
-
-
-class _ZeroScalars(TorchDispatchMode):
-    """Answer ``.item()`` on a fake tensor (a random seed, a range read back) with 0 instead of raising: values do
-    not matter for memory, and methods that read a scalar back (Mesa's seed) then run on fake tensors too."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            t = args[0]
-            return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def _fake_mode():
-    with FakeTensorMode(allow_non_fake_inputs=True), _ZeroScalars(), _coarse_mesa_chunks():
-        yield
-
-
-@contextlib.contextmanager
-def _coarse_mesa_chunks(elements: int = 1 << 21):
-    """Mesa's CPU reference quantises in chunks of 8192 elements to keep its temporaries small; on fake tensors at
-    paper scale that is ~10^5 Python-level ops per step (minutes). Use chunks of 2M elements there: the same saved
-    bytes, a transient of ~32 MiB (<1 % of a ViT-B peak) instead of ~0.1 MiB, a few seconds."""
-    try:
-        from lowmembp.ops import mesa_quant
-    except ImportError:  # pragma: no cover - mesa not installed
-        yield
-        return
-    old = getattr(mesa_quant, "_CHUNK", None)
-    if old is None:
-        yield
-        return
-    mesa_quant._CHUNK = max(old, elements)
-    try:
-        yield
-    finally:
-        mesa_quant._CHUNK = old
 
 
 def _autocast(dtype: str):

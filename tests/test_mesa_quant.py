@@ -1,6 +1,8 @@
 """Mesa 8-bit quantisation: Triton kernel vs PyTorch reference, error bound, unbiasedness, clamping, EMA, bytes."""
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lowmembp.ops import mesa_quant as mq
 
@@ -163,3 +165,69 @@ def test_kernel_on_gpu_matches_reference(dtype):
     i2, g2 = mq.group_layout(big, "channel", 8)
     q2 = mq.quantize(big, *_ranges(big, i2, g2), i2, g2)
     assert float((mq.dequantize(q2).float() - big.float()).abs().max()) <= float(q2.step.max()) * 1.01 + 1e-2
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.biggest = 0  # bytes of the largest tensor an op returned
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.biggest = max(self.biggest, t.numel() * t.element_size())
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_quantize_under_fake_tensor_mode(dtype):
+    """Shape-only tensors: no ``.item()``, no chunk loop, only the outputs allocated; seeds as on real tensors."""
+    shape = (3, 1001, 12)  # 36036 elements: 36036 chunks of 1 if the reference looped on fake tensors
+    with FakeTensorMode():
+        q = mq.EMAQuantizer(8, mode="channel")  # shrinks to gcd(12, 8) = 4 groups on the first call
+        x = torch.randn(shape, dtype=dtype)
+        counter = _CountOps()
+        with mq.chunk_size(1), counter:
+            qt = q.pack(x)
+            xh = mq.dequantize(qt)
+    assert counter.ops < 60, counter.ops
+    assert counter.biggest == x.numel() * x.element_size()  # the dequantised output; no larger temporary
+    assert is_fake(qt.codes) and qt.codes.dtype == torch.uint8 and qt.codes.shape == shape
+    assert qt.step.shape == qt.beta.shape == (4,) and q.alpha.shape == (4,)
+    assert qt.nbytes() == x.numel() + 4 * 2 * 4
+    assert xh.shape == shape and xh.dtype == dtype
+    assert mq.get_chunk_size() == mq.DEFAULT_CHUNK  # the context manager restored it
+    # the seed comes from torch's default generator inside the fake mode as outside
+    torch.manual_seed(11)
+    outside = mq.draw_seed()
+    torch.manual_seed(11)
+    with FakeTensorMode():
+        assert mq.draw_seed() == outside
+
+
+def test_chunk_size_does_not_change_codes():
+    torch.manual_seed(2)
+    x = torch.randn(5, 37) * 4
+    inner, G = mq.group_layout(x, "channel", 37)
+    alpha, beta = _ranges(x, inner, G)
+    torch.manual_seed(9)
+    default = mq.quantize(x, alpha, beta, inner, G)
+    torch.manual_seed(9)
+    with mq.chunk_size(7):
+        assert mq.get_chunk_size() == 7
+        chunked = mq.quantize(x, alpha, beta, inner, G)
+    torch.manual_seed(9)
+    explicit = mq.quantize_ref(x, 255.0 / alpha, beta, inner, G, mq.draw_seed(), chunk=x.numel())
+    assert torch.equal(default.codes, chunked.codes) and torch.equal(default.codes, explicit)
+    assert torch.equal(mq.dequantize_ref(default.codes, default.step, default.beta, inner, G, torch.float32, chunk=3),
+                       mq.dequantize(default))
+    old = mq.set_chunk_size(100)
+    assert mq.set_chunk_size(None) == 100 and mq.get_chunk_size() == mq.DEFAULT_CHUNK == old
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="positive int"):
+            mq.set_chunk_size(bad)
+        with pytest.raises(ValueError, match="positive int"):
+            mq.quantize_ref(x, 255.0 / alpha, beta, inner, G, 1, chunk=bad)

@@ -23,19 +23,27 @@ Dequantise: ``x̂ = q·(α/255) + β``. Within the range the error is below α/2
 Random numbers: a counter-based hash of (seed, element index) — ``h = lowbias32(i·0x9E3779B9 + seed)``,
 ``u = (h >> 8)·2⁻²⁴`` — computed inside the Triton kernel (no float u tensor is ever materialised on the GPU) and by
 the PyTorch reference in the same way, so kernel and reference agree bit for bit given the seed (indices are taken
-modulo 2³²). The seed of each call is drawn from torch's default generator, so ``torch.manual_seed`` makes a run
-reproducible.
+modulo 2³²). The seed of each call is drawn from torch's default CPU generator, so ``torch.manual_seed`` makes a
+run reproducible; it is drawn on a real CPU tensor outside any fake mode, so it works while the data are fake.
+
+CPU reference: it works in chunks of :func:`get_chunk_size` elements (default 8192) so that its int64 / fp32
+temporaries stay small; change that with :func:`set_chunk_size` or, for a block of code, ``with chunk_size(n):``.
+Shape-only tensors (``FakeTensorMode`` or the meta device, e.g. :mod:`lowmembp.estimate`) carry no values: there the
+reference allocates the output only (uint8 codes, or the dequantised tensor), in one piece, as the Triton kernel
+does — no chunk loop, no temporaries.
 
 Backend: Triton on CUDA tensors, the PyTorch reference elsewhere (:func:`lowmembp._backend.backend_for`). Kernels
 load, cast to fp32, compute, cast back (bf16 arithmetic is never used); fp32, fp16 and bf16 inputs are accepted.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from lowmembp._backend import backend_for, check_float_input
 
@@ -118,13 +126,13 @@ def quantize(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, inner: in
     check_float_input(x, "mesa quantize")
     _check_groups(x, inner, groups, alpha, beta)
     if seed is None:
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        seed = draw_seed()
     alpha = alpha.detach().float().clamp_min(_MIN_RANGE)
     scale = (255.0 / alpha).contiguous()
     step = (alpha / 255.0).contiguous()
     beta = beta.detach().float().clone().contiguous()
     xc = x.detach().contiguous()
-    if backend_for(x) == "triton":
+    if backend_for(x) == "triton" and not _shape_only(xc):
         codes = _quantize_triton(xc, scale, beta, inner, groups, seed)
     else:
         codes = quantize_ref(xc, scale, beta, inner, groups, seed)
@@ -134,9 +142,23 @@ def quantize(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, inner: in
 def dequantize(qt: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x̂ = q·step + β`` per group, in ``dtype`` (default: the dtype that was quantised)."""
     dtype = dtype or qt.dtype
-    if backend_for(qt.codes) == "triton":
+    if backend_for(qt.codes) == "triton" and not _shape_only(qt.codes):
         return _dequantize_triton(qt.codes, qt.step, qt.beta, qt.inner, qt.groups, dtype)
     return dequantize_ref(qt.codes, qt.step, qt.beta, qt.inner, qt.groups, dtype)
+
+
+def draw_seed() -> int:
+    """A seed in [0, 2³¹ − 1) from torch's default CPU generator (``torch.manual_seed`` reproduces the sequence).
+
+    Drawn on a real CPU tensor with any ``FakeTensorMode`` unset for the moment, so it also works while the data are
+    fake or on the meta device (a fake tensor has no value to read back)."""
+    with unset_fake_temporarily():
+        return int(torch.randint(0, 2**31 - 1, (1,), device="cpu").item())
+
+
+def _shape_only(t: torch.Tensor) -> bool:
+    """True for tensors without data: the meta device or a fake tensor."""
+    return t.device.type == "meta" or is_fake(t)
 
 
 def _check_groups(x, inner, groups, alpha, beta):
@@ -159,7 +181,45 @@ def hash_uniform(n: int, seed: int, device=None, start: int = 0) -> torch.Tensor
     return (h >> 8).to(torch.float32) * (2.0 ** -24)
 
 
-_CHUNK = 1 << 13  # the references work in chunks so that their int64 / fp32 temporaries stay small
+DEFAULT_CHUNK = 1 << 13  # the references work in chunks so that their int64 / fp32 temporaries stay small
+_chunk = DEFAULT_CHUNK
+
+
+def get_chunk_size() -> int:
+    """Elements per chunk of the CPU references (:func:`quantize_ref`, :func:`dequantize_ref`)."""
+    return _chunk
+
+
+def set_chunk_size(elements: int | None) -> int:
+    """Set the elements per chunk of the CPU references (``None``: the default, 8192); returns the previous value.
+
+    Larger chunks mean fewer Python-level ops and larger temporaries (about 40 bytes per element of a chunk). The
+    codes do not depend on it: the random numbers are indexed by element, not by chunk."""
+    global _chunk
+    if elements is None:
+        elements = DEFAULT_CHUNK
+    if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
+        raise ValueError(f"mesa chunk size must be a positive int (elements), got {elements!r}")
+    old, _chunk = _chunk, elements
+    return old
+
+
+@contextlib.contextmanager
+def chunk_size(elements: int | None):
+    """``with chunk_size(n): ...``: the CPU references use chunks of ``n`` elements inside the block."""
+    old = set_chunk_size(elements)
+    try:
+        yield
+    finally:
+        set_chunk_size(old)
+
+
+def _chunk_for(chunk: int | None) -> int:
+    if chunk is None:
+        return _chunk
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"mesa chunk must be a positive int (elements), got {chunk!r}")
+    return chunk
 
 
 def _group_index(start: int, n: int, inner: int, groups: int, device) -> torch.Tensor:
@@ -167,12 +227,18 @@ def _group_index(start: int, n: int, inner: int, groups: int, device) -> torch.T
 
 
 def quantize_ref(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
-                 seed: int) -> torch.Tensor:
-    """Reference quantiser: ``clamp(floor((x − β[g])·scale[g] + u), 0, 255)`` as uint8, ``scale = 255/α``."""
+                 seed: int, chunk: int | None = None) -> torch.Tensor:
+    """Reference quantiser: ``clamp(floor((x − β[g])·scale[g] + u), 0, 255)`` as uint8, ``scale = 255/α``.
+
+    ``chunk``: elements per step (default :func:`get_chunk_size`); the result does not depend on it. On a fake or
+    meta ``x`` only the output is allocated (there are no values to compute)."""
     flat = x.reshape(-1)
     out = torch.empty(flat.shape, dtype=torch.uint8, device=x.device)
-    for start in range(0, flat.numel(), _CHUNK):
-        n = min(_CHUNK, flat.numel() - start)
+    if _shape_only(x):
+        return out.reshape(x.shape)
+    n_chunk = _chunk_for(chunk)
+    for start in range(0, flat.numel(), n_chunk):
+        n = min(n_chunk, flat.numel() - start)
         g = _group_index(start, n, inner, groups, x.device)
         y = (flat[start:start + n].float() - beta[g]) * scale[g]
         q = torch.floor(y + hash_uniform(n, seed, x.device, start)).clamp_(0, 255)
@@ -181,12 +247,15 @@ def quantize_ref(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner
 
 
 def dequantize_ref(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """Reference dequantiser: ``q·step[g] + β[g]`` in fp32, cast to ``dtype``."""
+                   dtype: torch.dtype, chunk: int | None = None) -> torch.Tensor:
+    """Reference dequantiser: ``q·step[g] + β[g]`` in fp32, cast to ``dtype`` (``chunk`` as in :func:`quantize_ref`)."""
     flat = codes.reshape(-1)
     out = torch.empty(flat.shape, dtype=dtype, device=codes.device)
-    for start in range(0, flat.numel(), _CHUNK):
-        n = min(_CHUNK, flat.numel() - start)
+    if _shape_only(codes):
+        return out.reshape(codes.shape)
+    n_chunk = _chunk_for(chunk)
+    for start in range(0, flat.numel(), n_chunk):
+        n = min(n_chunk, flat.numel() - start)
         g = _group_index(start, n, inner, groups, codes.device)
         out[start:start + n] = (flat[start:start + n].float() * step[g] + beta[g]).to(dtype)
     return out.reshape(codes.shape)
@@ -275,6 +344,7 @@ class EMAQuantizer(nn.Module):
         self.register_buffer("alpha", torch.zeros(self.num_groups), persistent=False)
         self.register_buffer("beta", torch.zeros(self.num_groups), persistent=False)
         self.register_buffer("count", torch.zeros((), dtype=torch.int64), persistent=False)
+        self._updated = False  # whether an EMA update has happened (known without reading ``count`` back)
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, groups={self.num_groups}, momentum={self.momentum}"
@@ -290,6 +360,7 @@ class EMAQuantizer(nn.Module):
             mn, mx = group_min_max(x, inner, groups)
             if self.training:
                 ema_update(self.alpha, self.beta, self.count, mn, mx, self.momentum)
+                self._updated = True
                 alpha, beta = self.alpha, self.beta
             else:
                 started = self.count > 0
@@ -298,7 +369,7 @@ class EMAQuantizer(nn.Module):
         return quantize(x, alpha, beta, inner, groups)
 
     def _resize(self, groups: int, device) -> None:
-        if int(self.count) != 0:
+        if getattr(self, "_updated", False):
             raise ValueError(f"EMAQuantizer: channel groups changed from {self.alpha.numel()} to {groups} "
                              "after training started (the layer saw inputs of another width)")
         self.alpha = torch.zeros(groups, device=device)
