@@ -28,6 +28,13 @@ def test_block_breakdown_small():
     assert vit.loc["activation fn", "real_base"] == pytest.approx(4.0)
     assert vit.loc["activation fn", "real_lowmembp"] == pytest.approx(0.5)
     assert vit.loc["total", "paper_base"] == 19
+    # the paper's other ViT units: LayerNorm inputs 2+2 (fp32) -> 0 with MS-LN (only mean/rstd per row are left),
+    # linear inputs 7 either way; the real saving lands near the paper's 39.47 %
+    assert vit.loc["norm", "real_base"] == pytest.approx(4.0, abs=0.05) and vit.loc["norm", "real_lowmembp"] < 0.05
+    assert vit.loc["linear inputs", "real_base"] == pytest.approx(vit.loc["linear inputs", "real_lowmembp"])
+    assert vit.loc["linear inputs", "real_base"] == pytest.approx(7.0, abs=0.01)
+    assert 36 < vit.loc["saving %", "real_lowmembp"] < 45
+    assert vit.loc["saving %", "paper_lowmembp"] == pytest.approx(39.47, abs=0.005)
     llama = df[df.model == "LLaMA-7B"].set_index("slice")
     assert llama.loc["activation fn", "real_lowmembp"] == pytest.approx(11008 / 4096 / 8)
     assert llama.loc["saving %", "real_lowmembp"] > 0
