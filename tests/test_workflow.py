@@ -172,9 +172,15 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     p = snakemake("-n", "--configfile", str(changed), cwd=tmp_path)
     assert planned_jobs(p.stdout + p.stderr).get("train") == len(records)  # a changed parameter reruns the cells
     assert "repro" not in planned_jobs(p.stdout + p.stderr)  # and not what does not depend on them
-    # a missing record is redone alone
+    # a cell added to the sweep is run alone (the others are kept), and so is a missing record asked for
+    cfg3 = yaml.safe_load(config.read_text())
+    cfg3["sweeps"]["tiny"]["seeds"] = cfg3["sweeps"]["tiny"].get("seeds", [0]) + [7]
+    more = tmp_path / "more.yaml"
+    more.write_text(yaml.safe_dump(cfg3))
+    p = snakemake("-n", "--configfile", str(more), cwd=tmp_path)
+    assert planned_jobs(p.stdout + p.stderr).get("train") == len(cfg3["sweeps"]["tiny"]["methods"])
     records[0].unlink()
-    p = snakemake("-n", "--configfile", str(config), cwd=tmp_path)
+    p = snakemake("-n", str(records[0].relative_to(tmp_path)), "--configfile", str(config), cwd=tmp_path)
     assert planned_jobs(p.stdout + p.stderr).get("train") == 1
     # the report
     snakemake("--configfile", str(config), "--cores", "1", cwd=tmp_path)
