@@ -33,7 +33,7 @@ from lowmembp.memory import SavedTensorAccountant
 from lowmembp.memory_kinds import KINDS
 from lowmembp.peak import measure_step_peak, prime_optimizer
 
-__all__ = ["MODELS", "ModelSpec", "estimate", "build", "block_names", "DTYPES"]
+__all__ = ["MODELS", "ModelSpec", "estimate", "estimate_by_depth", "full_depth", "build", "block_names", "DTYPES"]
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -202,6 +202,54 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     tokens = L if spec.family != "timm" else _timm_tokens(model_)
     return {"model": spec.arch, "method": method, "batch_size": bs, "seq_len": tokens, "dtype": dtype,
             "layers": len(blocks), "saved": acc.report(), "per_block": per_block, "peak": pk}
+
+
+def full_depth(model: str | ModelSpec, overrides: dict | None = None) -> int:
+    """The number of transformer blocks of the full model (built on the meta device: no memory)."""
+    spec = MODELS[model] if isinstance(model, str) else model
+    return len(block_names(build(spec, overrides=overrides, device="meta")))
+
+
+def estimate_by_depth(model: str | ModelSpec, method: str = "baseline", *, layers: int | None = None,
+                      shallow: tuple[int, int] = (2, 3), **kwargs) -> dict:
+    """:func:`estimate` of a ``layers``-block model (default: the full depth) from two shallow builds.
+
+    Every block of a ViT / DeiT / BERT / LLaMA is the same, so each byte count — saved bytes by kind, storages,
+    the peak and its split by category — grows by the same amount per block: ``f(L) = f(a) + (f(b) − f(a))·(L − a)
+    / (b − a)`` with ``(a, b) = shallow``. That holds from two blocks on where the step's peak falls at the same
+    point for every depth (measured for every configuration of :mod:`lowmembp.repro`: equal to the byte to full-depth
+    runs, and tested). It does not hold from one block: there the peak can fall in another phase of the step (BERT-
+    large full fine-tuning at batch 8 peaks in the optimizer step with one block, in the backward with two or more),
+    so the default is (2, 3). Not for models whose depth is per stage (Swin: ``layers=`` is refused there).
+    ``per_block`` comes from the deeper build (one middle block, the same at any depth).
+    """
+    a, b = shallow
+    if not 1 <= a < b:
+        raise ValueError(f"shallow must be two depths 1 <= a < b, got {shallow!r}")
+    depth = layers if layers is not None else full_depth(model, kwargs.get("overrides"))
+    if depth <= b:
+        return estimate(model, method, layers=depth, **kwargs)
+    lo = estimate(model, method, layers=a, **kwargs)
+    hi = estimate(model, method, layers=b, **kwargs)
+
+    def extend(x, y, key=None):
+        if key == "per_block":
+            return y
+        if isinstance(x, dict):
+            return {k: extend(x[k], y[k], k) for k in y}
+        if isinstance(x, int) and not isinstance(x, bool) and key != "batch_size" and key != "seq_len":
+            step, rem = divmod(y - x, b - a)
+            if rem:
+                raise ValueError(f"estimate_by_depth: {key} changes by {y - x} bytes over {b - a} blocks, not a "
+                                 "whole number per block; use estimate(layers=...) at full depth")
+            return y + step * (depth - b)
+        return y
+
+    out = extend(lo, hi)
+    out["layers"] = depth
+    if out.get("peak") is not None:
+        out["peak"]["how"] += f" (extrapolated to {depth} blocks from {a} and {b})"
+    return out
 
 
 def _autocast(dtype: str):

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowmembp.estimate import MODELS, block_names, build, estimate
+from lowmembp.estimate import MODELS, block_names, build, estimate, estimate_by_depth, full_depth
 from lowmembp.memory_kinds import KINDS
 from lowmembp.peak import profiler_peak
 
@@ -77,6 +77,32 @@ def test_saved_bytes_scale_with_batch():
     assert a["peak"] is None
     for k in KINDS:
         assert b["per_block"][k] == 2 * a["per_block"][k]
+
+
+def _no_layers(kw):
+    return {k: v for k, v in kw.items() if k != "layers"}
+
+
+@pytest.mark.parametrize("model,method,kw", [
+    ("bert_large", "baseline", _no_layers(BERT_SMALL)),
+    ("bert_large", "lora+tokentune", dict(_no_layers(BERT_SMALL), k=4, rank=4)),
+    ("vit_b16", "lora+mesa-gelu-ln", dict(_no_layers(VIT_SMALL), dtype="fp16")),
+])
+def test_estimate_by_depth_equals_full_depth(model, method, kw):
+    """Two shallow builds extended to the full depth give the full-depth estimate to the byte (peak included)."""
+    full = estimate(model, method, **kw)
+    ext = estimate_by_depth(model, method, **kw)
+    assert ext["layers"] == full["layers"] == full_depth(model, kw["overrides"]) > 3
+    assert ext["peak"]["how"] == full["peak"]["how"] + f" (extrapolated to {full['layers']} blocks from 2 and 3)"
+    ext["peak"]["how"] = full["peak"]["how"]
+    assert ext == full
+
+
+def test_estimate_by_depth_shallow_models_and_errors():
+    kw = dict(_no_layers(VIT_SMALL), peak=False)
+    assert estimate_by_depth("vit_b16", layers=3, **kw) == estimate("vit_b16", layers=3, **kw)
+    with pytest.raises(ValueError, match="shallow"):
+        estimate_by_depth("vit_b16", shallow=(3, 2), **kw)
 
 
 def test_block_names():

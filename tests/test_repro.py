@@ -60,6 +60,12 @@ def test_mesa_table_small():
         assert rows.loc["mesa", "saved_for_backward_MiB"] < rows.loc["baseline", "saved_for_backward_MiB"]
 
 
+def test_mesa_table_by_depth_equals_full_depth():
+    """DeiT rows extended from 2- and 3-block builds equal the 12-block builds (reduced batch)."""
+    kw = dict(batch_size=2, models=("deit_ti",))
+    pd.testing.assert_frame_equal(run("mesa-table", **kw), run("mesa-table", by_depth=False, **kw))
+
+
 def test_tokentune_memory_small():
     df = run("tokentune-memory", small=True)
     assert list(df["spec"]) == ["baseline", "lora", "tokentune", "lora+tokentune"]

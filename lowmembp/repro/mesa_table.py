@@ -4,6 +4,10 @@ Ours: the peak of one whole training step (all parameters trainable, AdamW) of t
 (the timm of 2021 that Mesa measured: softmax output and attention matmul operands saved) on fake tensors,
 ``baseline`` vs ``mesa`` (Linear, GELU, LayerNorm, softmax and attention matmuls saved in int8; lowmembp.methods.mesa).
 Paper: Mesa README (github.com/ziplab/Mesa), "train memory (MB)" on one GPU.
+
+DeiT rows are measured on 2- and 3-block builds and extended to 12 blocks (:func:`lowmembp.estimate.estimate_by_depth`:
+the bytes grow by the same amount per block; equal to the byte to full-depth runs, ``by_depth=False``); Swin-T,
+whose depth is per stage, is built whole.
 """
 from __future__ import annotations
 
@@ -19,9 +23,11 @@ PAPER = {  # model key -> (label, baseline MB, mesa MB)
 }
 
 
-def mesa_table(small: bool = False, batch_size: int = 128, models: tuple[str, ...] | None = None) -> pd.DataFrame:
-    """One row per (model, method): paper MB, ours MiB, ratio, saving (paper, ours)."""
-    from lowmembp.estimate import estimate
+def mesa_table(small: bool = False, batch_size: int = 128, models: tuple[str, ...] | None = None,
+               by_depth: bool = True) -> pd.DataFrame:
+    """One row per (model, method): paper MB, ours MiB, ratio, saving (paper, ours); ``by_depth=False`` builds
+    every model at full depth (slower, the same numbers)."""
+    from lowmembp.estimate import estimate, estimate_by_depth
 
     rows = []
     for key in models or tuple(PAPER):
@@ -34,9 +40,10 @@ def mesa_table(small: bool = False, batch_size: int = 128, models: tuple[str, ..
                 kw.update(overrides={"img_size": 64}, layers=2)
             else:
                 kw.update(overrides={"img_size": 64, "window_size": 2, "depths": (1, 1, 1, 1)})
+        run = estimate_by_depth if by_depth and not small and key.startswith("deit") else estimate
         ours = {}
         for method, paper in (("baseline", p_base), ("mesa", p_mesa)):
-            est = estimate(key, method, **kw)
+            est = run(key, method, **kw)
             ours[method] = est["peak"]["bytes"] / MiB
             r = ratio(ours[method], paper)
             rows.append({"model": label, "method": method, "paper_MB": paper, "ours_MiB": ours[method], "ratio": r,

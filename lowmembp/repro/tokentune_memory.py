@@ -8,6 +8,10 @@ step the peak falls — at small batches full fine-tuning peaks in the optimizer
 AdamW state, not on activations). The paper (Simoulin et al., arXiv 2501.18824)
 gives this as a plot, without a table: it says memory grows far more slowly with the batch for TokenTune than for
 full fine-tuning; the ``paper`` column states that claim, ``check`` whether our numbers agree.
+
+Each estimate is measured on 2- and 3-block builds and extended to the 24 blocks
+(:func:`lowmembp.estimate.estimate_by_depth`: the bytes grow by the same amount per block; equal to the byte to
+full-depth runs, ``by_depth=False``).
 """
 from __future__ import annotations
 
@@ -20,9 +24,10 @@ METHODS = {"baseline": "full fine-tuning", "lora": "LoRA (r 8)", "tokentune": "T
 
 
 def tokentune_memory(small: bool = False, batch_sizes: tuple[int, ...] = (8, 32), seq_len: int = 128,
-                     k: int = 16) -> pd.DataFrame:
-    """One row per method: peak MiB at each batch size, MiB per extra sequence, ratio of slopes to full FT."""
-    from lowmembp.estimate import estimate
+                     k: int = 16, by_depth: bool = True) -> pd.DataFrame:
+    """One row per method: peak MiB at each batch size, MiB per extra sequence, ratio of slopes to full FT;
+    ``by_depth=False`` builds all 24 blocks (slower, the same numbers)."""
+    from lowmembp.estimate import estimate, estimate_by_depth
 
     if small:
         batch_sizes, seq_len, k = (2, 4), 24, 4
@@ -40,7 +45,8 @@ def tokentune_memory(small: bool = False, batch_sizes: tuple[int, ...] = (8, 32)
         row = {"method": label, "spec": method}
         peaks, saved = [], []
         for bs in batch_sizes:
-            est = estimate("bert_large", method, batch_size=bs, **kw)
+            est = (estimate_by_depth if by_depth and not small else estimate)("bert_large", method, batch_size=bs,
+                                                                              **kw)
             peaks.append(est["peak"]["bytes"] / MiB)
             saved.append(est["saved"]["total"] / MiB)
             row[f"peak_MiB_b{bs}"] = peaks[-1]
