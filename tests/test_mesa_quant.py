@@ -231,3 +231,14 @@ def test_chunk_size_does_not_change_codes():
             mq.set_chunk_size(bad)
         with pytest.raises(ValueError, match="positive int"):
             mq.quantize_ref(x, 255.0 / alpha, beta, inner, G, 1, chunk=bad)
+
+
+def test_channel_groups_fixed_once_trained():
+    q = mq.EMAQuantizer(8, mode="channel")
+    q.eval()
+    q.pack(torch.randn(2, 10))  # eval before any update: may still resize (gcd(10, 8) = 2 groups)
+    q.train()
+    q.pack(torch.randn(2, 12))  # first update: gcd(12, 8) = 4 groups
+    assert q.alpha.shape == (4,)
+    with pytest.raises(ValueError, match="after training started"):
+        q.pack(torch.randn(2, 10))
