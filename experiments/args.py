@@ -250,6 +250,9 @@ def parse_args(argv: list[str] | None = None):
         merged.setdefault(key, None)
     if merged["lr_base"] is not None:
         merged["lr"] = float(merged["lr_base"]) * merged["batch_size"] / 512
+    if values.get("lr") is None and values.get("lr_base") is None and "lora_lr" in task.DEFAULTS and \
+            "lora" in [m.strip() for m in values["method"].split("+")]:
+        merged["lr"] = task.DEFAULTS["lora_lr"]  # adapters need a larger step than full fine-tuning
     if merged["lr"] is None:
         merged["lr"] = 1e-4
     cfg = argparse.Namespace(**merged)

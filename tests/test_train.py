@@ -203,3 +203,13 @@ def test_evidence_table_gaps_and_ratios():
     rows = table(records, ["baseline", "mesa"], [0, 1], 16, times).splitlines()
     assert rows[2].startswith("| baseline | 60.0 | 62.0 | 61.0 ± 1.4 | +0.0 | 1000 | 1.00 |")
     assert rows[3] == "| mesa | 59.0 | 60.0 | 59.5 ± 0.7 | -1.5 | 1500 | 1.30 |"  # median of 1.5, 1.2, 1.3
+
+
+@pytest.mark.parametrize("method, extra, lr", [("baseline", [], 1e-4), ("lora+lowmembp", [], 1e-3),
+                                                ("lora", ["--lr", "5e-4"], 5e-4)])
+def test_learning_rate_defaults(method, extra, lr, tmp_path):
+    from experiments.args import parse_args
+
+    cfg, _ = parse_args(["--task", "tweets-sentiment", "--method", method, "--batch-size", "2", *extra,
+                         "--out", str(tmp_path / "r.json")])
+    assert cfg.lr == lr
