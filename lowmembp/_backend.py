@@ -46,3 +46,18 @@ def check_float_input(x: torch.Tensor, op: str) -> None:
         raise TypeError(
             f"{op}: unsupported dtype {x.dtype}; supported are float32, float16 and bfloat16 "
             f"(convert with x.float() or x.to(torch.bfloat16))")
+
+
+def is_shape_only(x: torch.Tensor) -> bool:
+    """True for tensors without data — the meta device or a FakeTensor (memory estimates run ops on these).
+
+    Ops take their PyTorch reference on such tensors (a Triton kernel cannot run on them) and allocate only what
+    the kernel would.
+    """
+    if x.device.type == "meta":
+        return True
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except Exception:  # pragma: no cover - very old torch
+        return False
+    return bool(is_fake(x))

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lowmembp._backend import backend_for, check_float_input
+from lowmembp._backend import backend_for, check_float_input, is_shape_only
 
 try:  # triton is optional on CPU-only installs; the reference path needs none of it
     import triton
@@ -72,14 +72,6 @@ _S32 = {k: tuple(_fp32(s) for s in slopes(a)) for k, (_, a) in _CONSTS.items()}
 
 
 # ----------------------------------------------------------------------------------------------- PyTorch reference
-def _is_fake(x: torch.Tensor) -> bool:
-    if x.device.type == "meta":
-        return True
-    try:
-        from torch._subclasses.fake_tensor import is_fake
-        return bool(is_fake(x))
-    except Exception:  # pragma: no cover
-        return False
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -161,14 +153,14 @@ def _byte_table(kind: int, like: torch.Tensor) -> torch.Tensor:
     """[256, 4] fp32 on ``like``'s device: the four slopes s[code] encoded by each possible code byte.
 
     Cached per device for real tensors; built afresh (never cached) for fake / meta ones."""
-    fake = _is_fake(like)
+    fake = is_shape_only(like)
     key = (kind, str(like.device))
     if not fake and key in _BYTE_TABLES:
         return _BYTE_TABLES[key]
     s = _S32[kind]
     table = torch.tensor([[s[(b >> (2 * j)) & 3] for j in range(4)] for b in range(256)], dtype=torch.float32)
     table = table.to(like.device)
-    if not fake and not _is_fake(table):
+    if not fake and not is_shape_only(table):
         _BYTE_TABLES[key] = table
     return table
 
@@ -236,7 +228,7 @@ if triton is not None:
 
 def _use_triton(x: torch.Tensor) -> bool:
     """Triton per lowmembp._backend, except for fake / meta tensors (memory estimates), which take the reference."""
-    return backend_for(x) == "triton" and not _is_fake(x)
+    return backend_for(x) == "triton" and not is_shape_only(x)
 
 
 def _interpreting() -> bool:

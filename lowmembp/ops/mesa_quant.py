@@ -43,9 +43,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from lowmembp._backend import backend_for, check_float_input
+from lowmembp._backend import backend_for, check_float_input, is_shape_only
 
 try:  # pragma: no cover - triton is optional on CPU machines
     import triton
@@ -132,7 +132,7 @@ def quantize(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, inner: in
     step = (alpha / 255.0).contiguous()
     beta = beta.detach().float().clone().contiguous()
     xc = x.detach().contiguous()
-    if backend_for(x) == "triton" and not _shape_only(xc):
+    if backend_for(x) == "triton" and not is_shape_only(xc):
         codes = _quantize_triton(xc, scale, beta, inner, groups, seed)
     else:
         codes = quantize_ref(xc, scale, beta, inner, groups, seed)
@@ -142,7 +142,7 @@ def quantize(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, inner: in
 def dequantize(qt: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x̂ = q·step + β`` per group, in ``dtype`` (default: the dtype that was quantised)."""
     dtype = dtype or qt.dtype
-    if backend_for(qt.codes) == "triton" and not _shape_only(qt.codes):
+    if backend_for(qt.codes) == "triton" and not is_shape_only(qt.codes):
         return _dequantize_triton(qt.codes, qt.step, qt.beta, qt.inner, qt.groups, dtype)
     return dequantize_ref(qt.codes, qt.step, qt.beta, qt.inner, qt.groups, dtype)
 
@@ -154,11 +154,6 @@ def draw_seed() -> int:
     fake or on the meta device (a fake tensor has no value to read back)."""
     with unset_fake_temporarily():
         return int(torch.randint(0, 2**31 - 1, (1,), device="cpu").item())
-
-
-def _shape_only(t: torch.Tensor) -> bool:
-    """True for tensors without data: the meta device or a fake tensor."""
-    return t.device.type == "meta" or is_fake(t)
 
 
 def _check_groups(x, inner, groups, alpha, beta):
@@ -234,7 +229,7 @@ def quantize_ref(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner
     meta ``x`` only the output is allocated (there are no values to compute)."""
     flat = x.reshape(-1)
     out = torch.empty(flat.shape, dtype=torch.uint8, device=x.device)
-    if _shape_only(x):
+    if is_shape_only(x):
         return out.reshape(x.shape)
     n_chunk = _chunk_for(chunk)
     for start in range(0, flat.numel(), n_chunk):
@@ -251,7 +246,7 @@ def dequantize_ref(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, 
     """Reference dequantiser: ``q·step[g] + β[g]`` in fp32, cast to ``dtype`` (``chunk`` as in :func:`quantize_ref`)."""
     flat = codes.reshape(-1)
     out = torch.empty(flat.shape, dtype=dtype, device=codes.device)
-    if _shape_only(codes):
+    if is_shape_only(codes):
         return out.reshape(codes.shape)
     n_chunk = _chunk_for(chunk)
     for start in range(0, flat.numel(), n_chunk):

@@ -37,7 +37,7 @@ import math
 import torch
 from torch import nn
 
-from lowmembp._backend import backend_for, check_float_input
+from lowmembp._backend import backend_for, check_float_input, is_shape_only
 
 try:
     import triton
@@ -202,18 +202,10 @@ def ms_norm_bytes(rows: int, n: int, x_dtype: torch.dtype, y_dtype: torch.dtype,
 
 
 # ---------------------------------------------------------------------------------------------------------- autograd
-def _is_fake(x: torch.Tensor) -> bool:
-    if x.device.type == "meta":
-        return True
-    try:
-        from torch._subclasses.fake_tensor import is_fake
-        return bool(is_fake(x))
-    except Exception:  # pragma: no cover
-        return False
 
 
 def _use_triton(x: torch.Tensor, n: int) -> bool:
-    return backend_for(x) == "triton" and n <= MAX_TRITON_N and not _is_fake(x)
+    return backend_for(x) == "triton" and n <= MAX_TRITON_N and not is_shape_only(x)
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -241,7 +233,7 @@ class _MSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         y, rstd = ctx.saved_tensors
-        bwd = ms_norm_bwd_triton if ctx.triton and not _is_fake(g) else ms_norm_bwd_ref
+        bwd = ms_norm_bwd_triton if ctx.triton and not is_shape_only(g) else ms_norm_bwd_ref
         with _no_autocast(g):
             dx = bwd(g, y, rstd, ctx.kind, ctx.x_dtype)
         return dx, None, None, None
