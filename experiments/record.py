@@ -35,17 +35,23 @@ def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _version(module: str) -> str | None:
+def _version(dist: str) -> str | None:
+    """The installed version from the package metadata (no import of the package: importing transformers or
+    timm costs seconds)."""
+    from importlib import metadata
+
     try:
-        return __import__(module).__version__
-    except Exception:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
         return None
 
 
+@lru_cache(maxsize=1)
 def git_commit() -> str | None:
+    """HEAD's commit of the repository this file is in: one ``git rev-parse`` with a short timeout."""
     try:
         out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
+                             timeout=3)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
@@ -57,7 +63,7 @@ def environment(device) -> dict:
     if getattr(device, "type", str(device)) == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+        name = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"  # processor() runs `uname -p`
     return {"device": name, "torch": torch.__version__, "triton": _version("triton"), "timm": _version("timm"),
             "transformers": _version("transformers"), "git_commit": git_commit(), "hostname": platform.node()}
 
