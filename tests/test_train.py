@@ -205,10 +205,14 @@ def test_evidence_table_gaps_and_ratios():
     assert rows[3] == "| mesa | 59.0 | 60.0 | 59.5 ± 0.7 | -1.5 | 1500 | 1.30 |"  # median of 1.5, 1.2, 1.3
 
 
-@pytest.mark.parametrize("method, extra, lr", [("baseline", [], 1e-4), ("lora+lowmembp", [], 1e-3),
+@pytest.mark.parametrize("method, extra, lr", [("baseline", [], "lr"), ("lora+lowmembp", [], "lora_lr"),
                                                 ("lora", ["--lr", "5e-4"], 5e-4)])
 def test_learning_rate_defaults(method, extra, lr, tmp_path):
     from experiments.args import parse_args
+    from experiments.tasks.tweets_sentiment import DEFAULTS
+
+    assert DEFAULTS["lora_lr"] != DEFAULTS["lr"]
+    lr = DEFAULTS.get(lr, lr)
 
     cfg, _ = parse_args(["--task", "tweets-sentiment", "--method", method, "--batch-size", "2", *extra,
                          "--out", str(tmp_path / "r.json")])
