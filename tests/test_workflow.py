@@ -238,3 +238,15 @@ def test_stopping_the_wrapper_stops_the_job(tmp_path):
     assert p.wait(timeout=20) != 0
     assert not marker.exists(), "the training job kept running after its wrapper was stopped"
     assert not out.exists()
+
+
+def test_accuracy_figure_uses_the_trained_cells_not_the_short_memory_cells():
+    """Memory/speed cells (few steps) and accuracy cells (many) share a task: the accuracy figure takes the batch
+    size with the most seeds, then the longest training, never the 5-step cells."""
+    from plots import accuracy_batch_size
+
+    rows = [dict(batch_size=8, seed=0, steps=5, method=m) for m in ("a", "b", "c")]
+    rows += [dict(batch_size=16, seed=0, steps=60, method=m) for m in ("a", "b")]
+    assert accuracy_batch_size(pd.DataFrame(rows)) == 16
+    rows += [dict(batch_size=32, seed=s, steps=20, method="a") for s in (0, 1)]
+    assert accuracy_batch_size(pd.DataFrame(rows)) == 32  # more seeds wins: the spread needs them

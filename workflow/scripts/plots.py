@@ -107,6 +107,14 @@ def step_time_ratio(runs: pd.DataFrame, out: Path) -> None:
     plt.close(fig)
 
 
+def accuracy_batch_size(sub: pd.DataFrame) -> int:
+    """The batch size whose cells carry the accuracy comparison: the most seeds, then the longest training
+    (steps × batch size), so short memory/speed cells never stand in for trained ones."""
+    per_bs = sub.assign(samples=sub["steps"] * sub["batch_size"]).groupby("batch_size").agg(
+        seeds=("seed", "nunique"), samples=("samples", "max"))
+    return int(per_bs.sort_values(["seeds", "samples"], ascending=False).index[0])
+
+
 def accuracy(runs: pd.DataFrame, out: Path) -> None:
     ok = runs[runs["status"] == "ok"].dropna(subset=["metric_value"])
     tasks = runs[["task", "model"]].drop_duplicates().values.tolist()
@@ -114,11 +122,10 @@ def accuracy(runs: pd.DataFrame, out: Path) -> None:
     for i, (task, model) in enumerate(tasks):
         ax = axes[0, i]
         sub = ok[(ok["task"] == task) & (ok["model"] == model)]
-        # the batch size with the most seeds carries the accuracy comparison
         if sub.empty:
             ax.set_title(_task_label(task, model) + "\n(no finished runs)", fontsize=9)
             continue
-        bs = sub.groupby("batch_size")["seed"].nunique().idxmax()
+        bs = accuracy_batch_size(sub)
         sub = sub[sub["batch_size"] == bs]
         methods = _methods(sub)
         for j, m in enumerate(methods):
