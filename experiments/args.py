@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", choices=DTYPES, help="fp32, or bf16/fp16 autocast (fp16 with a GradScaler)")
     a("--max-len", type=int, help="maximum tokens per text sample")
     a("--limit", type=int, help="cap the training pool at N examples (for fast tests)")
+    a("--train-split", help="the task's training partition: 'train' (default) or, where the task has one, "
+                            "'pretrain' (tweets-lm: a disjoint share of the tweets for pre-training a base)")
+    a("--init", help="start from these weights (a safetensors file written by --save-model), loaded into the "
+                     "task's model before the method is applied; the record keeps its path, sha256 and metrics")
+    a("--save-model", help="after training, write the model's weights here (safetensors, atomically)")
     a("--eval-limit", type=int, help="score at most N test examples (default: the task's)")
     a("--eval-batch-size", type=int, help="default: 2 × batch size")
     a("--data-dir", help="root of downloaded data and weights for the paper tasks (default $LOWMEMBP_DATA_DIR "
@@ -66,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 FIXED_DEFAULTS = dict(seed=0, grad_accum=1, dtype="fp32", timing_warmup=2, weight_decay=0.0, download=False,
-                      no_progress=False, max_len=None, limit=None, eval_limit=None, warmup_steps=0)
+                      no_progress=False, max_len=None, limit=None, eval_limit=None, warmup_steps=0,
+                      train_split="train", init=None, save_model=None)
 
 
 def _load_config(path: str) -> dict:
@@ -218,6 +224,13 @@ def parse_args(argv: list[str] | None = None):
                 ok = False
             if not ok:
                 raise ArgError(f"--{key.replace('_', '-')} must be a positive number, got {values[key]!r}")
+
+    splits = getattr(task, "TRAIN_SPLITS", ("train",))
+    if values.get("train_split") is not None and values["train_split"] not in splits:
+        raise ArgError(f"--train-split {values['train_split']!r}: task {task.NAME} has {', '.join(splits)}")
+    if values.get("init") is not None and not Path(values["init"]).is_file():
+        raise ArgError(f"--init {values['init']}: no such file; make the base first (the pipeline's `bases:` "
+                       "entries, or a run with --save-model PATH)")
 
     # method options: config first, command line over it; all must be taken by the chosen methods
     takes = method_options(values["method"])

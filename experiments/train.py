@@ -18,6 +18,10 @@ What is measured (one record, schema ``experiments/record.schema.json``):
 - every later step after ``--timing-warmup`` steps: its wall time (CUDA synchronised), reported as p20/p50/p80;
   throughput = samples (tokens) of those steps / their total time;
 - final loss: mean training loss of the last min(10, steps) steps; metric on the task's fixed test split.
+
+Bases: ``--save-model PATH`` writes the trained weights (safetensors, atomically) and ``--init PATH`` starts a run
+from them; with ``--init`` the record's options also hold the file's sha256, its metadata and
+``init_metric_before`` — the base's metric on this run's test split, before any training (``experiments.weights``).
 """
 from __future__ import annotations
 
@@ -114,6 +118,20 @@ def train(cfg, task, state: dict) -> None:
     setup = task.build(cfg.model, cfg)
     state["seq_len"] = setup.seq_len
     state["info"] = setup.info
+    amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+    eval_bs = cfg.eval_batch_size or 2 * cfg.batch_size
+
+    def evaluate(net) -> float:
+        net.eval()
+        batches = (_to(setup.collate(setup.test[i:i + eval_bs]), device) for i in range(0, len(setup.test), eval_bs))
+        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            return float(setup.evaluate(net, batches))
+
+    if cfg.init:
+        from experiments.weights import load_weights
+
+        state["info"].update(load_weights(setup.model, cfg.init))
+        state["info"]["init_metric_before"] = evaluate(setup.model.to(device))  # the base, on this run's test split
     model = lowmembp.apply(setup.model, cfg.method, **cfg.method_options).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -126,7 +144,6 @@ def train(cfg, task, state: dict) -> None:
     state["steps_planned"] = steps
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, steps, warmup))
-    amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
     batches = _batches(setup.train, cfg.batch_size, cfg.seed, setup.collate)
     losses, times, samples, tokens = [], [], [], []
@@ -209,19 +226,24 @@ def train(cfg, task, state: dict) -> None:
         state["step_time_s"] = summarize_times(times, how)
         tok = None if any(t is None for t in tokens) else sum(tokens) / sum(times)
         state["throughput"] = {"samples_per_s": sum(samples) / sum(times), "tokens_per_s": tok}
-    model.eval()
-    eval_bs = cfg.eval_batch_size or 2 * cfg.batch_size
-    test_batches = (_to(setup.collate(setup.test[i:i + eval_bs]), device) for i in range(0, len(setup.test), eval_bs))
-    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-        value = setup.evaluate(model, test_batches)
-    state["metric"] = {"name": setup.metric, "value": float(value), "split": f"test ({len(setup.test)})"}
+    value = evaluate(model)
+    state["metric"] = {"name": setup.metric, "value": value, "split": f"test ({len(setup.test)})"}
+    if cfg.save_model:
+        from experiments.weights import save_weights
+
+        save_weights(model, cfg.save_model, {
+            "task": cfg.task, "model": cfg.model, "method": cfg.method, "train_split": cfg.train_split,
+            "steps": steps, "batch_size": cfg.batch_size, "seed": cfg.seed, "lr": cfg.lr,
+            "final_loss": state["final_loss"], "metric": f"{setup.metric} {value:.6g}",
+            "metric_split": f"test ({len(setup.test)})"})
 
 
 def make_record(cfg, state: dict, status: str, message: str | None) -> dict:
     from experiments.record import environment
 
     options = dict(cfg.method_options)
-    options.update(lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+    options.update(lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps, train_split=cfg.train_split,
+                   save_model=cfg.save_model,
                    grad_accum=cfg.grad_accum, limit=cfg.limit, eval_limit=cfg.eval_limit, max_len=cfg.max_len,
                    max_memory_mb=cfg.max_memory_mb, config=cfg.config)
     options.update(state.get("info", {}))

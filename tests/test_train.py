@@ -239,3 +239,79 @@ def test_mnist_cache_matches_csv_and_recovers_from_a_bad_file(tmp_path, monkeypa
     x_file.write_bytes(x_file.read_bytes()[:100])  # a damaged cache is parsed again, not trusted
     X3, _ = mnist5k.load()
     assert np.array_equal(X3, X0)
+
+
+# ------------------------------------------------------------------------------------------- bases: --save-model / --init
+LM = ["--task", "tweets-lm", "--batch-size", "4", "--max-len", "32", *TINY]
+
+
+def test_tweets_lm_domains_are_disjoint_and_fixed():
+    from experiments.tasks import tweets, tweets_lm
+
+    _, labels = tweets.load()
+    train_idx, test_idx = tweets.splits()
+    parts = tweets_lm.partition(train_idx, labels)
+    assert not set(parts["train"]) & set(parts["pretrain"])
+    assert sorted(parts["train"] + parts["pretrain"]) == sorted(train_idx)
+    assert {labels[i] for i in parts["train"]} == {tweets_lm.DOMAIN} and tweets_lm.DOMAIN not in \
+        {labels[i] for i in parts["pretrain"]}
+    assert (len(parts["pretrain"]), len(parts["train"]), len(tweets_lm.partition(test_idx, labels)["train"])) == \
+        (30405, 6753, 201)  # the figures the task's docstring gives
+
+
+def test_save_model_then_init_starts_from_those_weights(tmp_path):
+    from experiments.weights import read_metadata, sha256
+
+    base, rec_base = tmp_path / "bases" / "b.safetensors", tmp_path / "b.json"
+    assert run([*LM, "--method", "baseline", "--train-split", "pretrain", "--save-model", base,
+                "--out", rec_base]) == 0
+    rb = record(rec_base)
+    assert rb["status"] == "ok" and rb["options"]["train_split"] == "pretrain" and base.is_file()
+    assert [p.name for p in base.parent.iterdir()] == ["b.safetensors"]  # no temporary left behind
+    meta = read_metadata(base)
+    assert (meta["task"], meta["model"], meta["train_split"], meta["steps"]) == ("tweets-lm", "llama-tiny",
+                                                                                  "pretrain", "3")
+    out = tmp_path / "ft.json"
+    assert run([*LM, "--method", "lora", "--rank", "2", "--init", base, "--out", out]) == 0
+    rec = record(out)
+    assert rec["status"] == "ok", rec["message"]
+    opts = rec["options"]
+    assert opts["init"] == str(base) and opts["init_sha256"] == sha256(base) and opts["init_train_split"] == "pretrain"
+    # the base scored on the same test tweets before fine-tuning = what the pre-training run reported at its end
+    assert opts["init_metric_before"] == pytest.approx(rb["metric"]["value"], rel=1e-6)
+    assert rec["metric"]["value"] != pytest.approx(opts["init_metric_before"], rel=1e-9)  # it did train
+
+
+def test_init_that_does_not_fit_the_model_is_an_error_result(tmp_path):
+    base = tmp_path / "vit.safetensors"
+    assert run(["--task", "mnist5k", "--method", "baseline", "--batch-size", "4", *TINY, "--save-model", base,
+                "--out", tmp_path / "v.json"]) == 0
+    out = tmp_path / "r.json"
+    assert run([*LM, "--method", "baseline", "--init", base, "--out", out]) == 0
+    rec = record(out)
+    assert rec["status"] == "error" and "do not fit" in rec["message"] and rec["steps"] == 0
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--task", "tweets-lm", "--init", "/nonexistent/base.safetensors"], "no such file"),
+    (["--task", "tweets-lm", "--train-split", "nope"], "has train, pretrain"),
+    (["--task", "mnist5k", "--train-split", "pretrain"], "mnist5k has train"),
+])
+def test_bad_base_arguments_fail_at_once(argv, needle, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert run([*argv, "--method", "baseline", "--batch-size", "2", "--out", out]) == 2
+    assert needle in capsys.readouterr().err and not out.exists()
+
+
+def test_save_weights_leaves_nothing_when_writing_fails(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    from experiments.weights import save_weights
+
+    def broken(state, path, metadata=None):
+        Path(path).write_bytes(b"partial")
+        raise OSError("disk full")
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        save_weights(torch.nn.Linear(2, 2), tmp_path / "w.safetensors")
+    assert list(tmp_path.iterdir()) == []

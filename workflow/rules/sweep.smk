@@ -3,7 +3,30 @@
 # left no record (a segfault, an import error) as status "error" too. Usage errors (exit 2) fail the job loudly.
 
 
+rule base:
+    """A pre-trained starting point (config `bases:`): one training run that also writes its weights."""
+    output:
+        weights=BASE,
+        record=f"{R}/bases/{{base}}.json",
+    log:
+        f"{R}/logs/bases/{{base}}.log",
+    benchmark:
+        f"{R}/benchmarks/bases/{{base}}.tsv"
+    params:
+        args=base_args,
+        py=PY,
+    threads: config["threads_per_run"]
+    conda:
+        "../envs/lowmembp.yaml"
+    shell:
+        "OMP_NUM_THREADS={threads} MKL_NUM_THREADS={threads} "
+        "{params.py} -m experiments.train {params.args} --no-progress --save-model {output.weights} "
+        "--out {output.record} > {log} 2>&1"
+
+
 rule train:
+    input:
+        init_input,
     output:
         RECORD,
     log:

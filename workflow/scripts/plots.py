@@ -133,6 +133,10 @@ def accuracy(runs: pd.DataFrame, out: Path) -> None:
             ax.scatter(np.full(len(v), j) + np.linspace(-0.12, 0.12, len(v)), v, s=14, color="C0", zorder=3)
             ax.errorbar(j, v.mean(), yerr=v.std(ddof=1) if len(v) > 1 else 0, fmt="s", color="k", ms=5,
                         capsize=4, zorder=4)
+        if "opt_init_metric_before" in sub and sub["opt_init_metric_before"].notna().any():
+            before = pd.to_numeric(sub["opt_init_metric_before"], errors="coerce").mean()
+            ax.axhline(before, color="C3", ls="--", lw=1, label=f"base before fine-tuning ({before:.3g})")
+            ax.legend(fontsize=7, loc="best")
         ax.set_xticks(range(len(methods)), methods, rotation=45, ha="right", fontsize=8)
         name = sub["metric_name"].dropna().iloc[0] if sub["metric_name"].notna().any() else "metric"
         ax.set_ylabel(name)

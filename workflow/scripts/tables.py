@@ -108,13 +108,17 @@ def accuracy_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
                     g.min().rename("metric_min"), g.max().rename("metric_max"), g.count().rename("seeds")],
                    axis=1).reset_index()
     names = ok.groupby(KEYS, dropna=False)["metric_name"].first().reset_index()
+    # runs that start from a pre-trained base (--init) record the base's metric before fine-tuning
+    before = ok["opt_init_metric_before"] if "opt_init_metric_before" in ok else pd.Series(np.nan, index=ok.index)
+    before = pd.to_numeric(before, errors="coerce").groupby([ok[k] for k in KEYS], dropna=False).mean()
+    names = names.merge(before.rename("metric_before").reset_index(), on=KEYS, how="left")
     status = runs.groupby(KEYS, dropna=False)["status"].agg(_status).reset_index()
     df = status.merge(df, on=KEYS, how="left").merge(names, on=KEYS, how="left")
     df["reference"] = df["method"].map(lambda x: reference_method(x) or "")
     df["metric_ratio"] = with_reference(df, "metric_mean")
     df = add_paper(df, "metric_ratio", "metric_ratio", claims, "metric")
-    cols = KEYS + ["status", "reference", "metric_name", "seeds", "metric_mean", "metric_std", "metric_min",
-                   "metric_max", "metric_paper", "metric_ours", "metric_ours/paper", "metric_source"]
+    cols = KEYS + ["status", "reference", "metric_name", "seeds", "metric_before", "metric_mean", "metric_std",
+                   "metric_min", "metric_max", "metric_paper", "metric_ours", "metric_ours/paper", "metric_source"]
     return df[cols]
 
 
