@@ -16,6 +16,7 @@ rule base:
         args=base_args,
         py=PY,
     threads: config["threads_per_run"]
+    priority: 10  # first: the cells that start from it wait for it
     conda:
         "../envs/lowmembp.yaml"
     shell:

@@ -139,7 +139,7 @@ def accuracy(runs: pd.DataFrame, out: Path) -> None:
             ax.legend(fontsize=7, loc="best")
         ax.set_xticks(range(len(methods)), methods, rotation=45, ha="right", fontsize=8)
         name = sub["metric_name"].dropna().iloc[0] if sub["metric_name"].notna().any() else "metric"
-        ax.set_ylabel(name)
+        ax.set_ylabel(f"{name} (lower is better)" if name == "perplexity" else name)
         ax.set_title(f"{_task_label(task, model)}\nbatch {bs}, {sub['seed'].nunique()} seeds", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
