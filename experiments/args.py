@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-len", type=int, help="maximum tokens per text sample")
     a("--limit", type=int, help="cap the training pool at N examples (for fast tests)")
     a("--train-split", help="the task's training partition: 'train' (default) or, where the task has one, "
-                            "'pretrain' (tweets-lm: a disjoint share of the tweets for pre-training a base)")
+                            "'pretrain' (tweets-lm: the negative and neutral tweets, to pre-train a base)")
     a("--init", help="start from these weights (a safetensors file written by --save-model), loaded into the "
                      "task's model before the method is applied; the record keeps its path, sha256 and metrics")
     a("--save-model", help="after training, write the model's weights here (safetensors, atomically)")

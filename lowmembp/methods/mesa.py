@@ -20,8 +20,8 @@ RMSNorm inputs fall 5x behind, values clamp, and the gradient's cosine to the ex
 relative error 2.4); with ``mesa_momentum 0`` that error stays ≤ 0.4 % over 60 steps. ``tests/test_mesa_momentum.py``
 shows the mechanism on one norm. Fine-tuning a pretrained model (Mesa's and the paper's setting) keeps ranges steady.
 Under peft LoRA the frozen base linear saves nothing (it needs only its weight for the input gradient), LoRA's A and
-B linears save 8-bit inputs. Range state lives in non-persistent buffers: checkpoints
-of a converted model load into an unconverted one and back.
+B linears save 8-bit inputs. Range state lives in non-persistent buffers: checkpoints of a converted model load into
+an unconverted one and back.
 """
 from __future__ import annotations
 
