@@ -7,8 +7,8 @@
 Models (random weights, 2 blocks, width 64, 4 heads): timm ViT with a 64×128 image and 8-px patches (128 patches +
 class token), BERT for sequence classification and LLaMA for causal LM (2 KV heads), L tokens each. The forward runs
 in training mode under :class:`lowmembp.memory.SavedTensorAccountant` (storage-deduplicated bytes that autograd
-saves, parameters excluded). ``checkpointing``: the accountant does not see the block inputs a checkpoint holds for
-recomputation; the column ``+ckpt inputs`` adds them (one hidden state per checkpointed block). ``--peak`` adds the
+saves, parameters excluded; for ``checkpointing`` that includes the block inputs each checkpoint keeps for
+recomputation — they are saved tensors, see :mod:`lowmembp.memory`). ``--peak`` adds the
 peak of one whole training step (AdamW) measured by :func:`lowmembp.peak.measure_step_peak` (CPU tensor tracker),
 activations + temporaries only.
 """
@@ -83,11 +83,7 @@ def measure(family: str, method: str, seq_len: int = 128, k: int = 16, batch: in
     model, b, loss = build(family, seq_len, batch)
     model = apply(model, method, k)
     rep = saved_bytes(model, lambda: loss(model, b))
-    ck = getattr(model, "_checkpointing", None)
-    held = 0
-    if ck is not None:  # a checkpoint keeps each checkpointed block's input hidden state (fp32 here)
-        held = ck["blocks"] * batch * (seq_len + (1 if family == "vit" else 0)) * WIDTH * 4
-    out = {"saved": rep["total"], "saved_with_ckpt_inputs": rep["total"] + held}
+    out = {"saved": rep["total"]}
     if peak:
         from lowmembp.peak import measure_step_peak
 
@@ -128,13 +124,10 @@ def main(argv=None) -> int:
         cells = []
         for f in families:
             r, base = res[(m, f)], res.get(("baseline", f))
-            v = r["saved_with_ckpt_inputs"] if "checkpointing" in m else r["saved"]
+            v = r["saved"]
             share = f" ({v / base['saved']:.0%})" if base else ""
-            extra = " *" if "checkpointing" in m else ""
-            cells.append(f"{v / 1024:.0f}{share}{extra}")
+            cells.append(f"{v / 1024:.0f}{share}")
         print(f"| {m} | " + " | ".join(cells) + " |")
-    if any("checkpointing" in m for m in methods):
-        print("* checkpointing: includes the block inputs each checkpoint holds (not seen by saved-tensor hooks)")
     if a.peak:
         print("\npeak of one training step, activations + temporaries, KiB")
         print(head)

@@ -241,3 +241,48 @@ def test_cuda_peak_from_allocator_and_events():
     assert pk["bytes"] >= cats["parameters"] + cats["optimizer_state"]
     t = time_steps(step, warmup=1, repeats=3, device="cuda")
     assert t["how"] == "cuda events" and t["n"] == 3 and 0 < t["p20"] <= t["p80"]
+
+
+@pytest.mark.parametrize("name", ["vit", "bert", "llama"])
+def test_checkpoint_held_block_inputs_are_counted(name):
+    """torch.utils.checkpoint (non-reentrant) keeps each checkpointed block's input as a saved tensor made through the
+    default saved-tensor hooks (``_CheckpointFrame.save_inputs``), so the accountant counts it; what the block saves
+    inside the region is not saved (its own hooks), which is the point of checkpointing."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import lowmembp
+    from lowmembp.memory import _storage_key, saved_bytes
+    from lowmembp.models import get_layout
+    from tiny_models import build
+
+    model, inputs = build(name)
+    batch = inputs()
+    plain = saved_bytes(model, lambda: model(batch["x"]) if name == "vit" else model(**batch))
+    lowmembp.apply(model, "checkpointing")
+    keys = []
+    hooks = [site.get().register_forward_pre_hook(
+        lambda mod, args, kwargs: keys.append(_storage_key(kwargs.get("hidden_states", args[0] if args else None))),
+        with_kwargs=True) for site in get_layout(model).blocks]
+    model.train()
+    with SavedTensorAccountant(model) as acc:
+        model(batch["x"]) if name == "vit" else model(**batch)
+    for h in hooks:
+        h.remove()
+    counted = {s.ref.cdata for s in acc.storages}
+    assert keys and all(k in counted for k in keys)
+    assert acc.report()["total"] < plain["total"] / 2
+
+
+def test_checkpoint_region_counts_its_input_only():
+    from torch.utils.checkpoint import checkpoint
+
+    m = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
+    h = torch.randn(32, 64, requires_grad=True) * 2  # an input nothing else saves (x * scalar saves nothing)
+    with SavedTensorAccountant(m) as acc:
+        checkpoint(m, h, use_reentrant=False).sum().backward()
+    assert acc.report()["total"] == h.numel() * 4
+    with SavedTensorAccountant(m) as acc:
+        m(h)
+    assert acc.report()["total"] > 3 * h.numel() * 4  # without checkpointing: the inputs of both linears and GELU

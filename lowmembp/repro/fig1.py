@@ -38,7 +38,7 @@ def _note(method: str, ours: float, paper: float, params: float, extra: float, b
         out.append("the rest of the measured figure is allocator rounding, workspaces and the backward's tensors "
                    "in flight")
     if method == "lora+checkpointing":
-        out.append("ours: every block's input (held by the checkpoint, not by autograd) plus one block recomputed "
+        out.append("ours: every block's input (kept by the checkpoint for recomputation) plus one block recomputed "
                    "and its backward in flight, exact bytes")
     else:
         out.append(f"ours: the saved tensors plus {extra:.0f} MiB live at the peak besides them (gradients in "
