@@ -1,0 +1,250 @@
+"""``offload``: activation offloading — saved tensors go to host memory in the forward, come back in the backward.
+
+Exact (the same values come back). DESIGN §2.7; torchtune's ``OffloadActivations`` and
+``torch.autograd.graph.save_on_cpu`` are the references.
+
+Where: the forward of the module that runs the block loop (the parent of the layout's block container: the timm
+model, a transformers ``*Model`` backbone or ``*Encoder``) runs under ``saved_tensors_hooks``; the layout's head
+linears run under no-op hooks (torchtune keeps the LM head's output on the device), and whatever the task model
+does after the backbone (a transformers causal LM's loss) is outside. Every saved tensor of at least ``min_bytes``
+(default 1024) that is not a parameter or buffer (nor a view of one) is offloaded; each distinct view is copied once.
+
+How, by device:
+
+- CUDA: the copy goes to a pinned host buffer on a side stream that waits for the compute stream, so the
+  device-to-host copies overlap the forward's compute (``record_stream`` keeps the device storage from being reused
+  before its copy is done); in the backward the tensor is copied back on the side stream and the compute stream
+  waits for it (no prefetch: torchtune also prefetches the next layer's tensors).
+- fake tensors (paper-scale estimates, :mod:`lowmembp.estimate`): the copy is made (a fake host tensor, no data), so
+  the device storage dies as it would on a GPU; the copy is reported to the peak tracker as host memory.
+- CPU: the saved tensors are already in host memory — nothing is moved (``save_on_cpu`` would copy them, CPU to
+  CPU) — but they are still accounted: the peak tracker counts them as host bytes, not device bytes, from the
+  moment they are saved, so a CPU run shows the split a GPU run would have.
+
+Accounting: a :class:`HostLedger` on the returned model (``model._lowmembp_host_ledger``) follows the live host
+bytes and their peak; :func:`lowmembp.peak.measure_step_peak` reports them as ``peak["host"]`` (CUDA: from the
+ledger; CPU / fake: from its tracker, which also takes them out of the device total). The saved-tensor accountant
+(:mod:`lowmembp.memory`) still sees every saved tensor: the offload hooks call whatever hooks were active around
+them first. Composes with ``checkpointing`` (then a checkpointed block's inputs are offloaded and its own hooks keep
+the rest unsaved) and with ``sac`` (the block inputs are offloaded; the outputs SAC keeps stay on the device).
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from lowmembp.methods.registry import register
+
+
+@register("offload", "saved activations to host memory (pinned, side stream on CUDA; accounted on CPU; option "
+                     "min_bytes)", options={"min_bytes": 1024}, order=60, excludes=("tokentune",))
+def apply_offload(model: nn.Module, min_bytes: int = 1024) -> nn.Module:
+    from lowmembp.models import get_layout
+
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+        raise ValueError(f"offload: min_bytes must be a non-negative integer (bytes), got {min_bytes!r}")
+    layout = get_layout(model)
+    if not layout.blocks:
+        raise ValueError(f"offload: no transformer blocks found in {type(layout.base).__name__}")
+    trunk = block_loop_owner(layout)
+    if getattr(trunk, "_lowmembp_offload", None) is not None:
+        raise RuntimeError("offload: this model is already offloading")
+    ledger = HostLedger()
+    offloader = Offloader(model, min_bytes, ledger)
+    object.__setattr__(trunk, "_lowmembp_offload", offloader)
+    trunk.forward = _OffloadedForward(trunk, offloader, trunk.__dict__.get("forward"))
+    for s in layout.head:
+        head = s.get()
+        if any(m is head for m in trunk.modules()):
+            head.forward = _NoOffloadForward(head, head.__dict__.get("forward"))
+    object.__setattr__(model, "_lowmembp_host_ledger", ledger)
+    return model
+
+
+def block_loop_owner(layout) -> nn.Module:
+    """The module whose forward runs the blocks: the parent of the module holding ``layout.blocks``."""
+    container = layout.blocks[0].owner
+    for m in layout.base.modules():
+        if any(child is container for child in m.children()):
+            return m
+    return container
+
+
+class HostLedger:
+    """Live host bytes of offloaded storages (each counted once while it lives) and their peak."""
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, int] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = StorageWeakRef(st).cdata
+        if key in self._live:
+            return
+        n = int(st.nbytes())
+        self._live[key] = n
+        self.current += n
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(st, self._free, key)
+
+    def _free(self, key: int) -> None:
+        n = self._live.pop(key, 0)
+        self.current -= n
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
+class _Held:
+    """What autograd keeps for one offloaded tensor: the host tensor and where it must go back to."""
+    __slots__ = ("host", "device", "moved", "__weakref__")
+
+    def __init__(self, host, device, moved):
+        self.host, self.device, self.moved = host, device, moved
+
+
+class Offloader:
+    """The pack / unpack pair (chained with the hooks active around it) for one model."""
+
+    def __init__(self, model: nn.Module, min_bytes: int, ledger: HostLedger):
+        self.model_ref = weakref.ref(model)
+        self.min_bytes = min_bytes
+        self.ledger = ledger
+        self._stream = None
+        self._outer = None
+        self._skip: set[int] = set()
+        self._copies: dict = {}
+
+    # -- one forward ------------------------------------------------------------------------------------------------
+    def hooks(self):
+        """Enter at the start of the offloaded forward: remember the outer hooks and the parameters' storages."""
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        model = self.model_ref()
+        self._skip = set()
+        if model is not None:
+            for t in list(model.parameters()) + list(model.buffers()):
+                try:
+                    self._skip.add(StorageWeakRef(t.untyped_storage()).cdata)
+                except (RuntimeError, NotImplementedError, TypeError):
+                    pass
+        self._copies = {}
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def done(self) -> None:
+        self._copies = {}
+
+    def pack(self, t):
+        if self._outer is not None:
+            t = self._outer[0](t)
+        if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter) or t.layout != torch.strided:
+            return t
+        if t.numel() * t.element_size() < self.min_bytes:
+            return t
+        try:
+            key = StorageWeakRef(t.untyped_storage()).cdata
+        except (RuntimeError, NotImplementedError, TypeError):
+            return t
+        if key in self._skip:
+            return t
+        view = (key, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        held = self._copies.get(view)
+        held = held() if held is not None else None
+        if held is None:
+            held = self._offload(t)
+            self._copies[view] = weakref.ref(held)
+        return held
+
+    def unpack(self, p):
+        if isinstance(p, _Held):
+            p = self._restore(p)
+        if self._outer is not None:
+            p = self._outer[1](p)
+        return p
+
+    # -- moving -----------------------------------------------------------------------------------------------------
+    def _offload(self, t: torch.Tensor) -> _Held:
+        from lowmembp.peak import note_host
+
+        fake = type(t).__name__ == "FakeTensor"
+        if t.device.type == "cpu" and not fake:
+            note_host(t)                  # already host memory: nothing moves; it is accounted as host bytes
+            self.ledger.add(t)
+            return _Held(t, t.device, False)
+        if t.is_cuda and not fake:
+            stream = self._side_stream(t.device)
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(stream):
+                host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+            t.record_stream(stream)
+        else:  # fake tensors (estimates) and other devices: a plain copy to the host
+            host = torch.empty(t.size(), dtype=t.dtype, device="cpu")
+            host.copy_(t)
+        note_host(host)
+        self.ledger.add(host)
+        return _Held(host, t.device, True)
+
+    def _restore(self, held: _Held) -> torch.Tensor:
+        if not held.moved:
+            return held.host
+        if held.device.type == "cuda" and type(held.host).__name__ != "FakeTensor":
+            stream = self._side_stream(held.device)
+            with torch.cuda.stream(stream):
+                dev = held.host.to(held.device, non_blocking=True)
+            main = torch.cuda.current_stream(held.device)
+            main.wait_stream(stream)
+            dev.record_stream(main)
+            return dev
+        dev = torch.empty(held.host.size(), dtype=held.host.dtype, device=held.device)
+        return dev.copy_(held.host)
+
+    def _side_stream(self, device):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+
+class _OffloadedForward:
+    """Instance-level forward of the block-loop module under the offload hooks (picklable)."""
+
+    def __init__(self, module: nn.Module, offloader: Offloader, inner):
+        self.module, self.offloader, self.inner = module, offloader, inner
+
+    def __call__(self, *args, **kwargs):
+        fn = self.inner or functools.partial(type(self.module).forward, self.module)
+        if not (self.module.training and torch.is_grad_enabled()):
+            return fn(*args, **kwargs)
+        try:
+            with self.offloader.hooks():
+                return fn(*args, **kwargs)
+        finally:
+            self.offloader.done()
+
+
+def _keep(t):
+    return t
+
+
+class _NoOffloadForward:
+    """Instance-level forward of a head linear: its saved tensors stay where they are (no-op hooks)."""
+
+    def __init__(self, module: nn.Module, inner):
+        self.module, self.inner = module, inner
+
+    def __call__(self, *args, **kwargs):
+        fn = self.inner or functools.partial(type(self.module).forward, self.module)
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if not torch.is_grad_enabled() or outer is None or not isinstance(getattr(outer[0], "__self__", None),
+                                                                          Offloader):
+            return fn(*args, **kwargs)
+        off = outer[0].__self__
+        pack = off._outer[0] if off._outer is not None else _keep
+        unpack = off._outer[1] if off._outer is not None else _keep
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return fn(*args, **kwargs)
