@@ -34,6 +34,7 @@ import warnings
 
 import torch.nn as nn
 
+from lowmembp.export import guard_save, record_act, record_fold
 from lowmembp.methods.registry import register
 from lowmembp.models import get_layout
 from lowmembp.models.fold import fold_into, install_residual_affine, norm_affine, shared_parameters
@@ -83,6 +84,8 @@ def convert(model: nn.Module, *, acts: bool = True, norms: bool = True, share_lo
                 continue
             norm = ns.get()
             gamma, beta = norm_affine(norm)
+            record_fold(lay.base, norm, gamma, beta, [c.get() for c in ns.consumers],
+                        [r.get() for r in ns.residual_consumers])  # what lowmembp.export needs to undo this
             for c in ns.consumers:
                 lin = c.get()
                 untied |= any(id(p) in shared for p in lin.parameters())
@@ -99,12 +102,14 @@ def convert(model: nn.Module, *, acts: bool = True, norms: bool = True, share_lo
     if acts:
         from lowmembp.ops.approx_act import ReGELU2, ReSiLU2
         for a in lay.acts:
+            record_act(lay.base, a.get())  # lowmembp.export puts it back
             a.set(ReGELU2() if a.kind == "gelu" else ReSiLU2())
             report["acts"].append(a.path)
         if not lay.acts:
             warnings.warn(f"lowmembp: no erf-GELU or SiLU activation found in this {lay.family} model "
                           f"(tanh-GELU, ReLU, ... are not converted); activations left as they are", stacklevel=3)
     object.__setattr__(lay.base, "lowmembp_report", report)
+    guard_save(lay.model, lay.base)  # save_pretrained saves lowmembp.export(model), not the folded weights
     return model
 
 
