@@ -78,3 +78,26 @@ def test_exported_model_saves_like_a_stock_one(tmp_path):
     a, b = load_file(tmp_path / "ex" / "model.safetensors"), load_file(tmp_path / "stock" / "model.safetensors")
     assert a.keys() == b.keys()
     assert all(a[k].shape == b[k].shape and a[k].dtype == b[k].dtype for k in a)
+
+
+@pytest.mark.parametrize("name", ["bert", "vit"])
+def test_lora_applied_after_lowmembp_in_a_separate_call(name, tmp_path):
+    """LoRA placed on already-folded linears: A reads the MS-norm output; its stock form is A·diag(1/γ) plus a bias."""
+    model, inputs = build(name)
+    model = lowmembp.apply(lowmembp.apply(model, "lowmembp"), "lora")
+    model = train(model, inputs(2))
+    want = eval_logits(model, inputs(3))
+    model.save_pretrained(tmp_path)
+    back = peft.PeftModel.from_pretrained(build(name)[0], tmp_path).eval()
+    assert rel(eval_logits(back, inputs(3)), want) <= TOL
+
+
+def test_trainer_save_model_reloads_exactly(tmp_path):
+    """transformers.Trainer.save_model (a lora+lowmembp run's checkpoint) -> PeftModel.from_pretrained(fresh base)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    model, inputs, want = converted_trained("bert", "lora+lowmembp")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True)
+    transformers.Trainer(model=model, args=args).save_model(str(tmp_path / "saved"))
+    back = peft.PeftModel.from_pretrained(build("bert")[0], tmp_path / "saved").eval()
+    assert rel(eval_logits(back, inputs(3)), want) <= TOL

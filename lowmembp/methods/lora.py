@@ -61,6 +61,8 @@ def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targ
         # rather than peft's cast copy, as lowmembp does when LoRA is already there.
         from lowmembp.ops.shared_linear import share_lora_inputs
         share_lora_inputs(peft_model)
+        from lowmembp.export import guard_save
+        guard_save(peft_model)  # its save_pretrained saves lowmembp.export(model): adapters relative to the stock base
     return peft_model
 
 
