@@ -23,7 +23,9 @@ What is undone (the converted model is left as it is unless ``inplace=True``; th
   ``from_pretrained`` then round-trip exactly; a strict ``load_state_dict`` into a fresh *tied* model cannot).
 - ``lowmembp-act``: ReGELU2 / ReSiLU2 become the original activation modules.
 - ``checkpointing`` (block wrappers, library switches) and ``tokentune`` (patched forwards) are removed.
-- ``mesa`` is refused (its state dict already loads into the stock model: ``model.state_dict()``).
+- ``mesa`` / ``mesa-gelu-ln``: Mesa linears become ``nn.Linear``, Mesa norms and activations the recorded originals
+  (same parameters), patched attention modules lose their Mesa matmuls / softmax and get their attention
+  implementation back (timm ``fused_attn``, the transformers config's ``_attn_implementation``).
 
 The result, in eval, computes the same function (fp32: to rounding); its ``state_dict`` loads strictly into a
 fresh unconverted model of the same architecture; for transformers models ``save_pretrained`` → ``from_pretrained``
@@ -65,8 +67,17 @@ class NormFold:
 
 @dataclass
 class ActSwap:
+    """A module replaced whole (an activation by ReGELU2 / ReSiLU2, a norm or activation by a Mesa layer)."""
     path: str
     original: nn.Module
+
+
+@dataclass
+class AttentionPatch:
+    """An attention module Mesa switched to its eager path with its own matmul / softmax layers."""
+    path: str
+    fused_attn: object        # timm Attention.fused_attn before (None: no such attribute)
+    attn_implementation: object  # transformers config._attn_implementation before (None: no config)
 
 
 @dataclass
@@ -80,6 +91,7 @@ class ExportRecord:
     folds: list[NormFold] = field(default_factory=list)
     acts: list[ActSwap] = field(default_factory=list)
     unties: list[Untie] = field(default_factory=list)
+    attentions: list[AttentionPatch] = field(default_factory=list)
     tie_config: dict[str, bool] = field(default_factory=dict)  # "" / "text" -> tie_word_embeddings before folding
 
 
@@ -143,8 +155,20 @@ def record_fold(base: nn.Module, norm: nn.Module, gamma, beta, consumers, residu
 
 
 def record_act(base: nn.Module, original: nn.Module) -> None:
-    """Note, before replacing it, the activation module ``original`` (ReGELU2 / ReSiLU2 will take its place)."""
+    """Note, before replacing it, the module ``original`` (an activation: ReGELU2 / ReSiLU2 take its place; a norm
+    or activation a Mesa layer replaces). :func:`export` puts it back, with the live parameters of its replacement."""
     _record(base).acts.append(ActSwap(_paths(base).get(id(original), "?"), original))
+
+
+record_swap = record_act
+
+
+def record_attention(base: nn.Module, attn: nn.Module) -> None:
+    """Note, before Mesa patches it, how ``attn`` computes attention (timm ``fused_attn``, the transformers config's
+    ``_attn_implementation``)."""
+    cfg = getattr(attn, "config", None)
+    _record(base).attentions.append(AttentionPatch(_paths(base).get(id(attn), "?"), getattr(attn, "fused_attn", None),
+                                                   getattr(cfg, "_attn_implementation", None)))
 
 
 class _SaveExported:
@@ -184,10 +208,6 @@ def export(model: nn.Module, merge_lora: bool = False, inplace: bool = False) ->
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"export expects a torch.nn.Module, got {type(model).__name__}")
-    for m in model.modules():
-        if type(m).__module__ == "lowmembp.ops.mesa_layers":
-            raise ExportError("export does not undo 'mesa' (its layers keep the stock parameter names): save "
-                              "model.state_dict(), which loads strictly into the unconverted model")
     if not inplace:
         model = copy.deepcopy(model)
     base = unwrap_peft(model)
@@ -198,9 +218,12 @@ def export(model: nn.Module, merge_lora: bool = False, inplace: bool = False) ->
     if rec is not None:
         for f in rec.folds:
             _unfold(base, f, deltas)
-        for a in rec.acts:
-            _set(base, a.path, a.original if inplace else copy.deepcopy(a.original))
+        for a in reversed(rec.acts):
+            _put_back(base, a)
+        for at in reversed(rec.attentions):  # the last record of a shared config holds the value before the first
+            _unpatch_attention(base, at)
         _retie(base, rec)
+    _plain_linears(model)
     _unshare_lora_inputs(model)
     leftovers = sorted({type(m).__name__ for m in base.modules() if (type(m).__module__ or "").startswith("lowmembp.")})
     if leftovers:
@@ -208,7 +231,8 @@ def export(model: nn.Module, merge_lora: bool = False, inplace: bool = False) ->
                           f"older lowmembp, or the modules were placed by hand): export cannot restore the originals")
     model = _finish_lora(model, deltas, merge_lora)
     for m in {id(x): x for x in (model, base, unwrap_peft(model))}.values():
-        for key in (RECORD, "_lowmembp_methods", "lowmembp_report", "_checkpointing", "save_pretrained"):
+        for key in (RECORD, "_lowmembp_methods", "lowmembp_report", "_checkpointing", "_mesa_converted",
+                    "save_pretrained"):
             m.__dict__.pop(key, None)
     return model
 
@@ -471,6 +495,41 @@ def _finish_lora(model: nn.Module, deltas: dict, merge: bool) -> nn.Module:
     return model
 
 
+def _put_back(base: nn.Module, swap: ActSwap) -> None:
+    """The recorded original in its place again, holding the live parameters of the module that replaced it."""
+    live = _get(base, swap.path)
+    orig = swap.original
+    for name, p in live._parameters.items():
+        if name in orig._parameters and p is not None:
+            orig._parameters[name] = p
+    _set(base, swap.path, orig)
+
+
+def _unpatch_attention(base: nn.Module, at: AttentionPatch) -> None:
+    attn = _get(base, at.path)
+    for name in ("mesa_qk", "mesa_softmax", "mesa_av"):
+        attn._modules.pop(name, None)
+    attn.__dict__.pop("forward", None)
+    if at.fused_attn is not None:
+        attn.fused_attn = at.fused_attn
+    cfg = getattr(attn, "config", None)
+    if cfg is not None and at.attn_implementation is not None:
+        cfg._attn_implementation = at.attn_implementation
+
+
+def _plain_linears(model: nn.Module) -> None:
+    """Mesa's linears (it converts only exact ``nn.Linear`` s) back to ``nn.Linear``, same parameters."""
+    from lowmembp.ops.mesa_layers import MesaLinear
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is MesaLinear:
+                lin = nn.Linear.__new__(nn.Linear)
+                nn.Module.__init__(lin)
+                lin.in_features, lin.out_features = child.in_features, child.out_features
+                lin.weight, lin.bias = child.weight, child.bias
+                setattr(parent, name, lin)
+
+
 def _remove_tokentune(model: nn.Module) -> None:
     for m in model.modules():
         d = m.__dict__
@@ -498,4 +557,4 @@ def _remove_checkpointing(model: nn.Module, base: nn.Module) -> None:
         base.gradient_checkpointing_disable()
 
 
-__all__ = ["export", "ExportError", "record_fold", "record_act", "guard_save"]
+__all__ = ["export", "ExportError", "record_fold", "record_act", "record_swap", "record_attention", "guard_save"]

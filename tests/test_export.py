@@ -196,10 +196,23 @@ def test_with_tokentune_and_checkpointing():
     assert rel(eval_logits(stock, inputs(3)), want) <= TOL
 
 
-def test_mesa_and_unrecorded_conversions_are_refused():
-    model, _ = build("vit")
-    with pytest.raises(ExportError, match="mesa"):
-        lowmembp.export(lowmembp.apply(model, "mesa"))
+@pytest.mark.parametrize("name", ["vit", "bert", "llama"])
+def test_mesa_layers_and_eager_attention_are_undone(name):
+    model, inputs = build(name)
+    attn_before = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    fused_before = [getattr(b.attn, "fused_attn", None) for b in getattr(model, "blocks", [])]
+    model = train(lowmembp.apply(model, "mesa", mesa_attention="eager"), inputs(2))
+    want = eval_logits(model, inputs(3))
+    exported = lowmembp.export(model)
+    assert_stock(exported, name)
+    assert getattr(getattr(exported, "config", None), "_attn_implementation", None) == attn_before
+    assert [getattr(b.attn, "fused_attn", None) for b in getattr(exported, "blocks", [])] == fused_before
+    stock = fresh(name)
+    stock.load_state_dict(exported.state_dict(), strict=True)
+    assert rel(eval_logits(stock, inputs(3)), want) <= TOL
+
+
+def test_unrecorded_conversions_are_refused():
     from lowmembp.ops.ms_norm import MSLayerNorm
     model, _ = build("vit")
     model.norm = MSLayerNorm(32)

@@ -30,6 +30,7 @@ import types
 
 import torch.nn as nn
 
+from lowmembp.export import record_attention, record_swap
 from lowmembp.methods.registry import register
 from lowmembp.ops.mesa_layers import (MesaAct, MesaLayerNorm, MesaLinear, MesaMatMul, MesaRMSNorm, MesaSoftmax)
 from lowmembp.ops.mesa_quant import MOMENTUM, EMAQuantizer
@@ -77,6 +78,8 @@ def convert(model: nn.Module, *, linears: bool, acts: bool, norms: bool, attenti
     done = {"linear": 0, "act": 0, "norm": 0, "attention": 0}
     if attention != "keep":
         for site in layout.attentions:
+            if not hasattr(site.get(), "mesa_qk"):
+                record_attention(layout.base, site.get())  # lowmembp.export undoes it
             done["attention"] += _convert_attention(site.get(), layout, attention)
     if acts:
         for site in layout.acts:
@@ -86,6 +89,7 @@ def convert(model: nn.Module, *, linears: bool, acts: bool, norms: bool, attenti
             kind = site.kind
             if kind == "gelu" and getattr(m, "approximate", "none") == "tanh":
                 kind = "gelu_tanh"
+            record_swap(layout.base, m)  # lowmembp.export puts it back
             site.set(MesaAct(kind, groups))
             done["act"] += 1
     if norms:
@@ -93,6 +97,8 @@ def convert(model: nn.Module, *, linears: bool, acts: bool, norms: bool, attenti
             m = site.get()
             if isinstance(m, (MesaLayerNorm, MesaRMSNorm)):
                 continue
+            if site.kind in ("layernorm", "rmsnorm"):
+                record_swap(layout.base, m)  # lowmembp.export puts it back
             if site.kind == "layernorm" and isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
                 site.set(MesaLayerNorm.from_layernorm(m, groups))
             elif site.kind == "rmsnorm":
