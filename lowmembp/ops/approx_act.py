@@ -1,32 +1,48 @@
-"""Approx-BP activations ReGELU2 and ReSiLU2 (Yang et al., ICML 2024, arXiv 2406.16282; DESIGN.md §2.1).
+"""Approx-BP activations: exact forward, k-bit backward (Yang et al., ICML 2024, arXiv 2406.16282; DESIGN.md §2.1).
 
-Forward is exact: GELU in its erf form ``0.5·x·(1 + erf(x/√2))`` or SiLU ``x·sigmoid(x)``, computed in fp32 and cast
-back to the input dtype. Alongside, each element gets a 2-bit code ``[x > c1] + [x > c2] + [x > c3]`` (compared in
-fp32 against the constants rounded to fp32), packed four per ``uint8``: element i sits in byte i // 4, bits 2·(i % 4)
-and 2·(i % 4) + 1, least significant first.
+Kinds (``KINDS``) and their exact forward, computed in fp32 and cast back to the input dtype:
+``gelu`` 0.5·x·(1 + erf(x/√2)) · ``gelu_tanh`` 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) · ``quick_gelu``
+x·sigmoid(1.702·x) · ``silu`` x·sigmoid(x) · ``relu`` max(x, 0) · ``relu2`` max(x, 0)².
+Non-finite inputs follow the mathematics, not a library's vector path: f(NaN) = NaN, f(+∞) = +∞, f(−∞) = 0.
 
-Saved for backward: the packed codes only, ``ceil(N / 4)`` bytes, i.e. 0.25 byte per element (against 2 for a bf16 or 4
-for an fp32 input that ``F.gelu`` / ``F.silu`` save). Shape and dtype are kept on ``ctx`` as Python values.
-Backward: ``dx = dy · s[code]`` with ``s = (0, a1, a1 + a2, a1 + a2 + a3)`` in fp32, cast back to dy's dtype. It is
-the derivative of the piecewise-linear ``h̃(x) = Σ a_i·max(x − c_i, 0)`` fitted to the activation, not of the
-activation itself: that approximation is the method.
+Alongside, each element gets a ``bits``-bit code ``Σ_j [x > c_j]`` over the ``2**bits − 1`` breakpoints (compared in
+fp32 against the constants rounded to fp32; NaN compares false: code 0). Codes are packed as a little-endian bit
+stream: element i occupies bits ``bits·i .. bits·i + bits − 1`` (for 2 bits: element i in byte i // 4, bits
+2·(i % 4) and 2·(i % 4) + 1, least significant first — the layout of DESIGN.md §2.1).
 
+Saved for backward: one uint8 tensor, the packed codes followed by ONE flag byte: ``ceil(N·bits/8) + 1`` bytes, i.e.
+bits/8 byte per element (0.25 for ReGELU2 / ReSiLU2, against 2 for a bf16 or 4 for an fp32 input that ``F.gelu`` /
+``F.silu`` save). The flag byte records non-finite inputs: bit 0 = some input was NaN, bit 1 = some input was +∞ for
+a kind whose derivative is unbounded there (``relu2``).
+Backward: ``dx = dy · s[code]`` with ``s_j = Σ_{i<=j} a_i`` (``s_0 = 0``) in fp32, cast back to dy's dtype — the
+derivative of the piecewise-linear ``h̃(x) = Σ a_i·max(x − c_i, 0)`` fitted to the activation
+(:mod:`lowmembp.ops.approx_derive`), not of the activation itself: that approximation is the method.
+NaN / ±∞: +∞ gets the top code (slope Σa = 1 = f'(+∞) for the GELU/SiLU family and ReLU), −∞ code 0 (slope 0 =
+f'(−∞)). A NaN has no code of its own (all 2^bits codes are taken), so when the flag says NaN, the backward uses
+s_0 = NaN for that call: every element of code 0 — the NaN ones and those left of c_1 — gets a NaN gradient (a NaN
+forward never yields a healthy-looking gradient; finite elements of other codes keep theirs). Likewise for
+``relu2`` with a +∞ input, the top code's slope becomes +∞. ``dy`` NaN or ±∞ propagates by IEEE arithmetic.
+
+The ops are ``torch.library`` custom ops (``lowmembp::approx_act_fwd`` / ``lowmembp::approx_act_bwd``) with fake
+implementations and registered autograd: ``torch.compile`` treats them as opaque (no graph break, the Triton
+interpreter is never traced), FakeTensorMode / meta tensors get the shapes from the fake implementation (paper-scale
+memory estimates; same ``ceil(N·bits/8) + 1`` saved bytes), and double backward works (the backward is linear in dy).
 Backends (``lowmembp._backend.backend_for``): Triton kernels on CUDA tensors (and on CPU tensors under
-``TRITON_INTERPRET=1`` with ``LOWMEMBP_BACKEND=triton``), the PyTorch reference otherwise, and always for fake / meta
-tensors (paper-scale memory estimates under FakeTensorMode; the reference saves the same ceil(N/4) bytes). Both give bitwise-equal
-codes and gradients; forward outputs agree to fp32 rounding of erf/exp.
+``TRITON_INTERPRET=1`` with ``LOWMEMBP_BACKEND=triton``), the PyTorch reference otherwise. Both give bitwise-equal
+codes and gradients; forward outputs agree to fp32 rounding of erf/exp/tanh.
 """
 from __future__ import annotations
 
+import math
 import os
 import struct
-import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lowmembp._backend import backend_for, check_float_input, is_shape_only
+from lowmembp._backend import backend_for, check_float_input
+from lowmembp.ops.approx_table import REGELU2_A, REGELU2_C, RESILU2_A, RESILU2_C, TABLE
 
 try:  # triton is optional on CPU-only installs; the reference path needs none of it
     import triton
@@ -36,210 +52,343 @@ except Exception:  # pragma: no cover - triton missing or broken
     tl = None
 
 __all__ = [
-    "REGELU2_C", "REGELU2_A", "RESILU2_C", "RESILU2_A", "slopes",
-    "regelu2", "resilu2", "ReGELU2", "ReSiLU2",
+    "KINDS", "BITS", "REGELU2_C", "REGELU2_A", "RESILU2_C", "RESILU2_A", "constants", "slopes",
+    "approx_act", "regelu2", "resilu2", "make_approx", "ApproxAct", "ReGELU2", "ReSiLU2",
     "pack_codes", "unpack_codes", "codes_reference", "forward_reference", "backward_reference",
+    "forward_triton", "backward_triton", "saved_bytes",
 ]
 
-# Published constants: the authors' released reference implementation of arXiv 2406.16282
-# (github.com/yyyyychen/LowMemoryBP, ReGELU2 / ReSiLU2), copied in DESIGN.md §2.1. They minimise
-# ∫ (h − Σ a_i·max(x − c_i, 0))² dx over [−6.07, 6.07] (GELU) / [−38.2, 38.2] (SiLU) with Σ a_i = 1, Σ a_i·c_i = 0;
-# tests/test_approx_act.py re-minimises that objective from these values and checks they do not move.
-REGELU2_C = (-3.1858810036855245, -0.001178821281161997, 3.190832613414926)
-REGELU2_A = (-0.04922261145617846, 1.0979632065417297, -0.048740595085551286)
-RESILU2_C = (-6.3050461001646445, -0.0008684942046214787, 6.325815242089708)
-RESILU2_A = (-0.04060357190528599, 1.080925428529668, -0.040321856624382146)
-
-_GELU, _SILU = 0, 1
-_CONSTS = {_GELU: (REGELU2_C, REGELU2_A), _SILU: (RESILU2_C, RESILU2_A)}
-_NAMES = {_GELU: "regelu2", _SILU: "resilu2"}
+KINDS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu", "relu2")
+BITS = (1, 2, 3, 4)
+_KIND_ID = {k: i for i, k in enumerate(KINDS)}
+_UNBOUNDED = frozenset({"relu2"})  # f'(+∞) = +∞: a +∞ input sets flag bit 1
+_NEG_ZERO = frozenset({"gelu", "gelu_tanh", "quick_gelu", "silu"})  # f(x) < 0 for x < 0: f(−∞) = −0
+_GELU, _SILU = "gelu", "silu"  # legacy names (an int 0 / 1 is accepted as well)
+_LEGACY = {0: "gelu", 1: "silu"}
+NAN_FLAG, INF_FLAG = 1, 2
 
 
-def slopes(a) -> tuple[float, float, float, float]:
-    """The backward's slope per code, ``s = (0, a1, a1 + a2, a1 + a2 + a3)``, summed in float64."""
-    return (0.0, a[0], a[0] + a[1], a[0] + a[1] + a[2])
+def _kind(kind) -> str:
+    kind = _LEGACY.get(kind, kind) if isinstance(kind, int) else kind
+    if kind not in _KIND_ID:
+        raise ValueError(f"unknown approximate activation kind {kind!r}; the kinds are {', '.join(KINDS)}")
+    return kind
+
+
+def _bits(bits) -> int:
+    if isinstance(bits, bool) or bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    return int(bits)
+
+
+def constants(kind: str, bits: int = 2) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``(c, a)`` for ``kind`` with ``bits`` bits: ``2**bits − 1`` breakpoints and weights (float64 values)."""
+    kind, bits = _kind(kind), _bits(bits)
+    try:
+        return TABLE[(kind, bits)]
+    except KeyError:
+        raise ValueError(f"no constants for kind={kind!r} with {bits} bits in lowmembp.ops.approx_table; "
+                         "regenerate the table with `python -m lowmembp.ops.approx_derive --table`") from None
+
+
+def slopes(a) -> tuple[float, ...]:
+    """The backward's slope per code, ``s = (0, a1, a1 + a2, ..., Σa)``, summed in float64."""
+    out, acc = [0.0], 0.0
+    for v in a:
+        acc += v
+        out.append(acc)
+    return tuple(out)
 
 
 def _fp32(v: float) -> float:
-    """Round a Python float to the nearest fp32 value (what both backends compare and multiply with).
-
-    Pure Python (no tensor), so it also works under FakeTensorMode."""
+    """Round a Python float to the nearest fp32 value (what both backends compare and multiply with)."""
     return struct.unpack("<f", struct.pack("<f", v))[0]
 
 
-_C32 = {k: tuple(_fp32(c) for c in cs) for k, (cs, _) in _CONSTS.items()}
-_S32 = {k: tuple(_fp32(s) for s in slopes(a)) for k, (_, a) in _CONSTS.items()}
+_CONSTS32: dict = {}
+
+
+def _consts32(kind: str, bits: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """fp32-rounded thresholds and slopes (Python floats) for the custom ops' arguments (cached)."""
+    key = (kind, bits)
+    if key not in _CONSTS32:
+        c, a = constants(kind, bits)
+        _CONSTS32[key] = (tuple(_fp32(v) for v in c), tuple(_fp32(v) for v in slopes(a)))
+    return _CONSTS32[key]
+
+
+def _bits_of(n_values: int, what: str) -> int:
+    bits = int(round(math.log2(n_values)))
+    if (1 << bits) != n_values or bits not in BITS:
+        raise ValueError(f"approx_act: {what} must have 2**bits values (bits in {BITS}), got {n_values}")
+    return bits
+
+
+def saved_bytes(n: int, bits: int = 2) -> int:
+    """Bytes one call saves for backward on n elements: ``ceil(n·bits/8)`` code bytes + 1 flag byte."""
+    return (n * _bits(bits) + 7) // 8 + 1
 
 
 # ----------------------------------------------------------------------------------------------- PyTorch reference
+def pack_codes(codes: torch.Tensor, bits: int = 2) -> torch.Tensor:
+    """Pack integer codes in [0, 2**bits) (any shape, read in flat order) into ``ceil(N·bits/8)`` uint8 bytes.
 
-
-def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Pack uint8 codes in {0..3} (any shape, read in flat order) four per byte: returns ``ceil(N/4)`` uint8."""
-    flat = codes.reshape(-1).to(torch.uint8)
+    Little-endian bit stream: element i at bits ``bits·i ..``; eight elements fill ``bits`` bytes exactly."""
+    bits = _bits(bits)
+    flat = codes.reshape(-1).to(torch.int64)
     n = flat.numel()
-    nbytes = (n + 3) // 4
-    buf = torch.zeros(nbytes * 4, dtype=torch.uint8, device=flat.device)
+    groups = (n + 7) // 8
+    buf = torch.zeros(groups * 8, dtype=torch.int64, device=flat.device)
     buf[:n] = flat
-    if sys.byteorder != "little":  # pragma: no cover - every torch platform today is little-endian
-        q = buf.view(-1, 4).to(torch.int32)
-        return (q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)).to(torch.uint8)
-    # Read four code bytes as one little-endian int32 (byte j at bits 8j, 8j+1) and move byte j to bits 2j, 2j+1.
-    v = buf.view(torch.int32)
-    return ((v | (v >> 6) | (v >> 12) | (v >> 18)) & 0xFF).to(torch.uint8)
+    shifts = torch.arange(8, device=flat.device, dtype=torch.int64) * bits
+    word = (buf.view(groups, 8) << shifts).sum(1)
+    byte_shift = torch.arange(bits, device=flat.device, dtype=torch.int64) * 8
+    out = ((word[:, None] >> byte_shift) & 0xFF).to(torch.uint8).reshape(-1)
+    return out[: (n * bits + 7) // 8].clone()
 
 
-def unpack_codes(packed: torch.Tensor, n: int) -> torch.Tensor:
+def unpack_codes(packed: torch.Tensor, n: int, bits: int = 2) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: the first ``n`` codes as a flat uint8 tensor."""
-    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != (n + 3) // 4:
-        raise ValueError(f"unpack_codes: expected a 1-D uint8 tensor of {(n + 3) // 4} bytes for n={n}, "
+    bits = _bits(bits)
+    nbytes = (n * bits + 7) // 8
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != nbytes:
+        raise ValueError(f"unpack_codes: expected a 1-D uint8 tensor of {nbytes} bytes for n={n}, bits={bits}, "
                          f"got {packed.dtype} of shape {tuple(packed.shape)}")
-    if sys.byteorder != "little":  # pragma: no cover
-        shifts = torch.arange(0, 8, 2, device=packed.device, dtype=torch.int32)
-        return ((packed.to(torch.int32)[:, None] >> shifts) & 3).to(torch.uint8).reshape(-1)[:n]
-    v = packed.to(torch.int32)
-    v = (v | (v << 6) | (v << 12) | (v << 18)) & 0x03030303  # bits 2j, 2j+1 -> byte j
-    return v.view(torch.uint8)[:n]
+    groups = (n + 7) // 8
+    buf = torch.zeros(groups * bits, dtype=torch.int64, device=packed.device)
+    buf[:nbytes] = packed
+    byte_shift = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+    word = (buf.view(groups, bits) << byte_shift).sum(1)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
+    return ((word[:, None] >> shifts) & ((1 << bits) - 1)).to(torch.uint8).reshape(-1)[:n]
 
 
 def codes_reference(x: torch.Tensor, c) -> torch.Tensor:
-    """Unpacked codes ``[x > c1] + [x > c2] + [x > c3]`` (uint8, x's shape), compared in fp32."""
+    """Unpacked codes ``Σ_j [x > c_j]`` (uint8, x's shape), compared in fp32 (NaN: 0)."""
     xf = x.float()
-    c32 = [_fp32(v) for v in c]
-    return (xf > c32[0]).to(torch.uint8) + (xf > c32[1]).to(torch.uint8) + (xf > c32[2]).to(torch.uint8)
+    out = torch.zeros(xf.shape, dtype=torch.uint8, device=xf.device)
+    for v in c:
+        out += xf > _fp32(v)
+    return out
 
 
-def _packed_codes(xf: torch.Tensor, c) -> torch.Tensor:
-    """Packed codes of fp32 ``xf`` in few whole-tensor passes: the compare results (bool bytes) of four consecutive
-    elements are read as one little-endian int32 lane and summed over the thresholds (byte j = code of element j), then
-    one multiply by 2^24 + 2^18 + 2^12 + 2^6 moves byte j to bits 24 + 2j (every other product lands below bit 24 in
-    its own 2-bit field, or beyond bit 31 and wraps away), and a shift by 24 leaves the packed byte."""
-    flat = xf.reshape(-1)
+def _packed_codes_2bit(flat: torch.Tensor, t32, out: torch.Tensor) -> None:
+    """2-bit codes of fp32 ``flat`` packed into ``out`` in few whole-tensor passes: the compare results (bool bytes)
+    of four consecutive elements are read as one little-endian int32 lane and summed over the thresholds (byte j =
+    code of element j), then one multiply by 2^24 + 2^18 + 2^12 + 2^6 moves byte j to bits 24 + 2j (every other
+    product lands below bit 24 in its own 2-bit field, or beyond bit 31 and wraps away), and a shift by 24 leaves the
+    packed byte. Falls back to :func:`pack_codes` for the ragged tail (and on big-endian machines)."""
+    import sys
     n = flat.numel()
-    n4 = n - n % 4
-    c32 = [_fp32(v) for v in c]
-    packed = torch.empty((n + 3) // 4, dtype=torch.uint8, device=flat.device)
-    if n4 and sys.byteorder == "little":
+    n4 = n - n % 4 if sys.byteorder == "little" else 0
+    if n4:
         main = flat[:n4]
-        acc = torch.gt(main, c32[0])
-        hit = torch.gt(main, c32[1])
+        acc = torch.gt(main, t32[0])
+        hit = torch.gt(main, t32[1])
         lanes, v = hit.view(torch.uint8).view(torch.int32), acc.view(torch.uint8).view(torch.int32)
         v += lanes
-        torch.gt(main, c32[2], out=hit)
+        torch.gt(main, t32[2], out=hit)
         v += lanes
         v *= (1 << 24) + (1 << 18) + (1 << 12) + (1 << 6)  # int32 arithmetic wraps modulo 2^32
         v >>= 24
-        packed[: n4 // 4] = v  # the low byte (int32 -> uint8 keeps it)
-    else:
-        n4 = 0
+        out[: n4 // 4] = v  # the low byte (int32 -> uint8 keeps it)
     if n4 < n:
-        packed[n4 // 4:] = pack_codes(codes_reference(flat[n4:], c))
-    return packed
+        out[n4 // 4:] = pack_codes(codes_reference(flat[n4:], t32), 2)
 
 
-def forward_reference(x: torch.Tensor, kind: int, with_codes: bool = True):
-    """Exact activation (fp32 compute, cast back) and, if asked, the packed codes."""
-    xf = x.float()
-    y = (F.gelu(xf) if kind == _GELU else F.silu(xf)).to(x.dtype)
+def _exact_fp32(xf: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "gelu":
+        return F.gelu(xf)
+    if kind == "gelu_tanh":
+        return F.gelu(xf, approximate="tanh")
+    if kind == "quick_gelu":
+        return xf * torch.sigmoid(1.702 * xf)
+    if kind == "silu":
+        return F.silu(xf)
+    if kind == "relu":
+        return torch.relu(xf)
+    return torch.relu(xf).square()
+
+
+def _flag_tensor(xf: torch.Tensor, kind: str) -> torch.Tensor:
+    """The flag byte (0-d uint8 on xf's device): bit 0 = any NaN, bit 1 = any +∞ for an unbounded derivative."""
+    flag = torch.isnan(xf).any().to(torch.uint8)
+    if kind in _UNBOUNDED:
+        flag = flag | (torch.isposinf(xf).any().to(torch.uint8) << 1)
+    return flag
+
+
+def _fwd_reference(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
+    xf = x.float().contiguous()
+    y = _exact_fp32(xf, kind)
+    # non-finite inputs by the mathematics (a library's vectorised path may return NaN for +inf): NaN, +inf, 0
+    zero = -0.0 if kind in _NEG_ZERO else 0.0
+    y = torch.where(torch.isfinite(xf), y, torch.where(xf < 0, zero, xf)).to(x.dtype)
     if not with_codes:
-        return y, None
-    return y, _packed_codes(xf, _CONSTS[kind][0])
+        return y, torch.empty(0, dtype=torch.uint8, device=x.device)
+    bits = _bits_of(len(thresholds) + 1, "thresholds")
+    flat = xf.reshape(-1)
+    n = flat.numel()
+    nbytes = (n * bits + 7) // 8
+    packed = torch.empty(nbytes + 1, dtype=torch.uint8, device=x.device)
+    if bits == 2:
+        _packed_codes_2bit(flat, thresholds, packed[:nbytes])
+    else:
+        packed[:nbytes] = pack_codes(codes_reference(flat, thresholds), bits)
+    packed[nbytes] = _flag_tensor(flat, kind)
+    return y, packed
 
 
-_BYTE_TABLES: dict = {}
+def _slope_rows(s32) -> list[list[float]]:
+    """Four slope tables, one per flag value: NaN flag → s_0 = NaN; +∞ flag → s_top = +∞."""
+    rows = []
+    for flag in range(4):
+        row = list(s32)
+        if flag & NAN_FLAG:
+            row[0] = float("nan")
+        if flag & INF_FLAG:
+            row[-1] = float("inf")
+        rows.append(row)
+    return rows
 
 
-def _byte_table(kind: int, like: torch.Tensor) -> torch.Tensor:
-    """[256, 4] fp32 on ``like``'s device: the four slopes s[code] encoded by each possible code byte.
-
-    Cached per device for real tensors; built afresh (never cached) for fake / meta ones."""
-    fake = is_shape_only(like)
-    key = (kind, str(like.device))
-    if not fake and key in _BYTE_TABLES:
-        return _BYTE_TABLES[key]
-    s = _S32[kind]
-    table = torch.tensor([[s[(b >> (2 * j)) & 3] for j in range(4)] for b in range(256)], dtype=torch.float32)
-    table = table.to(like.device)
-    if not fake and not is_shape_only(table):
-        _BYTE_TABLES[key] = table
-    return table
+_TABLES: dict = {}
 
 
-def backward_reference(dy: torch.Tensor, packed: torch.Tensor, kind: int) -> torch.Tensor:
-    """``dx = dy · s[code]`` in fp32, cast back to dy's dtype (four slopes per code byte from a 256-row table)."""
+def _slope_table(s32: tuple, device) -> torch.Tensor:
+    """[4, 2**bits] fp32 on ``device``: the slopes per code for each flag value (cached per device)."""
+    key = ("s", s32, str(device))
+    if key not in _TABLES:
+        _TABLES[key] = torch.tensor(_slope_rows(s32), dtype=torch.float32, device=device)
+    return _TABLES[key]
+
+
+def _byte_table(s32: tuple, bits: int, device) -> torch.Tensor:
+    """[4, 256, 8 // bits] fp32: the slopes of the codes in each possible byte, per flag value (bits 1, 2, 4)."""
+    key = ("b", s32, str(device))
+    if key not in _TABLES:
+        per, m = 8 // bits, (1 << bits) - 1
+        rows = _slope_rows(s32)
+        t = [[[rows[f][(b >> (bits * j)) & m] for j in range(per)] for b in range(256)] for f in range(4)]
+        _TABLES[key] = torch.tensor(t, dtype=torch.float32, device=device)
+    return _TABLES[key]
+
+
+def _bwd_reference(dy: torch.Tensor, packed: torch.Tensor, s32) -> torch.Tensor:
+    bits = _bits_of(len(s32), "slopes")
     flat = dy.reshape(-1)
     n = flat.numel()
-    n4 = n - n % 4
+    nbytes = (n * bits + 7) // 8
+    if packed.numel() != nbytes + 1:
+        raise ValueError(f"approx_act backward: expected {nbytes + 1} saved bytes for {n} elements at {bits} bits, "
+                         f"got {packed.numel()}")
+    flag = packed[nbytes].long()
     dx = torch.empty(n, dtype=torch.float32, device=dy.device)
-    if n4:
-        dx4 = dx[:n4].view(-1, 4)
-        torch.index_select(_byte_table(kind, dy), 0, packed[: n4 // 4].to(torch.int32), out=dx4)
-        dx4.mul_(flat[:n4].view(-1, 4))  # fp32 slopes times dy (any float dtype), in fp32
-    if n4 < n:
-        s = torch.tensor(_S32[kind], dtype=torch.float32, device=dy.device)
-        tail = unpack_codes(packed[n4 // 4:], n - n4)
-        dx[n4:] = flat[n4:].float() * s[tail.long()]
+    done = 0
+    if bits != 3:
+        per = 8 // bits
+        done = n - n % per
+        if done:
+            d2 = dx[:done].view(-1, per)
+            torch.index_select(_byte_table(tuple(s32), bits, dy.device)[flag], 0,
+                               packed[: done // per].to(torch.int32), out=d2)
+            d2.mul_(flat[:done].view(-1, per))  # fp32 slopes times dy (any float dtype), in fp32
+    if done < n:
+        first_byte = done * bits // 8  # done is a multiple of 8 // bits (or 0): a byte boundary
+        tail = unpack_codes(packed[first_byte:nbytes], n - done, bits)
+        dx[done:] = flat[done:].float() * _slope_table(tuple(s32), dy.device)[flag][tail.long()]
     return dx.to(dy.dtype).reshape(dy.shape)
+
+
+def forward_reference(x: torch.Tensor, kind=_GELU, with_codes: bool = True, bits: int = 2):
+    """Exact activation (fp32 compute, cast back) and, if asked, the saved bytes (packed codes + flag byte)."""
+    kind = _kind(kind)
+    return _fwd_reference(x, kind, _consts32(kind, _bits(bits))[0], with_codes)
+
+
+def backward_reference(dy: torch.Tensor, packed: torch.Tensor, kind=_GELU, bits: int = 2) -> torch.Tensor:
+    """``dx = dy · s[code]`` in fp32, cast back to dy's dtype."""
+    return _bwd_reference(dy, packed, _consts32(_kind(kind), _bits(bits))[1])
 
 
 # ---------------------------------------------------------------------------------------------------- Triton kernels
 if triton is not None:
 
     @triton.jit
-    def _act_fwd_kernel(x_ptr, y_ptr, code_ptr, n, nbytes, c1, c2, c3,
-                        KIND: tl.constexpr, WRITE_CODES: tl.constexpr, BLOCK: tl.constexpr):
-        # One program: BLOCK code bytes = 4·BLOCK consecutive elements, viewed as a [BLOCK, 4] tile.
+    def _act_fwd_kernel(x_ptr, y_ptr, code_ptr, t_ptr, flag_ptr, n, nbytes,
+                        KIND: tl.constexpr, BITS: tl.constexpr, NT: tl.constexpr, NEG_ZERO: tl.constexpr,
+                        UNBOUNDED: tl.constexpr, WRITE_CODES: tl.constexpr, BLOCK: tl.constexpr):
+        # One program: BLOCK groups of 8 consecutive elements (a group fills BITS code bytes), a [BLOCK, 8] tile.
         pid = tl.program_id(0).to(tl.int64)
-        byte = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        lane = tl.arange(0, 4)
-        idx = byte[:, None] * 4 + lane[None, :]
+        grp = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        lane = tl.arange(0, 8)
+        idx = grp[:, None] * 8 + lane[None, :]
         mask = idx < n
         x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        if KIND == 0:
+        if KIND == 0:  # gelu (erf)
             y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))  # 1/√2
-        else:
+        elif KIND == 1:  # gelu_tanh: 0.5·x·(1 + tanh(u)) = x·sigmoid(2u) (no libdevice tanh in the interpreter)
+            u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # √(2/π)
+            y = x / (1.0 + tl.exp(-2.0 * u))
+        elif KIND == 2:  # quick_gelu
+            y = x / (1.0 + tl.exp(-1.702 * x))
+        elif KIND == 3:  # silu
             y = x / (1.0 + tl.exp(-x))
+        elif KIND == 4:  # relu
+            y = tl.where(x > 0.0, x, 0.0)
+        else:  # relu2
+            r = tl.where(x > 0.0, x, 0.0)
+            y = r * r
+        finite = tl.abs(x) < float("inf")  # false for ±inf and NaN
+        if NEG_ZERO:
+            special = tl.where(x < 0.0, -0.0, x)
+        else:
+            special = tl.where(x < 0.0, 0.0, x)
+        y = tl.where(finite, y, special)
         tl.store(y_ptr + idx, y.to(y_ptr.dtype.element_ty), mask=mask)
         if WRITE_CODES:
-            t1 = tl.cast(c1, tl.float32)
-            t2 = tl.cast(c2, tl.float32)
-            t3 = tl.cast(c3, tl.float32)
-            code = (x > t1).to(tl.int32) + (x > t2).to(tl.int32) + (x > t3).to(tl.int32)
+            code = tl.zeros([BLOCK, 8], dtype=tl.int32)
+            for j in tl.static_range(NT):
+                code += (x > tl.load(t_ptr + j)).to(tl.int32)
             code = tl.where(mask, code, 0)
-            packed = tl.sum(code << (lane[None, :] * 2), axis=1)  # disjoint bits: sum == or
-            tl.store(code_ptr + byte, packed.to(tl.uint8), mask=byte < nbytes)
+            word = tl.sum(code << (lane[None, :] * BITS), axis=1)  # disjoint bits: sum == or (int32 wraps)
+            kb = tl.arange(0, 4)
+            byte = (word[:, None] >> (kb[None, :] * 8)) & 0xFF
+            bidx = grp[:, None] * BITS + kb[None, :]
+            tl.store(code_ptr + bidx, byte.to(tl.uint8), mask=(kb[None, :] < BITS) & (bidx < nbytes))
+            flag = tl.max(tl.max(tl.where(mask & (x != x), 1, 0), axis=1), axis=0)
+            if UNBOUNDED:
+                flag = flag | (tl.max(tl.max(tl.where(mask & (x == float("inf")), 2, 0), axis=1), axis=0))
+            tl.atomic_or(flag_ptr, flag)
 
     @triton.jit
-    def _act_bwd_kernel(dy_ptr, code_ptr, dx_ptr, n, nbytes, s1, s2, s3, BLOCK: tl.constexpr):
+    def _act_bwd_kernel(dy_ptr, code_ptr, s_ptr, flag_ptr, dx_ptr, n, nbytes,
+                        BITS: tl.constexpr, NS: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
-        byte = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        lane = tl.arange(0, 4)
-        idx = byte[:, None] * 4 + lane[None, :]
+        grp = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        lane = tl.arange(0, 8)
+        idx = grp[:, None] * 8 + lane[None, :]
         mask = idx < n
-        packed = tl.load(code_ptr + byte, mask=byte < nbytes, other=0).to(tl.int32)
-        code = (packed[:, None] >> (lane[None, :] * 2)) & 3
-        a = tl.cast(s1, tl.float32)
-        b = tl.cast(s2, tl.float32)
-        c = tl.cast(s3, tl.float32)
-        s = tl.where(code == 1, a, tl.where(code == 2, b, tl.where(code == 3, c, 0.0)))
+        kb = tl.arange(0, 4)
+        bidx = grp[:, None] * BITS + kb[None, :]
+        byte = tl.load(code_ptr + bidx, mask=(kb[None, :] < BITS) & (bidx < nbytes), other=0).to(tl.int32)
+        word = tl.sum(byte << (kb[None, :] * 8), axis=1)
+        code = (word[:, None] >> (lane[None, :] * BITS)) & (NS - 1)
+        flag = tl.load(flag_ptr).to(tl.int32)
+        s = tl.load(s_ptr + flag * NS + code, mask=mask, other=0.0)
         dy = tl.load(dy_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + idx, (dy * s).to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    """Triton per lowmembp._backend, except for fake / meta tensors (memory estimates), which take the reference."""
-    return backend_for(x) == "triton" and not is_shape_only(x)
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _launch_cfg(nbytes: int) -> tuple[int, int]:
-    """(BLOCK bytes per program, num_warps). The interpreter pays per program, so it gets one big block."""
+def _launch_cfg(groups: int) -> tuple[int, int]:
+    """(BLOCK groups of 8 elements per program, num_warps). The interpreter pays per program: one big block."""
     if _interpreting():
-        return max(16, min(triton.next_power_of_2(max(nbytes, 1)), 1 << 14)), 4
-    return 1024, 8  # 4096 elements per program
+        return max(16, min(triton.next_power_of_2(max(groups, 1)), 1 << 12)), 4
+    return 512, 8  # 4096 elements per program
 
 
 def _need_triton():
@@ -248,83 +397,179 @@ def _need_triton():
                            "install triton or set LOWMEMBP_BACKEND=torch")
 
 
-def forward_triton(x: torch.Tensor, kind: int, with_codes: bool = True):
+def _fwd_triton(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
     _need_triton()
+    bits = _bits_of(len(thresholds) + 1, "thresholds")
     xc = x.contiguous()
     n = xc.numel()
-    nbytes = (n + 3) // 4
+    nbytes = (n * bits + 7) // 8
     y = torch.empty_like(xc)
-    packed = torch.empty(nbytes if with_codes else 0, dtype=torch.uint8, device=x.device)
+    packed = torch.empty(nbytes + 1 if with_codes else 0, dtype=torch.uint8, device=x.device)
+    flag = torch.zeros(1, dtype=torch.int32, device=x.device)
     if n:
-        block, warps = _launch_cfg(nbytes)
-        c1, c2, c3 = _C32[kind]
-        _act_fwd_kernel[(triton.cdiv(nbytes, block),)](
-            xc, y, packed, n, nbytes, c1, c2, c3,
-            KIND=kind, WRITE_CODES=with_codes, BLOCK=block, num_warps=warps)
-    return y, (packed if with_codes else None)
+        t = _const_tensor(tuple(thresholds), x.device)
+        block, warps = _launch_cfg((n + 7) // 8)
+        _act_fwd_kernel[(triton.cdiv((n + 7) // 8, block),)](
+            xc, y, packed, t, flag, n, nbytes, KIND=_KIND_ID[kind], BITS=bits, NT=len(thresholds),
+            NEG_ZERO=kind in _NEG_ZERO, UNBOUNDED=kind in _UNBOUNDED, WRITE_CODES=with_codes, BLOCK=block,
+            num_warps=warps)
+    if with_codes:
+        packed[nbytes] = flag[0]
+    return y, packed
 
 
-def backward_triton(dy: torch.Tensor, packed: torch.Tensor, kind: int) -> torch.Tensor:
+def _const_tensor(values: tuple, device) -> torch.Tensor:
+    key = ("t", values, str(device))
+    if key not in _TABLES:
+        _TABLES[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return _TABLES[key]
+
+
+def _bwd_triton(dy: torch.Tensor, packed: torch.Tensor, s32) -> torch.Tensor:
     _need_triton()
+    bits = _bits_of(len(s32), "slopes")
     dyc = dy.contiguous()
     n = dyc.numel()
-    nbytes = (n + 3) // 4
+    nbytes = (n * bits + 7) // 8
+    if packed.numel() != nbytes + 1:
+        raise ValueError(f"approx_act backward: expected {nbytes + 1} saved bytes for {n} elements at {bits} bits, "
+                         f"got {packed.numel()}")
     dx = torch.empty_like(dyc)
     if n:
-        block, warps = _launch_cfg(nbytes)
-        _, s1, s2, s3 = _S32[kind]
-        _act_bwd_kernel[(triton.cdiv(nbytes, block),)](
-            dyc, packed, dx, n, nbytes, s1, s2, s3, BLOCK=block, num_warps=warps)
+        block, warps = _launch_cfg((n + 7) // 8)
+        _act_bwd_kernel[(triton.cdiv((n + 7) // 8, block),)](
+            dyc, packed, _slope_table(tuple(s32), dy.device), packed[nbytes:], dx, n, nbytes,
+            BITS=bits, NS=len(s32), BLOCK=block, num_warps=warps)
     return dx
 
 
-# ------------------------------------------------------------------------------------------- autograd and modules
-class _ApproxActFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, kind: int):
-        fwd = forward_triton if _use_triton(x) else forward_reference
-        y, packed = fwd(x, kind, True)
-        ctx.save_for_backward(packed)
-        ctx.kind = kind
-        ctx.shape = tuple(x.shape)
-        return y
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy: torch.Tensor):
-        (packed,) = ctx.saved_tensors
-        bwd = backward_triton if _use_triton(dy) else backward_reference
-        return bwd(dy, packed, ctx.kind), None
+def forward_triton(x: torch.Tensor, kind=_GELU, with_codes: bool = True, bits: int = 2):
+    """Triton forward: (y, packed codes + flag byte) — the same bytes as :func:`forward_reference`."""
+    kind = _kind(kind)
+    return _fwd_triton(x, kind, _consts32(kind, _bits(bits))[0], with_codes)
 
 
-def _apply(x: torch.Tensor, kind: int) -> torch.Tensor:
-    check_float_input(x, _NAMES[kind])
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _ApproxActFn.apply(x, kind)
-    fwd = forward_triton if _use_triton(x) else forward_reference
-    return fwd(x, kind, False)[0]  # nothing to save: no codes
+def backward_triton(dy: torch.Tensor, packed: torch.Tensor, kind=_GELU, bits: int = 2) -> torch.Tensor:
+    """Triton backward: ``dx = dy · s[code]``, bitwise equal to :func:`backward_reference`."""
+    return _bwd_triton(dy, packed, _consts32(_kind(kind), _bits(bits))[1])
+
+
+# ------------------------------------------------------------------------------------------------- the custom ops
+@torch.library.custom_op("lowmembp::approx_act_fwd", mutates_args=())
+def _approx_act_fwd(x: torch.Tensor, kind: str, thresholds: list[float], slopes: list[float],
+                    with_codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact activation, packed codes + flag byte). ``slopes`` is unused here; the autograd formula reads it."""
+    if backend_for(x) == "triton":
+        y, packed = _fwd_triton(x, kind, thresholds, with_codes)
+    else:
+        y, packed = _fwd_reference(x, kind, thresholds, with_codes)
+    return y, packed
+
+
+@_approx_act_fwd.register_fake
+def _(x, kind, thresholds, slopes, with_codes):
+    bits = _bits_of(len(thresholds) + 1, "thresholds")
+    nbytes = (x.numel() * bits + 7) // 8 + 1 if with_codes else 0
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(nbytes, dtype=torch.uint8, device=x.device))
+
+
+@torch.library.custom_op("lowmembp::approx_act_bwd", mutates_args=())
+def _approx_act_bwd(dy: torch.Tensor, packed: torch.Tensor, slopes: list[float]) -> torch.Tensor:
+    """``dx = dy · s[code]`` (slopes fp32-rounded, 2**bits of them)."""
+    if backend_for(dy) == "triton":
+        return _bwd_triton(dy, packed, slopes)
+    return _bwd_reference(dy, packed, slopes)
+
+
+@_approx_act_bwd.register_fake
+def _(dy, packed, slopes):
+    return torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
+
+
+def _fwd_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])  # the packed codes + flag byte: all that is saved
+    ctx.slopes = inputs[3]
+
+
+def _fwd_backward(ctx, dy, _dpacked):
+    (packed,) = ctx.saved_tensors
+    return _approx_act_bwd(dy, packed, ctx.slopes), None, None, None, None
+
+
+def _bwd_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+    ctx.slopes = inputs[2]
+
+
+def _bwd_backward(ctx, gdx):  # the backward is linear in dy with a piecewise-constant slope: d/dx of it is 0
+    (packed,) = ctx.saved_tensors
+    return _approx_act_bwd(gdx, packed, ctx.slopes), None, None
+
+
+torch.library.register_autograd("lowmembp::approx_act_fwd", _fwd_backward, setup_context=_fwd_setup)
+torch.library.register_autograd("lowmembp::approx_act_bwd", _bwd_backward, setup_context=_bwd_setup)
+
+
+# ------------------------------------------------------------------------------------------- functions and modules
+def approx_act(x: torch.Tensor, kind: str = "gelu", bits: int = 2) -> torch.Tensor:
+    """Exact ``kind`` activation forward; backward with the ``bits``-bit approximate derivative (codes saved)."""
+    kind, bits = _kind(kind), _bits(bits)
+    check_float_input(x, f"approx_act({kind}, bits={bits})")
+    t32, s32 = _consts32(kind, bits)
+    with_codes = torch.is_grad_enabled() and x.requires_grad
+    return _approx_act_fwd(x, kind, list(t32), list(s32), with_codes)[0]
 
 
 def regelu2(x: torch.Tensor) -> torch.Tensor:
     """Exact GELU (erf form) forward; backward with the 2-bit ReGELU2 derivative, saving 0.25 byte per element."""
-    return _apply(x, _GELU)
+    check_float_input(x, "regelu2")
+    return approx_act(x, "gelu", 2)
 
 
 def resilu2(x: torch.Tensor) -> torch.Tensor:
     """Exact SiLU forward; backward with the 2-bit ReSiLU2 derivative, saving 0.25 byte per element."""
-    return _apply(x, _SILU)
+    check_float_input(x, "resilu2")
+    return approx_act(x, "silu", 2)
 
 
-class ReGELU2(nn.Module):
+class ApproxAct(nn.Module):
+    """Drop-in for the exact ``kind`` activation module that saves ``bits``-bit codes instead of its input."""
+
+    def __init__(self, kind: str = "gelu", bits: int = 2):
+        super().__init__()
+        self.kind, self.bits = _kind(kind), _bits(bits)
+        constants(self.kind, self.bits)  # fail now, not in the first forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return approx_act(x, self.kind, self.bits)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, bits={self.bits}"
+
+
+class ReGELU2(ApproxAct):
     """Drop-in for ``nn.GELU()`` (erf form) that saves 2-bit codes instead of its input."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return regelu2(x)
+    def __init__(self):
+        super().__init__("gelu", 2)
 
 
-class ReSiLU2(nn.Module):
+class ReSiLU2(ApproxAct):
     """Drop-in for ``nn.SiLU()`` that saves 2-bit codes instead of its input."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return resilu2(x)
+    def __init__(self):
+        super().__init__("silu", 2)
 
+
+def make_approx(kind: str, bits: int = 2) -> nn.Module:
+    """The approximate-activation module for ``kind`` (one of :data:`KINDS`) with ``bits`` bits per element.
+
+    ``("gelu", 2)`` gives :class:`ReGELU2` and ``("silu", 2)`` :class:`ReSiLU2`; every other pair an
+    :class:`ApproxAct`. Raises ValueError (listing the kinds) for an unknown kind."""
+    kind, bits = _kind(kind), _bits(bits)
+    if bits == 2 and kind == "gelu":
+        return ReGELU2()
+    if bits == 2 and kind == "silu":
+        return ReSiLU2()
+    return ApproxAct(kind, bits)

@@ -14,6 +14,10 @@ layouts Mesa uses:
 Ranges: per group a range α and minimum β, an exponential moving average across steps (λ = 0.9) with the current
 batch included: the first step takes α = max − min, β = min of the batch; later steps
 ``α ← λα + (1−λ)(max − min)``, ``β ← λβ + (1−λ)·min`` — then the batch is quantised with the updated values.
+Non-finite statistics (a batch with an inf, a NaN, or a range that overflows fp32) do not update the ranges: that
+batch is quantised with the ranges as they were, the update counter does not advance, the quantiser's ``skipped``
+buffer counts it, and a RuntimeWarning says so once per quantiser (checked at once on CPU tensors; on CUDA every
+64th call, to avoid a device sync per call; not under ``torch.compile``). One bad batch never poisons later steps.
 
 Rounding: ``q = clamp(round((x − β)·255/α + u − 0.5), 0, 255)`` with u ~ U(0, 1), computed as
 ``clamp(floor((x − β)·(255/α) + u), 0, 255)`` (the same with round-half-up), so ``E[x̂] = x`` inside the range;
@@ -23,8 +27,14 @@ Dequantise: ``x̂ = q·(α/255) + β``. Within the range the error is below α/2
 Random numbers: a counter-based hash of (seed, element index) — ``h = lowbias32(i·0x9E3779B9 + seed)``,
 ``u = (h >> 8)·2⁻²⁴`` — computed inside the Triton kernel (no float u tensor is ever materialised on the GPU) and by
 the PyTorch reference in the same way, so kernel and reference agree bit for bit given the seed (indices are taken
-modulo 2³²). The seed of each call is drawn from torch's default CPU generator, so ``torch.manual_seed`` makes a
-run reproducible; it is drawn on a real CPU tensor outside any fake mode, so it works while the data are fake.
+modulo 2³²). The seed of each call is a 0-d int64 tensor drawn from torch's default CPU generator
+(``torch.manual_seed`` makes a run reproducible) — a tensor, not a Python int, so that ``torch.compile`` neither
+specialises on it nor recompiles per call.
+
+Custom ops: quantise and dequantise are ``torch.library`` custom ops (``lowmembp::mesa_quantize`` /
+``lowmembp::mesa_dequantize``) with fake implementations: ``torch.compile`` (CPU inductor included) keeps them as
+opaque nodes — inductor never vectorises the integer hash — and FakeTensorMode / meta tensors only allocate the
+outputs.
 
 CPU reference: it works in chunks of :func:`get_chunk_size` elements (default 8192) so that its int64 / fp32
 temporaries stay small; change that with :func:`set_chunk_size` or, for a block of code, ``with chunk_size(n):``.
@@ -39,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +57,8 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lowmembp._backend import backend_for, check_float_input, is_shape_only
+
+_WARN_EVERY_CUDA = 64  # a CUDA quantiser checks its skipped-update counter (a device sync) every this many calls
 
 try:  # pragma: no cover - triton is optional on CPU machines
     import triton
@@ -90,16 +103,20 @@ def group_min_max(x: torch.Tensor, inner: int, groups: int) -> tuple[torch.Tenso
 
 
 def ema_update(alpha: torch.Tensor, beta: torch.Tensor, count: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor,
-               momentum: float = MOMENTUM) -> None:
+               momentum: float = MOMENTUM) -> torch.Tensor:
     """In place: the first call sets α = max − min, β = min; later ``α ← λα + (1−λ)(max−min)``, same for β.
 
-    ``count`` (a 0-d int64 tensor) counts the updates; no host synchronisation happens (``torch.where``).
+    ``count`` (a 0-d int64 tensor) counts the updates. A batch whose statistics are not all finite (min, max and
+    their difference, every group) leaves α, β and ``count`` unchanged. Returns that verdict as a 0-d bool tensor
+    (True: updated); no host synchronisation happens (``torch.where``).
     """
     first = count == 0
     rng = mx - mn
-    alpha.copy_(torch.where(first, rng, momentum * alpha + (1 - momentum) * rng))
-    beta.copy_(torch.where(first, mn, momentum * beta + (1 - momentum) * mn))
-    count.add_(1)
+    ok = torch.isfinite(rng).all() & torch.isfinite(mn).all()
+    alpha.copy_(torch.where(ok, torch.where(first, rng, momentum * alpha + (1 - momentum) * rng), alpha))
+    beta.copy_(torch.where(ok, torch.where(first, mn, momentum * beta + (1 - momentum) * mn), beta))
+    count.add_(ok.to(count.dtype))
+    return ok
 
 
 # ------------------------------------------------------------------------------------------------------- the format
@@ -121,30 +138,62 @@ class QTensor:
 
 
 def quantize(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
-             seed: int | None = None) -> QTensor:
-    """Quantise ``x`` to 8 bits with per-group range ``alpha`` and minimum ``beta`` (fp32 [G]), stochastic rounding."""
+             seed: int | torch.Tensor | None = None) -> QTensor:
+    """Quantise ``x`` to 8 bits with per-group range ``alpha`` and minimum ``beta`` (fp32 [G]), stochastic rounding.
+
+    ``seed``: an int or a 0-d integer tensor; ``None`` draws one (:func:`draw_seed_tensor`)."""
     check_float_input(x, "mesa quantize")
     _check_groups(x, inner, groups, alpha, beta)
     if seed is None:
-        seed = draw_seed()
+        seed = draw_seed_tensor()
+    elif not isinstance(seed, torch.Tensor):
+        seed = torch.tensor(int(seed), dtype=torch.int64)
     alpha = alpha.detach().float().clamp_min(_MIN_RANGE)
-    scale = (255.0 / alpha).contiguous()
-    step = (alpha / 255.0).contiguous()
-    beta = beta.detach().float().clone().contiguous()
-    xc = x.detach().contiguous()
-    if backend_for(x) == "triton" and not is_shape_only(xc):
-        codes = _quantize_triton(xc, scale, beta, inner, groups, seed)
-    else:
-        codes = quantize_ref(xc, scale, beta, inner, groups, seed)
+    scale = 255.0 / alpha  # [G], fresh and contiguous
+    step = alpha / 255.0
+    beta = beta.detach().float().clone()
+    codes = _mesa_quantize_op(x.detach(), scale, beta, inner, groups, seed)
     return QTensor(codes, step, beta, inner, groups, x.dtype)
 
 
 def dequantize(qt: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x̂ = q·step + β`` per group, in ``dtype`` (default: the dtype that was quantised)."""
-    dtype = dtype or qt.dtype
-    if backend_for(qt.codes) == "triton" and not is_shape_only(qt.codes):
-        return _dequantize_triton(qt.codes, qt.step, qt.beta, qt.inner, qt.groups, dtype)
-    return dequantize_ref(qt.codes, qt.step, qt.beta, qt.inner, qt.groups, dtype)
+    return _mesa_dequantize_op(qt.codes, qt.step, qt.beta, qt.inner, qt.groups, dtype or qt.dtype)
+
+
+@torch.library.custom_op("lowmembp::mesa_quantize", mutates_args=())
+def _mesa_quantize_op(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
+                      seed: torch.Tensor) -> torch.Tensor:
+    """uint8 codes of x (x's shape): Triton or the reference; ``seed`` a 0-d integer tensor (any device)."""
+    xc = x.contiguous()
+    s = int(seed)  # a CPU tensor: no device synchronisation
+    if backend_for(x) == "triton":
+        return _quantize_triton(xc, scale, beta, inner, groups, s)
+    return quantize_ref(xc, scale, beta, inner, groups, s)
+
+
+@_mesa_quantize_op.register_fake
+def _(x, scale, beta, inner, groups, seed):
+    return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+
+
+@torch.library.custom_op("lowmembp::mesa_dequantize", mutates_args=())
+def _mesa_dequantize_op(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """``q·step[g] + β[g]`` in ``dtype`` (codes' shape)."""
+    if backend_for(codes) == "triton":
+        return _dequantize_triton(codes.contiguous(), step, beta, inner, groups, dtype)
+    return dequantize_ref(codes.contiguous(), step, beta, inner, groups, dtype)
+
+
+@_mesa_dequantize_op.register_fake
+def _(codes, step, beta, inner, groups, dtype):
+    return torch.empty(codes.shape, dtype=dtype, device=codes.device)
+
+
+def draw_seed_tensor() -> torch.Tensor:
+    """A 0-d int64 seed in [0, 2³¹ − 1) from torch's default CPU generator (traceable: no ``.item()``)."""
+    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device="cpu")
 
 
 def draw_seed() -> int:
@@ -339,7 +388,10 @@ class EMAQuantizer(nn.Module):
         self.register_buffer("alpha", torch.zeros(self.num_groups), persistent=False)
         self.register_buffer("beta", torch.zeros(self.num_groups), persistent=False)
         self.register_buffer("count", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("skipped", torch.zeros((), dtype=torch.int64), persistent=False)  # non-finite batches
         self._updated = False  # whether an EMA update has happened (known without reading ``count`` back)
+        self._warned = False
+        self._calls = 0
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, groups={self.num_groups}, momentum={self.momentum}"
@@ -354,14 +406,31 @@ class EMAQuantizer(nn.Module):
         with torch.no_grad():
             mn, mx = group_min_max(x, inner, groups)
             if self.training:
-                ema_update(self.alpha, self.beta, self.count, mn, mx, self.momentum)
+                ok = ema_update(self.alpha, self.beta, self.count, mn, mx, self.momentum)
+                self.skipped.add_((~ok).to(self.skipped.dtype))
                 self._updated = True
                 alpha, beta = self.alpha, self.beta
+                if not torch.compiler.is_compiling():
+                    self._maybe_warn(x)
             else:
                 started = self.count > 0
                 alpha = torch.where(started, self.alpha, mx - mn)
                 beta = torch.where(started, self.beta, mn)
         return quantize(x, alpha, beta, inner, groups)
+
+    def _maybe_warn(self, x: torch.Tensor) -> None:
+        """Warn once if a batch's statistics were non-finite (CPU: every call; CUDA: every 64th, one sync)."""
+        if self._warned or is_shape_only(self.skipped):  # fake / meta buffers have no value to read
+            return
+        self._calls += 1
+        if x.device.type != "cpu" and self._calls % _WARN_EVERY_CUDA:
+            return
+        if int(self.skipped) > 0:
+            self._warned = True
+            warnings.warn(f"mesa EMAQuantizer({self.extra_repr()}): a batch with non-finite statistics (inf/NaN, "
+                          f"or a range that overflows fp32) was seen; it did not update the EMA ranges, which keep "
+                          f"their last finite values (skipped updates so far: {int(self.skipped)}; this warning is "
+                          f"shown once per quantiser)", RuntimeWarning, stacklevel=4)
 
     def _resize(self, groups: int, device) -> None:
         if getattr(self, "_updated", False):

@@ -18,8 +18,13 @@ peft LoRA layers cast their input to the adapter weight dtype; see ``lowmembp.op
 
 Backends (``lowmembp._backend.backend_for``): Triton kernels on CUDA tensors (one program per few rows, a block of
 next_power_of_2(N) columns, 64-bit row offsets), the PyTorch reference elsewhere (vectorised: ``native_layer_norm`` /
-``_fused_rms_norm`` on fp32); fake/meta tensors always take the reference. Rows wider than ``MAX_TRITON_N`` use the
+``_fused_rms_norm`` on fp32). Rows wider than ``MAX_TRITON_N`` use the
 reference too.
+
+The op is a ``torch.library`` custom op (``lowmembp::ms_norm_fwd`` / ``lowmembp::ms_norm_bwd``, fake implementations
+and registered autograd): ``torch.compile`` sees one opaque node (no graph break, ``_fused_rms_norm`` and the Triton
+interpreter are never traced) and FakeTensorMode / meta tensors take the fake implementation (the same y and rstd
+allocations). Double backward raises an error naming the op (the backward needs the exact norm's input).
 
 Pure functions for scripts (e.g. ``benchmarks/gpu_check.py``); any shape, normalised over the last dim, rows = the
 product of the leading dims:
@@ -37,7 +42,7 @@ import math
 import torch
 from torch import nn
 
-from lowmembp._backend import backend_for, check_float_input, is_shape_only
+from lowmembp._backend import backend_for, check_float_input
 
 try:
     import triton
@@ -201,11 +206,9 @@ def ms_norm_bytes(rows: int, n: int, x_dtype: torch.dtype, y_dtype: torch.dtype,
     return fwd, bwd
 
 
-# ---------------------------------------------------------------------------------------------------------- autograd
-
-
+# ------------------------------------------------------------------------------------------------- the custom ops
 def _use_triton(x: torch.Tensor, n: int) -> bool:
-    return backend_for(x) == "triton" and n <= MAX_TRITON_N and not is_shape_only(x)
+    return backend_for(x) == "triton" and n <= MAX_TRITON_N
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -219,29 +222,74 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-class _MSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, eps, kind, out_dtype):
-        triton_path = _use_triton(x, x.shape[-1])
-        with _no_autocast(x):
-            fwd = ms_norm_fwd_triton if triton_path else ms_norm_fwd_ref
-            y, rstd = fwd(x, kind, eps, out_dtype)
-        ctx.save_for_backward(y, rstd)  # the returned tensor itself: the next linear saves the same storage
-        ctx.kind, ctx.x_dtype, ctx.triton = kind, x.dtype, triton_path
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        y, rstd = ctx.saved_tensors
-        bwd = ms_norm_bwd_triton if ctx.triton and not is_shape_only(g) else ms_norm_bwd_ref
-        with _no_autocast(g):
-            dx = bwd(g, y, rstd, ctx.kind, ctx.x_dtype)
-        return dx, None, None, None
-
-
 def _no_autocast(t: torch.Tensor):
     dev = t.device.type
     return torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else contextlib.nullcontext()
+
+
+_OP_NAME = {"layernorm": "ms_layer_norm", "rmsnorm": "ms_rms_norm"}
+
+
+@torch.library.custom_op("lowmembp::ms_norm_fwd", mutates_args=())
+def _ms_norm_fwd_op(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y in out_dtype, rstd [rows] fp32): Triton or the reference, autocast off inside."""
+    with _no_autocast(x):
+        if _use_triton(x, x.shape[-1]):
+            return ms_norm_fwd_triton(x, kind, eps, out_dtype)
+        return ms_norm_fwd_ref(x, kind, eps, out_dtype)
+
+
+@_ms_norm_fwd_op.register_fake
+def _(x, kind, eps, out_dtype):
+    rows = 1
+    for d in x.shape[:-1]:
+        rows = rows * d
+    return (torch.empty(x.shape, dtype=out_dtype, device=x.device),
+            torch.empty((rows,), dtype=torch.promote_types(x.dtype, torch.float32), device=x.device))
+
+
+@torch.library.custom_op("lowmembp::ms_norm_bwd", mutates_args=())
+def _ms_norm_bwd_op(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str,
+                    dx_dtype: torch.dtype) -> torch.Tensor:
+    """dx from the output y and rstd (DESIGN §2.2)."""
+    with _no_autocast(g):
+        if _use_triton(g, y.shape[-1]) and rstd.dtype == torch.float32:
+            return ms_norm_bwd_triton(g, y, rstd, kind, dx_dtype)
+        return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
+
+
+@_ms_norm_bwd_op.register_fake
+def _(g, y, rstd, kind, dx_dtype):
+    return torch.empty(y.shape, dtype=dx_dtype, device=y.device)
+
+
+def _fwd_setup(ctx, inputs, output):
+    x, kind, _eps, _out = inputs
+    y, rstd = output
+    ctx.save_for_backward(y, rstd)  # the returned tensor itself: the next linear saves the same storage
+    ctx.kind, ctx.x_dtype = kind, x.dtype
+
+
+def _fwd_backward(ctx, g, _grstd):
+    y, rstd = ctx.saved_tensors
+    return _ms_norm_bwd_op(g, y, rstd, ctx.kind, ctx.x_dtype), None, None, None
+
+
+def _bwd_setup(ctx, inputs, output):
+    ctx.kind = inputs[3]
+
+
+def _bwd_backward(ctx, *grads):
+    op = _OP_NAME.get(ctx.kind, "ms_norm")
+    raise RuntimeError(
+        f"{op}: double backward (a gradient of the gradient, e.g. create_graph=True then grad again, or "
+        f"torch.func.hessian/jacfwd of jacrev) is not supported: its backward runs from the saved output only. Use "
+        f"the exact torch.nn.functional.{'layer_norm' if ctx.kind == 'layernorm' else 'rms_norm'} for that "
+        f"computation, or convert the model without MS-norms (method 'lowmembp-act').")
+
+
+torch.library.register_autograd("lowmembp::ms_norm_fwd", _fwd_backward, setup_context=_fwd_setup)
+torch.library.register_autograd("lowmembp::ms_norm_bwd", _bwd_backward, setup_context=_bwd_setup)
 
 
 def _ms_norm(x: torch.Tensor, eps: float, kind: str, op: str) -> torch.Tensor:
@@ -251,7 +299,7 @@ def _ms_norm(x: torch.Tensor, eps: float, kind: str, op: str) -> torch.Tensor:
     eps = float(eps)
     if not eps >= 0.0:
         raise ValueError(f"{op}: eps must be a non-negative float, got {eps}")
-    return _MSNormFunction.apply(x, eps, kind, _out_dtype(x))
+    return _ms_norm_fwd_op(x, kind, eps, _out_dtype(x))[0]
 
 
 def ms_layer_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
