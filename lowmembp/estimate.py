@@ -36,6 +36,7 @@ from lowmembp.peak import measure_step_peak, prime_optimizer
 __all__ = ["MODELS", "ModelSpec", "estimate", "estimate_by_depth", "full_depth", "build", "block_names", "DTYPES"]
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_PEFT_METHODS = ("lora", "lora-fa")  # peft wraps the model on the meta device, before to_empty (DESIGN §6)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,10 @@ def _build(spec, layers, overrides, device, attention):
                     raise ValueError("layers=: Swin's depth is per stage; pass overrides={'depths': (...)} instead")
                 kw["depth"] = layers
             return timm.create_model(spec.arch, pretrained=False, num_classes=spec.num_classes, **kw)
+        if spec.family == "hf":
+            from lowmembp.hf_config import build_from_config
+            return build_from_config(spec.arch, layers=layers, overrides=overrides, attention=attention,
+                                     num_labels=spec.num_classes)
         cfg = dict(_HF_CONFIGS[spec.arch], **overrides)
         if layers is not None:
             cfg["num_hidden_layers"] = layers
@@ -131,13 +136,16 @@ def block_names(model: nn.Module) -> list[str]:
 def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: int | None = None,
              seq_len: int | None = None, dtype: str | None = None, layers: int | None = None,
              overrides: dict | None = None, device: str = "fake", peak: bool = True, seed: int = 0,
-             attention: str = "sdpa", **method_options) -> dict:
+             attention: str = "sdpa", flops: bool = False, **method_options) -> dict:
     """Saved-for-backward bytes (whole model and one middle block) and the peak of one training step.
 
     ``model``: a key of :data:`MODELS` or a :class:`ModelSpec`; ``batch_size``/``seq_len``/``dtype`` default to the
     paper setting; ``layers``: build only that many blocks; ``device``: ``"fake"`` (no allocation) or ``"cpu"``
     (real tensors, same procedure); ``peak=False`` skips the training step (saved bytes only, one forward);
-    ``attention``: ``"sdpa"`` (default) or ``"eager"`` (see :func:`build`).
+    ``attention``: ``"sdpa"`` (default) or ``"eager"`` (see :func:`build`); ``flops=True``: also count the FLOPs
+    of the measured step (forward, backward with any recomputation) with :func:`lowmembp.flops.step_flop_counter`
+    (result key ``"flops"``; ``None`` otherwise). A :class:`ModelSpec` of family ``"hf"`` is a transformers
+    config.json on disk (:func:`lowmembp.hf_config.hf_spec`).
     """
     import lowmembp
     from lowmembp.methods.registry import method_options as options_of
@@ -154,8 +162,8 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     L = seq_len or spec.seq_len
     torch.manual_seed(seed)
     names = [n.strip() for n in method.split("+")]
-    early = "+".join(n for n in names if n == "lora")
-    late = "+".join(n for n in names if n not in ("lora", "baseline")) or None
+    early = "+".join(n for n in names if n in _PEFT_METHODS)
+    late = "+".join(n for n in names if n not in _PEFT_METHODS + ("baseline",)) or None
     opts_early = {k: v for k, v in method_options.items() if early and k in options_of(early)}
     opts_late = {k: v for k, v in method_options.items() if k not in opts_early}
 
@@ -185,11 +193,20 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
+        counter = None
+        if flops:
+            from lowmembp.flops import step_flop_counter
+            counter, plain_step = step_flop_counter(), step
+
+            def step():
+                with counter:
+                    plain_step()
+
         if peak:
             prime_optimizer(opt)
             pk = measure_step_peak(model_, opt, step, warmup=0, external=tuple(batch.values()))
         else:
-            with acc, _autocast(dtype):
+            with acc, _autocast(dtype), (counter or contextlib.nullcontext()):
                 _loss(spec, model_, batch)
             pk = None
     blocks = block_names(model_)
@@ -201,7 +218,8 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
                 per_block[row["kind"]] += row["bytes"]
     tokens = L if spec.family != "timm" else _timm_tokens(model_)
     return {"model": spec.arch, "method": method, "batch_size": bs, "seq_len": tokens, "dtype": dtype,
-            "layers": len(blocks), "saved": acc.report(), "per_block": per_block, "peak": pk}
+            "layers": len(blocks), "saved": acc.report(), "per_block": per_block, "peak": pk,
+            "flops": int(counter.get_total_flops()) if counter is not None else None}
 
 
 def full_depth(model: str | ModelSpec, overrides: dict | None = None) -> int:
@@ -275,9 +293,13 @@ def _batch(spec: ModelSpec, model: nn.Module, bs: int, L: int | None, vocab: int
         img = getattr(getattr(base, "patch_embed", None), "img_size", None)
         hw = tuple(img) if img is not None else tuple(size[1:])
         return {"x": torch.randn(bs, 3, *hw), "y": torch.randint(0, spec.num_classes, (bs,))}
-    vocab = vocab or _HF_CONFIGS[spec.arch]["vocab_size"]
+    if spec.family == "hf":
+        from lowmembp.hf_config import CAUSAL_LM, vocab_size
+        vocab, causal = vocab or vocab_size(model), spec.kwargs.get("head") == CAUSAL_LM
+    else:
+        vocab, causal = vocab or _HF_CONFIGS[spec.arch]["vocab_size"], spec.family == "llama"
     ids = torch.randint(3, vocab, (bs, L))
-    if spec.family == "llama":
+    if causal:
         return {"input_ids": ids, "labels": ids.clone()}
     return {"input_ids": ids, "attention_mask": torch.ones(bs, L, dtype=torch.long),
             "labels": torch.randint(0, spec.num_classes, (bs,))}

@@ -41,7 +41,7 @@ from lowmembp.methods.registry import register
 
 
 @register("offload", "saved activations to host memory (pinned, side stream on CUDA; accounted on CPU; option "
-                     "min_bytes)", options={"min_bytes": 1024}, order=60, excludes=("tokentune",))
+                     "min_bytes)", options={"min_bytes": 1024}, order=55, excludes=("tokentune",))
 def apply_offload(model: nn.Module, min_bytes: int = 1024) -> nn.Module:
     from lowmembp.models import get_layout
 
@@ -75,27 +75,33 @@ def block_loop_owner(layout) -> nn.Module:
 
 
 class HostLedger:
-    """Live host bytes of offloaded storages (each counted once while it lives) and their peak."""
+    """Live host bytes of offloaded storages and their peak: a storage counts once, from its first offload until
+    autograd lets go of the last saved tensor that holds it (on a GPU that is when its pinned copy is freed)."""
 
     def __init__(self):
         self.current = 0
         self.peak = 0
-        self._live: dict[int, int] = {}
+        self._holds: dict[int, list] = {}  # storage key -> [bytes, number of saved tensors holding it]
 
-    def add(self, t: torch.Tensor) -> None:
+    def add(self, t: torch.Tensor, held) -> None:
         st = t.untyped_storage()
         key = StorageWeakRef(st).cdata
-        if key in self._live:
-            return
-        n = int(st.nbytes())
-        self._live[key] = n
-        self.current += n
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(st, self._free, key)
+        entry = self._holds.get(key)
+        if entry is None:
+            entry = self._holds[key] = [int(st.nbytes()), 0]
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        weakref.finalize(held, self._release, key)
 
-    def _free(self, key: int) -> None:
-        n = self._live.pop(key, 0)
-        self.current -= n
+    def _release(self, key: int) -> None:
+        entry = self._holds.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._holds[key]
+            self.current -= entry[0]
 
     def reset_peak(self) -> None:
         self.peak = self.current
@@ -174,8 +180,10 @@ class Offloader:
         fake = type(t).__name__ == "FakeTensor"
         if t.device.type == "cpu" and not fake:
             note_host(t)                  # already host memory: nothing moves; it is accounted as host bytes
-            self.ledger.add(t)
-            return _Held(t, t.device, False)
+            # an alias without grad_fn: holding t itself would tie the graph to itself (a cycle autograd never frees)
+            held = _Held(t.detach(), t.device, False)
+            self.ledger.add(t, held)
+            return held
         if t.is_cuda and not fake:
             stream = self._side_stream(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))
@@ -187,8 +195,9 @@ class Offloader:
             host = torch.empty(t.size(), dtype=t.dtype, device="cpu")
             host.copy_(t)
         note_host(host)
-        self.ledger.add(host)
-        return _Held(host, t.device, True)
+        held = _Held(host, t.device, True)
+        self.ledger.add(host, held)
+        return held
 
     def _restore(self, held: _Held) -> torch.Tensor:
         if not held.moved:

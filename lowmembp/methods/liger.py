@@ -1,0 +1,59 @@
+"""``liger``: Liger-Kernel's own patching of a transformers model (PyPI ``liger-kernel`` 0.8.x; DESIGN §2.7).
+
+Liger replaces, on the model instance, the RMSNorm / LayerNorm, the SwiGLU / GeGLU MLP, the rotary embedding and the
+causal LM's lm_head + cross-entropy (fused linear cross-entropy: the logits are never materialised) with exact Triton
+kernels. We call Liger's own dispatcher (``liger_kernel.transformers._apply_liger_kernel_to_instance``, which picks
+``apply_liger_kernel_to_llama`` / ``_mistral`` / ``_qwen2`` / ... by ``config.model_type``) with Liger's defaults.
+
+Refused, with the reason:
+
+- on a machine without CUDA, and on fake or meta tensors: Liger's kernels run neither in Triton's interpreter
+  (liger-kernel 0.8.5 and 0.6.4 with triton 3.8 fail in RMSNorm and LayerNorm with ``InterpreterError: ... has no
+  attribute 'to'``) nor on fake tensors, so CPU runs and paper-scale estimates cannot include it — the GPU run
+  measures it;
+- for models Liger has no patch for: timm models (ViT, Swin), and transformers model types missing from Liger's
+  table (BERT / RoBERTa among them);
+- when ``liger-kernel`` is not installed: ``pip install 'lowmembp[gpu]'``.
+
+Applied first (order 5: before peft wraps the model). Excludes the methods that rewrite the same layers or the same
+loss: ``lowmembp*``, ``mesa*``, ``chunked-ce`` (Liger's fused linear cross-entropy is the same idea) and
+``tokentune``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from lowmembp.methods.registry import register
+
+NO_GPU = ("liger: needs a CUDA GPU — Liger-Kernel's Triton kernels do not run under Triton's interpreter "
+          "(TRITON_INTERPRET=1 fails in its RMSNorm/LayerNorm) nor on fake tensors, so there is no CPU path and no "
+          "paper-scale estimate; run it on a GPU machine")
+
+
+@register("liger", "Liger-Kernel's Triton RMSNorm/LayerNorm, SwiGLU, RoPE, fused linear CE (GPU only; transformers "
+                   "families Liger patches)", order=5,
+          excludes=("lowmembp", "lowmembp-act", "lowmembp-norm", "mesa", "mesa-gelu-ln", "chunked-ce", "tokentune"))
+def apply_liger(model: nn.Module) -> nn.Module:
+    from lowmembp.models import get_layout
+
+    base = get_layout(model).base
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if model_type is None or not (type(base).__module__ or "").startswith("transformers"):
+        raise ValueError(f"liger: Liger-Kernel patches transformers models only; {type(base).__name__} "
+                         f"({type(base).__module__}) has no Liger patch")
+    if not torch.cuda.is_available():
+        raise RuntimeError(NO_GPU + " (no CUDA device here)")
+    if any(p.is_meta or type(p).__name__ == "FakeTensor" for p in base.parameters()):
+        raise RuntimeError(NO_GPU + " (the model is on fake or meta tensors)")
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+    except ImportError as e:
+        raise ImportError("liger: liger-kernel is not installed; pip install 'lowmembp[gpu]' "
+                          "(liger-kernel 0.8.x)") from e
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise ValueError(f"liger: Liger-Kernel has no patch for model type {model_type!r} ({type(base).__name__}); "
+                         f"it patches: {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}")
+    _apply_liger_kernel_to_instance(model=base)
+    object.__setattr__(model, "_liger", {"model_type": model_type})
+    return model
