@@ -1,0 +1,91 @@
+"""The pipeline's catalogue: every table, figure, reproduction and notebook it makes, with its title, the script
+that makes it and where it goes. The Snakemake rules (workflow/rules/*.smk) and the scripts (workflow/scripts/*.py)
+both read this file; nothing else lists them.
+
+    from catalogue import RUN_TABLES, RUN_FIGURES, REPRODUCTIONS, NOTEBOOKS, table_paths, figure_path
+
+Paths are relative to the results folder (config ``results:``); :func:`table_paths` and friends put them under it.
+A reproduction (``lowmembp.repro``) is one CSV of rows (``repro/<name>.csv``) that becomes one table and one figure,
+both named by its ``stem``. Imported by path (``sys.path`` gets ``workflow/``), not as a package: inside a Snakefile
+``workflow`` is Snakemake's own object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TABLE_FORMATS = ("md", "csv", "html")  # one job writes all three, so they never disagree
+
+
+@dataclass(frozen=True)
+class Output:
+    """A table or a figure made from the sweep's runs.csv."""
+    name: str  # file stem under tables/ or figures/
+    title: str
+    script: str  # under workflow/scripts/
+
+
+@dataclass(frozen=True)
+class Reproduction:
+    """A paper-scale reproduction (``python -m lowmembp.repro <name>``): a CSV, then a table and a figure."""
+    name: str  # the lowmembp.repro name
+    stem: str  # tables/<stem>.{md,csv,html} and figures/<stem>.png
+    title: str  # of both the table and the figure
+
+
+RUN_TABLES = (
+    Output("memory", "Peak and activation memory per method (ratio to the reference run; paper values as ratios)",
+           "tables.py"),
+    Output("speed", "Step time per method (p50 over seeds; ratio to the reference run)", "tables.py"),
+    Output("accuracy", "Evaluation metric per method: mean, spread over seeds, ratio to the reference run",
+           "tables.py"),
+)
+RUN_FIGURES = (
+    Output("memory_vs_batch", "Peak and activation memory against batch size", "plots.py"),
+    Output("step_time_ratio", "Step time as a ratio to the reference run (p50), paper's ratio beside", "plots.py"),
+    Output("accuracy", "Evaluation metric per method, every seed and the mean", "plots.py"),
+)
+REPRODUCTIONS = (
+    Reproduction("block-breakdown", "block_breakdown",
+                 "Activation memory of one block by op kind: baseline vs LowMemoryBP (paper theory beside ours; "
+                 "16-bit units of b·s·d)"),
+    Reproduction("fig1", "fig1",
+                 "LowMemoryBP Fig. 1: peak memory of ViT-B/16, batch 64, LoRA rank 4, fp16 autocast"),
+    Reproduction("mesa-table", "mesa_table",
+                 "Mesa README: training memory at batch 128, AMP (DeiT-Ti/S/B, Swin-T)"),
+    Reproduction("tokentune-memory", "tokentune_memory",
+                 "TokenTune: BERT-large memory against batch size (baseline, LoRA, TokenTune k=16, both)"),
+)
+REPRO_SCRIPT = "repro.py"  # reproduction -> repro/<name>.csv
+REPRO_TABLE_SCRIPT = "tables.py"
+REPRO_FIGURE_SCRIPT = "plots_repro.py"
+TABLE_HTML_SCRIPT = "table_html.py"
+NOTEBOOKS = ("memory", "speed", "accuracy", "paper_comparison")  # notebooks/<name>.ipynb, executed per run
+
+RUN_TABLE = {t.name: t for t in RUN_TABLES}
+RUN_FIGURE = {f.name: f for f in RUN_FIGURES}
+REPRO = {r.name: r for r in REPRODUCTIONS}
+REPRO_BY_STEM = {r.stem: r for r in REPRODUCTIONS}
+
+
+def table_paths(results: str, stem: str) -> dict[str, str]:
+    """{"md": ..., "csv": ..., "html": ...} of table ``stem`` under ``results``."""
+    return {ext: f"{results}/tables/{stem}.{ext}" for ext in TABLE_FORMATS}
+
+
+def figure_path(results: str, stem: str) -> str:
+    return f"{results}/figures/{stem}.png"
+
+
+def repro_csv(results: str, name: str) -> str:
+    return f"{results}/repro/{name}.csv"
+
+
+def notebook_path(results: str, name: str) -> str:
+    return f"{results}/notebooks/{name}.ipynb"
+
+
+def check_names(kind: str, given, known) -> None:
+    """ValueError naming what is not in the catalogue and what is."""
+    bad = [g for g in given if g not in known]
+    if bad:
+        raise ValueError(f"{kind}: {', '.join(map(repr, bad))} not known; valid: {', '.join(known)}")
