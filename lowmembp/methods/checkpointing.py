@@ -96,6 +96,11 @@ class _CheckpointedForward:
     def __call__(self, *args, **kwargs):
         return _checkpointed_forward(self.block, *args, **kwargs)
 
+    @property
+    def __signature__(self):  # what inspect.signature reads: the wrapped forward's parameters
+        from lowmembp.methods._signature import original_signature
+        return original_signature(self.block, "forward", self.block.__dict__.get("_lowmembp_inner_forward"))
+
 
 def _checkpointed_forward(self, *args, **kwargs):
     inner = self.__dict__.get("_lowmembp_inner_forward") or functools.partial(type(self).forward, self)

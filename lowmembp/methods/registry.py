@@ -5,7 +5,7 @@ Each method lives in its own file under ``lowmembp/methods/`` and registers a tr
 composed methods are applied, so ``"lowmembp+lora"`` and ``"lora+lowmembp"`` mean the same thing.
 
 Order (lower first): lora 10 → lowmembp / lowmembp-act / lowmembp-norm 20 → mesa / mesa-gelu-ln 30 →
-tokentune 40 → checkpointing 50. ``baseline`` changes nothing.
+tokentune 40 → checkpointing 50 → compile 60 (torch.compile of the result). ``baseline`` changes nothing.
 """
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def parse(spec: str) -> list[Method]:
     if len(set(names)) != len(names):
         raise ValueError(f"method {spec!r} names a method twice")
     chosen = [_REGISTRY[n] for n in names]
-    if len(chosen) > 1 and any(m.name == "baseline" for m in chosen):
-        raise ValueError(f"'baseline' means no change and cannot be combined with others (got {spec!r})")
+    if any(m.name == "baseline" for m in chosen) and any(m.name not in ("baseline", "compile") for m in chosen):
+        raise ValueError(f"'baseline' means no change and can only be combined with 'compile' (got {spec!r})")
     for m in chosen:
         for other in chosen:
             if other.name in m.excludes:

@@ -219,6 +219,12 @@ class _Entry:
     def __call__(self, *args, **kwargs):
         return _entry(self.module, *args, **kwargs)
 
+    @property
+    def __signature__(self):  # what inspect.signature (the HF Trainer) reads: the replaced forward's parameters
+        from lowmembp.methods._signature import original_signature
+        d = self.module.__dict__
+        return original_signature(self.module, d["_tokentune_attr"], d["_tokentune_original"])
+
 
 def _entry(self, *args, **kwargs):
     d = self.__dict__
@@ -235,7 +241,7 @@ def _reject(kwargs: dict, allowed=()) -> None:
     for key, val in kwargs.items():
         if key in allowed or val is None or val is False:
             continue
-        if key in ("return_dict", "use_cache"):
+        if key in ("return_dict", "use_cache", "num_items_in_batch"):  # the last: a loss kwarg the HF Trainer passes
             continue
         raise TypeError(f"tokentune training forward does not support {key}={val!r}; call model.eval() for that, "
                         f"or pass only input_ids / attention_mask / token_type_ids / position_ids / inputs_embeds / "

@@ -1,0 +1,102 @@
+"""``compile``: ``torch.compile`` of the whole model, with inductor's activation memory budget (DESIGN §2.7).
+
+    model = lowmembp.apply(model, "lora+lowmembp+compile", memory_budget=0.5)
+    compile_info(model)      # {"memory_budget": 0.5, "backend": "inductor", "graphs": 2, "fn": <the backend>}
+
+Applied last (order 60, after ``checkpointing``), so it compiles whatever the other methods built. The model is
+compiled in place with ``nn.Module.compile`` (``dynamic=False``): the object, its class, ``forward`` (and so
+``inspect.signature(model.forward)``, which the HF Trainer reads), its parameters and ``state_dict`` keys stay the
+same; calling the model runs the compiled forward (and AOT-autograd's compiled backward). Graph breaks fall back to
+eager for the rest of the frame, as ``torch.compile`` does.
+
+Options:
+
+- ``memory_budget`` (float in [0, 1] or None; default None = torch's own setting, 1 unless changed):
+  ``torch._functorch.config.activation_memory_budget`` for this model's compiled graphs. 1 is the default min-cut
+  partitioner (it already recomputes cheap pointwise ops rather than saving them); 0 recomputes everything in the
+  compiled region that it can; in between, the partitioner keeps the saved bytes under that fraction of the
+  budget-1 graph's. The value is set (``torch._functorch.config.patch``) inside this model's own compile backend,
+  around the call that traces the joint graph and partitions it into forward and backward, so it is in force
+  exactly when the backward graph is partitioned and nowhere else; because the backend function is this model's,
+  Dynamo's cache never hands this model a graph compiled for another budget.
+- ``compile_backend`` (default ``"inductor"``): any ``torch.compile`` backend name. ``"aot_eager_decomp_partition"``
+  runs the same AOT-autograd decompositions and min-cut partitioner (so the same budget and saved tensors) without
+  generating code — the tests use it to keep compile time small.
+
+Exact up to floating-point reassociation (inductor fuses and reorders pointwise work). Randomness: compiled graphs
+draw dropout masks with inductor's own RNG (philox), not the eager RNG stream, so with dropout > 0 a compiled and an
+eager step differ in their masks (the tests use dropout 0; Mesa's seeds and TokenTune's positions come from the
+ordinary torch RNG outside the compiled graphs).
+
+Measuring a compiled step: :func:`lowmembp.peak.measure_step_peak` sees that the model is compiled
+(:func:`is_compiled`) and reads the allocator (CUDA: ``max_memory_allocated``; CPU: the allocator's events through
+``torch.profiler``) instead of its dispatch-mode tracker, which only sees eager ops. Saved-for-backward bytes of a
+compiled forward are counted by :class:`lowmembp.memory.SavedTensorAccountant` as for an eager one: the compiled
+autograd function saves its tensors through ``ctx.save_for_backward``, which the saved-tensor hooks see (module hooks
+do not run inside a compiled graph, so everything is counted under the kind ``other``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from lowmembp.methods.registry import register
+
+ATTR = "_lowmembp_compile"
+
+
+@register("compile", "torch.compile of the whole model (option memory_budget: inductor's activation memory budget "
+          "in [0, 1]; compile_backend)", options={"memory_budget": None, "compile_backend": "inductor"}, order=60)
+def apply_compile(model: nn.Module, memory_budget: float | None = None,
+                  compile_backend: str = "inductor") -> nn.Module:
+    if memory_budget is not None:
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) \
+                or not 0.0 <= float(memory_budget) <= 1.0:
+            raise ValueError(f"compile: memory_budget must be a number in [0, 1] (0 = recompute everything, "
+                             f"1 = torch's default partitioner) or None, got {memory_budget!r}")
+        memory_budget = float(memory_budget)
+    if not isinstance(compile_backend, str) or not compile_backend:
+        raise ValueError(f"compile: compile_backend must be a torch.compile backend name such as 'inductor', "
+                         f"got {compile_backend!r}")
+    try:
+        inner = torch._dynamo.lookup_backend(compile_backend)
+    except Exception as e:
+        raise ValueError(f"compile: unknown compile_backend {compile_backend!r}; valid names: "
+                         f"{', '.join(torch._dynamo.list_backends())}") from e
+    if is_compiled(model):
+        raise RuntimeError("compile: this model is already compiled (apply 'compile' once, last)")
+    info = {"memory_budget": memory_budget, "backend": compile_backend, "graphs": 0}
+    info["fn"] = _BudgetBackend(inner, memory_budget, info)
+    model.compile(backend=info["fn"], dynamic=False)
+    object.__setattr__(model, ATTR, info)
+    return model
+
+
+class _BudgetBackend:
+    """A ``torch.compile`` backend: the named backend with the memory budget in force while it compiles a graph
+    (AOT autograd traces and partitions the joint graph inside this call)."""
+
+    def __init__(self, inner, memory_budget: float | None, info: dict):
+        self.inner, self.memory_budget, self.info = inner, memory_budget, info
+
+    def __call__(self, gm, example_inputs):
+        self.info["graphs"] += 1
+        if self.memory_budget is None:
+            return self.inner(gm, example_inputs)
+        import torch._functorch.config as functorch_config
+        with functorch_config.patch(activation_memory_budget=self.memory_budget):
+            return self.inner(gm, example_inputs)
+
+
+def compile_info(model: nn.Module) -> dict | None:
+    """The ``compile`` method's record on ``model`` (budget, backend, number of graphs compiled so far), or None."""
+    return getattr(model, ATTR, None)
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """True when ``model`` or one of its submodules runs through ``torch.compile`` (this method,
+    ``nn.Module.compile`` or a ``torch.compile(model)`` wrapper)."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None or ATTR in m.__dict__
+               or isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules())
