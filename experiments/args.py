@@ -59,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "or ./data)")
     a("--download", action="store_true", default=None,
       help="paper tasks: allow fetching missing data/weights from the hub (off by default: no run-time downloads)")
-    a("--device", help="cuda or cpu (default: cuda when present)")
+    a("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
+    a("--threads", type=int, help="CPU threads of torch (torch.set_num_threads; default $OMP_NUM_THREADS, else 1): "
+                                  "part of the cell, since results on the CPU differ in the last digits between "
+                                  "thread counts")
     a("--timing-warmup", type=int, help="steps left out of the step-time statistics (default 2)")
     a("--max-memory-mb", type=float,
       help="memory budget: on CUDA the allocator is capped (torch.cuda.set_per_process_memory_fraction), so a "
@@ -73,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 FIXED_DEFAULTS = dict(seed=0, grad_accum=1, dtype="fp32", timing_warmup=2, weight_decay=0.0, download=False,
                       no_progress=False, max_len=None, limit=None, eval_limit=None, warmup_steps=0,
                       train_split="train", init=None, save_model=None)
+"""Settings no task overrides; a task's own (``DEFAULTS``, ``METHOD_DEFAULTS``: ``tasks.base.defaults_for``) go
+over these, a config file over those, the command line over everything."""
+MAX_SEED = 2**32 - 1  # numpy's generators take seeds in [0, 2**32)
 
 
 def _load_config(path: str) -> dict:
@@ -156,6 +162,96 @@ def listing() -> str:
     return "\n".join(lines)
 
 
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _number(key: str, value, kind=float) -> float:
+    if isinstance(value, str):  # a config file's "1e-2" (YAML reads it as text)
+        try:
+            value = kind(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (kind is int and not isinstance(value, int)):
+        raise ArgError(f"{_flag(key)} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if not math.isfinite(value):
+        raise ArgError(f"{_flag(key)} must be finite, got {value!r}")
+    return value
+
+
+POSITIVE_INTS = ("batch_size", "steps", "grad_accum", "max_len", "limit", "eval_limit", "eval_batch_size", "threads")
+NON_NEGATIVE_INTS = ("warmup_steps", "timing_warmup")
+POSITIVE_NUMBERS = ("lr", "lr_base", "epochs", "max_memory_mb")
+NON_NEGATIVE_NUMBERS = ("weight_decay", "warmup_epochs")
+
+
+def check_values(values: dict) -> None:
+    """Ranges and types of the numeric settings (given ones; None means unset); ArgError naming the flag."""
+    for key in POSITIVE_INTS + NON_NEGATIVE_INTS:
+        if values.get(key) is not None:
+            v = values[key] = _number(key, values[key], int)
+            if v < (1 if key in POSITIVE_INTS else 0):
+                raise ArgError(f"{_flag(key)} must be a {'positive' if key in POSITIVE_INTS else 'non-negative'} "
+                               f"integer, got {v!r}")
+    for key in POSITIVE_NUMBERS + NON_NEGATIVE_NUMBERS:
+        if values.get(key) is not None:
+            v = values[key] = _number(key, values[key])
+            if v < 0 or (v == 0 and key in POSITIVE_NUMBERS):
+                raise ArgError(f"{_flag(key)} must be {'positive' if key in POSITIVE_NUMBERS else '>= 0'}, "
+                               f"got {v!r}")
+    if values.get("seed") is not None:
+        seed = values["seed"] = _number("seed", values["seed"], int)
+        if not 0 <= seed <= MAX_SEED:
+            raise ArgError(f"--seed must be an integer in [0, {MAX_SEED}], got {seed}")
+    if values.get("dtype") is not None and values["dtype"] not in DTYPES:
+        raise ArgError(f"--dtype must be one of {', '.join(DTYPES)}, got {values['dtype']!r}")
+
+
+def default_threads() -> int:
+    """$OMP_NUM_THREADS when it is a positive integer (the pipeline sets it per job), else 1."""
+    import os
+
+    try:
+        n = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return 1
+    return n if n >= 1 else 1
+
+
+def check_device(device) -> None:
+    """``cpu``, ``cuda`` or ``cuda:N`` that this machine has; None means cuda when present."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ArgError(f"--device {device!r}: not a device name ({err}); use cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ArgError(f"--device {device!r}: this job trains on cpu or cuda")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ArgError(f"--device {device}: CUDA is not available on this machine (torch "
+                           f"{torch.__version__}, {'built without CUDA' if torch.version.cuda is None else 'no GPU visible'}); "
+                           "use --device cpu or leave --device out")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ArgError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def check_destination(key: str, path) -> None:
+    """A file the job will write must be writable now, not after the training (lowmembp.atomic.check_writable)."""
+    if path is None and key != "out":
+        return
+    from lowmembp.atomic import DestinationError, check_writable
+
+    try:
+        check_writable(path)
+    except DestinationError as err:
+        raise ArgError(f"{_flag(key)}: {err}") from None
+
+
 def parse_args(argv: list[str] | None = None):
     """Parse and validate; returns (cfg Namespace, task module). Raises ArgError on any bad argument."""
     from experiments import tasks
@@ -207,23 +303,7 @@ def parse_args(argv: list[str] | None = None):
         parse(values["method"])
     except ValueError as err:
         raise ArgError(str(err)) from None
-    if not isinstance(values["batch_size"], int) or values["batch_size"] < 1:
-        raise ArgError(f"--batch-size must be a positive integer, got {values['batch_size']!r}")
-    for key in ("steps", "grad_accum", "max_len", "limit", "eval_limit", "eval_batch_size"):
-        if values.get(key) is not None and (not isinstance(values[key], int) or values[key] < 1):
-            raise ArgError(f"--{key.replace('_', '-')} must be a positive integer, got {values[key]!r}")
-    if values.get("epochs") is not None and not values["epochs"] > 0:
-        raise ArgError(f"--epochs must be positive, got {values['epochs']!r}")
-    if values.get("dtype") is not None and values["dtype"] not in DTYPES:
-        raise ArgError(f"--dtype must be one of {', '.join(DTYPES)}, got {values['dtype']!r}")
-    for key in ("lr", "lr_base"):
-        if values.get(key) is not None:
-            try:
-                ok = math.isfinite(float(values[key])) and float(values[key]) > 0
-            except (TypeError, ValueError):
-                ok = False
-            if not ok:
-                raise ArgError(f"--{key.replace('_', '-')} must be a positive number, got {values[key]!r}")
+    check_values(values)  # before the data check: a bad number fails at once
 
     splits = getattr(task, "TRAIN_SPLITS", ("train",))
     if values.get("train_split") is not None and values["train_split"] not in splits:
@@ -250,8 +330,10 @@ def parse_args(argv: list[str] | None = None):
     given.update(cli)
     method_opts = {k: _convert(k, v, takes[k]) for k, v in given.items()}
 
+    from experiments.tasks.base import defaults_for
+
     merged = dict(FIXED_DEFAULTS)
-    merged.update({k: v for k, v in task.DEFAULTS.items() if k in known})
+    merged.update({k: v for k, v in defaults_for(task, values["method"]).items() if k in known})
     if values.get("epochs") is not None:
         merged.pop("steps", None)
     if values.get("lr_base") is not None:
@@ -263,11 +345,16 @@ def parse_args(argv: list[str] | None = None):
         merged.setdefault(key, None)
     if merged["lr_base"] is not None:
         merged["lr"] = float(merged["lr_base"]) * merged["batch_size"] / 512
-    if values.get("lr") is None and values.get("lr_base") is None and "lora_lr" in task.DEFAULTS and \
-            "lora" in [m.strip() for m in values["method"].split("+")]:
-        merged["lr"] = task.DEFAULTS["lora_lr"]  # adapters need a larger step than full fine-tuning
     if merged["lr"] is None:
-        merged["lr"] = 1e-4
+        raise ArgError(f"task {task.NAME} declares no default learning rate: give --lr or --lr-base")
+    if merged["threads"] is None:
+        merged["threads"] = default_threads()
+    check_values(merged)
+    check_device(merged["device"])
+    for key in ("out", "save_model"):
+        check_destination(key, merged[key])
+    if merged["save_model"] is not None and Path(merged["save_model"]).resolve() == Path(merged["out"]).resolve():
+        raise ArgError("--save-model and --out name the same file; give the weights their own file")
     cfg = argparse.Namespace(**merged)
     cfg.method_options = method_opts
     cfg.config = ns.config

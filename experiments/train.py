@@ -6,39 +6,43 @@
         --batch-size 64 --seed 0 --out results/runs/y.json
     python -m experiments.train --list        # models, tasks, methods and their options
 
-Exit status: 0 when a record was written — status ``ok``, ``oom`` (the cell does not fit: a CUDA
-``OutOfMemoryError``, a CPU ``MemoryError``/allocation failure, or a measured peak over ``--max-memory-mb``) or
-``error`` (any other failure of the training, with its message); 2 for a bad argument or missing data/weights,
-at once, with a message listing what is valid or what to fetch.
+Exit status: 2 for a bad argument (any of them: ranges, an unwritable ``--out`` / ``--save-model``, ``--device cuda``
+without CUDA, missing data or weights), at once, before any work, with a message saying what is valid or what to
+fetch, and no record. Otherwise the run has started and it always ends with a record and exit 0: status ``ok``,
+``oom`` (the cell does not fit: a CUDA ``OutOfMemoryError``, a CPU ``MemoryError``/allocation failure, or a
+measured peak over ``--max-memory-mb``) or ``error`` (any other failure, with its message).
 
-What is measured (one record, schema ``experiments/record.schema.json``):
+What is measured (``experiments.probes``, on the schedule ``Schedule(saved_bytes_at=0, peak_at=1,
+time_from=--timing-warmup)``; the record's layout: ``experiments.record``):
 - step 0: activation bytes saved for backward by op kind (``lowmembp.memory.SavedTensorAccountant`` on the forward);
 - step 1: peak memory of one whole steady training step (``lowmembp.peak.measure_step_peak``: CUDA allocator peak,
   on CPU torch's MemTracker);
-- every later step after ``--timing-warmup`` steps: its wall time (CUDA synchronised), reported as p20/p50/p80;
+- every later step from ``--timing-warmup`` on: its wall time (CUDA synchronised), reported as p20/p50/p80;
   throughput = samples (tokens) of those steps / their total time;
 - final loss: mean training loss of the last min(10, steps) steps; metric on the task's fixed test split.
 
+Determinism: the same cell, seed and ``--threads`` on the same machine gives the same record (loss and metric to
+the last digit on the CPU): the thread count is set (``torch.set_num_threads``), every generator is seeded from
+``--seed``, and the CPU runs with ``torch.use_deterministic_algorithms``. Different thread counts split the CPU's
+reductions differently and so differ in the last digits, which training amplifies.
+
 Bases: ``--save-model PATH`` writes the trained weights (safetensors, atomically) and ``--init PATH`` starts a run
-from them; with ``--init`` the record's options also hold the file's sha256, its metadata and
-``init_metric_before`` — the base's metric on this run's test split, before any training (``experiments.weights``).
+from them; the record's ``base`` keeps the file's path, sha256, metadata and ``metric_before`` — the base's metric
+on this run's test split, before any training (``experiments.weights``).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 import random
 import sys
-import time
 import traceback
 
 from experiments.args import ArgError, listing, parse_args
 
 OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory")
-
-
-class MemoryBudgetExceeded(MemoryError):
-    """The measured peak is over ``--max-memory-mb``: the run is recorded as ``oom``."""
 
 
 def is_oom(err: BaseException) -> bool:
@@ -66,105 +70,99 @@ def _to(batch, device):
     return {k: v.to(device, non_blocking=True) if hasattr(v, "to") else v for k, v in batch.items()}
 
 
-def _schedule(step, total, warmup):
+def _lr_factor(step, total, warmup):
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total``."""
     if warmup and step < warmup:
         return (step + 1) / warmup
     progress = (step - warmup) / max(total - warmup, 1)
     return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def _seed_everything(seed: int) -> None:
+def make_deterministic(seed: int, threads: int, device) -> None:
+    """Seed every generator the run draws from and fix what else decides the CPU's arithmetic (see module doc)."""
     import numpy as np
     import torch
 
+    torch.set_num_threads(threads)
     random.seed(seed)
     np.random.seed(seed)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    if device.type == "cpu":  # on CUDA it would need CUBLAS_WORKSPACE_CONFIG and slow the timed kernels
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def _peak_fn():
-    """lowmembp.peak.measure_step_peak, or a CUDA-only fallback while that module is missing."""
-    try:
-        from lowmembp.peak import measure_step_peak
-        return measure_step_peak
-    except ImportError:
-        def fallback(model, optimizer, step, warmup=0, external=()):
-            import torch
-            dev = next(model.parameters()).device
-            if dev.type != "cuda":
-                step()
-                return None
-            torch.cuda.reset_peak_memory_stats(dev)
-            step()
-            return {"bytes": int(torch.cuda.max_memory_allocated(dev)), "how": "cuda max_memory_allocated"}
-        return fallback
+def resolve_device(cfg):
+    import torch
+
+    return torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def train(cfg, task, state: dict) -> None:
-    """Train and evaluate; fills ``state`` as it goes (so a failure still reports what was reached)."""
+def planned_steps(cfg, pool: int) -> tuple[int, int]:
+    """(optimizer steps, warm-up steps) from ``--steps``/``--epochs`` and ``--warmup-steps``/``--warmup-epochs``."""
+    per_step = cfg.batch_size * cfg.grad_accum
+    steps = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * pool / per_step))
+    warmup = cfg.warmup_steps or 0
+    if cfg.warmup_epochs is not None:
+        warmup = math.ceil(cfg.warmup_epochs * pool / per_step)
+    return steps, warmup
+
+
+def train(cfg, task, out: dict) -> None:
+    """Train and evaluate; fills ``out`` (record sections) as it goes, so a failure still reports what was reached."""
     import numpy as np
     import torch
 
     import lowmembp
-    from lowmembp.memory import SavedTensorAccountant
-    from lowmembp.timing import summarize as summarize_times
+    from experiments.probes import PeakProbe, SavedBytesProbe, Schedule, StepResult, StepTimer, run_step
 
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    state["device"] = device
+    device = resolve_device(cfg)
     if device.type == "cuda" and cfg.max_memory_mb:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.max_memory_mb * 2**20 / total), device)
-    _seed_everything(cfg.seed)
+    make_deterministic(cfg.seed, cfg.threads, device)
     setup = task.build(cfg.model, cfg)
-    state["seq_len"] = setup.seq_len
-    state["info"] = setup.info
+    out["run"]["seq_len"] = setup.seq_len
+    out["task_facts"] = dict(setup.info)
     amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+    autocast = lambda: torch.autocast(device.type, dtype=amp_dtype or torch.float32,  # noqa: E731
+                                      enabled=amp_dtype is not None)
     eval_bs = cfg.eval_batch_size or 2 * cfg.batch_size
 
     def evaluate(net) -> float:
         net.eval()
         batches = (_to(setup.collate(setup.test[i:i + eval_bs]), device) for i in range(0, len(setup.test), eval_bs))
-        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        with autocast():
             return float(setup.evaluate(net, batches))
 
     if cfg.init:
         from experiments.weights import load_weights
 
-        state["info"].update(load_weights(setup.model, cfg.init))
-        state["info"]["init_metric_before"] = evaluate(setup.model.to(device))  # the base, on this run's test split
+        out["base"] = load_weights(setup.model, cfg.init)
+        out["base"]["metric_before"] = evaluate(setup.model.to(device))  # the base, on this run's test split
     model = lowmembp.apply(setup.model, cfg.method, **cfg.method_options).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise RuntimeError(f"method {cfg.method!r} left no trainable parameter")
-    per_step = cfg.batch_size * cfg.grad_accum
-    steps = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * len(setup.train) / per_step))
-    warmup = cfg.warmup_steps or 0
-    if cfg.warmup_epochs is not None:
-        warmup = math.ceil(cfg.warmup_epochs * len(setup.train) / per_step)
-    state["steps_planned"] = steps
+    steps, warmup = planned_steps(cfg, len(setup.train))
+    out["run"]["steps_planned"] = steps
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, steps, warmup))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, steps, warmup))
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
     batches = _batches(setup.train, cfg.batch_size, cfg.seed, setup.collate)
-    losses, times, samples, tokens = [], [], [], []
-    measure_peak = _peak_fn()
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
-    def one_step(step: int, accountant=None) -> float:
+    def one_step(step: int, forward) -> StepResult:
+        """One optimizer step over ``grad_accum`` micro-batches; ``forward`` wraps the first micro-batch's forward."""
         model.train()
         total_loss, n_tok = 0.0, 0
         for micro in range(cfg.grad_accum):
             batch = _to(next(batches), device)
             t = setup.tokens(batch)
-            n_tok = None if t is None else n_tok + t
-            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                if accountant is not None and micro == 0:
-                    with accountant:
-                        loss = setup.loss(model, batch)
-                else:
-                    loss = setup.loss(model, batch)
+            n_tok = None if t is None or n_tok is None else n_tok + t
+            with autocast(), (forward if micro == 0 else contextlib.nullcontext()):
+                loss = setup.loss(model, batch)
             if not torch.isfinite(loss.detach()):
-                raise FloatingPointError(f"training loss is {float(loss.detach())} at step {step} (lr {cfg.lr:g}): diverged")
+                raise FloatingPointError(f"training loss is {float(loss.detach())} at step {step} (lr {cfg.lr:g}): "
+                                         "diverged")
             scaler.scale(loss / cfg.grad_accum).backward()
             total_loss += float(loss.detach()) / cfg.grad_accum
             del loss, batch
@@ -172,98 +170,85 @@ def train(cfg, task, state: dict) -> None:
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        state["last_tokens"] = n_tok
-        return total_loss
+        return StepResult(loss=total_loss, samples=cfg.batch_size * cfg.grad_accum, tokens=n_tok)
+
+    schedule = Schedule(saved_bytes_at=0, peak_at=1, time_from=cfg.timing_warmup)
+    budget = None if cfg.max_memory_mb is None else cfg.max_memory_mb * 2**20
+    timer = StepTimer(device, schedule)
+    probes = [SavedBytesProbe(model, schedule.saved_bytes_at),
+              PeakProbe(model, optimizer, schedule.peak_at, budget,
+                        is_fatal=lambda e: is_oom(e) or isinstance(e, FloatingPointError)),
+              timer]
 
     from tqdm import tqdm
 
+    losses = []
     bar = tqdm(range(steps), desc=f"{cfg.model}/{cfg.task}/{cfg.method}", disable=cfg.no_progress,
                file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
-    for step in bar:
-        if step == 0:
-            accountant = SavedTensorAccountant(model)
-            loss = one_step(step, accountant)
-            rep = accountant.report()
-            state["activation_bytes"] = {"total": rep["total"], "by_kind": rep["by_kind"]}
-        elif step == 1:
-            box = {}
-            try:
-                peak = measure_peak(model, optimizer, lambda: box.setdefault("loss", one_step(step)), warmup=0)
-            except Exception as err:  # the tracker failed, not necessarily the training: train on, say so
-                if is_oom(err) or isinstance(err, FloatingPointError):
-                    raise
-                print(f"warning: peak-memory measurement failed ({type(err).__name__}: {err}); "
-                      "peak_memory is null", file=sys.stderr)
-                state["info"]["peak_memory_error"] = f"{type(err).__name__}: {err}"
-                optimizer.zero_grad(set_to_none=True)
-                peak = None
-            loss = box["loss"] if "loss" in box else one_step(step)
-            state["peak_memory"] = peak
-            if peak is not None and cfg.max_memory_mb is not None and peak["bytes"] > cfg.max_memory_mb * 2**20:
-                raise MemoryBudgetExceeded(
-                    f"out of memory: measured peak {peak['bytes'] / 2**20:.1f} MiB ({peak['how']}) exceeds "
-                    f"--max-memory-mb {cfg.max_memory_mb:g}")
-        else:
-            sync()
-            t0 = time.perf_counter()
-            loss = one_step(step)
-            sync()
-            if step >= cfg.timing_warmup:
-                times.append(time.perf_counter() - t0)
-                samples.append(per_step)
-                tokens.append(state["last_tokens"])
-        losses.append(loss)
-        state["steps"] = step + 1
-        if times:
-            bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{sum(samples) / sum(times):.1f}", refresh=False)
-        else:
-            bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-    bar.close()
+    try:
+        for step in bar:
+            result = run_step(step, lambda forward: one_step(step, forward), probes)
+            losses.append(result.loss)
+            out["run"]["steps"] = step + 1
+            speed = timer.samples_per_s()
+            bar.set_postfix(loss=f"{result.loss:.4f}", **({"samples_s": f"{speed:.1f}"} if speed else {}),
+                            refresh=False)
+    finally:
+        bar.close()
+        for probe in probes:  # what was measured counts also when a later step fails
+            probe.report(out)
     tail = losses[-min(10, len(losses)):]
-    state["final_loss"] = float(np.mean(tail)) if tail else None
-    if times:
-        how = "cuda-synchronised perf_counter per step" if device.type == "cuda" else "perf_counter per step"
-        state["step_time_s"] = summarize_times(times, how)
-        tok = None if any(t is None for t in tokens) else sum(tokens) / sum(times)
-        state["throughput"] = {"samples_per_s": sum(samples) / sum(times), "tokens_per_s": tok}
+    out["final_loss"] = float(np.mean(tail)) if tail else None
     value = evaluate(model)
-    state["metric"] = {"name": setup.metric, "value": value, "split": f"test ({len(setup.test)})"}
+    out["metric"] = {"name": setup.metric, "value": value, "split": f"test ({len(setup.test)})"}
     if cfg.save_model:
         from experiments.weights import save_weights
 
         save_weights(model, cfg.save_model, {
             "task": cfg.task, "model": cfg.model, "method": cfg.method, "train_split": cfg.train_split,
             "steps": steps, "batch_size": cfg.batch_size, "seed": cfg.seed, "lr": cfg.lr,
-            "final_loss": state["final_loss"], "metric": f"{setup.metric} {value:.6g}",
+            "final_loss": out["final_loss"], "metric": f"{setup.metric} {value:.6g}",
             "metric_split": f"test ({len(setup.test)})"})
 
 
-def make_record(cfg, state: dict, status: str, message: str | None) -> dict:
-    from experiments.record import environment
+def identity(cfg) -> dict:
+    return {"task": cfg.task, "model": cfg.model, "method": cfg.method, "batch_size": cfg.batch_size,
+            "dtype": cfg.dtype, "seed": cfg.seed, "steps": 0, "epochs": cfg.epochs}
 
-    options = dict(cfg.method_options)
-    options.update(lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps, train_split=cfg.train_split,
-                   save_model=cfg.save_model,
-                   grad_accum=cfg.grad_accum, limit=cfg.limit, eval_limit=cfg.eval_limit, max_len=cfg.max_len,
-                   max_memory_mb=cfg.max_memory_mb, config=cfg.config)
-    options.update(state.get("info", {}))
-    import torch
 
-    device = state.get("device") or torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return {
-        "schema_version": 1, "model": cfg.model, "method": cfg.method, "task": cfg.task,
-        "batch_size": cfg.batch_size, "seq_len": state.get("seq_len"), "dtype": cfg.dtype, "seed": cfg.seed,
-        "steps": state.get("steps", 0), "epochs": cfg.epochs, "options": options, "status": status,
-        "message": message, "peak_memory": state.get("peak_memory"),
-        "activation_bytes": state.get("activation_bytes"), "step_time_s": state.get("step_time_s"),
-        "throughput": state.get("throughput"), "final_loss": state.get("final_loss"), "metric": state.get("metric"),
-        "env": environment(device), "started_at": state["started_at"], "finished_at": state["finished_at"],
-    }
+def new_sections(cfg) -> dict:
+    """The record's sections known before the run starts; ``train`` fills in the rest."""
+    from experiments.record import HyperParameters
+
+    hyper = {f.name: getattr(cfg, f.name, None) for f in dataclasses.fields(HyperParameters)}
+    return {"run": identity(cfg), "method_options": dict(cfg.method_options), "hyperparameters": hyper}
+
+
+def finish(cfg, sections: dict, status: str, message: str | None, started: str) -> dict:
+    """The record of this run as a dict, checked against the layout; if the sections do not fit it (a bug), an
+    error record that says so, with the identity — a run that started always ends with a record."""
+    from experiments.record import Record, environment, error_record, now
+
+    try:
+        device = resolve_device(cfg)
+    except Exception:  # pragma: no cover - torch itself broken
+        device = None
+    env = dataclasses.asdict(environment(device))
+    d = {**sections, "schema_version": 2, "status": status, "message": message, "started_at": started,
+         "finished_at": now(), "environment": env}
+    try:
+        return Record.from_dict(d).to_dict()
+    except Exception as err:
+        traceback.print_exc(file=sys.stderr)
+        why = f"the job could not assemble its record ({type(err).__name__}: {err})"
+        return error_record(sections.get("run") or identity(cfg), f"{why}; run status {status}: {message}",
+                            started, environment=env)
 
 
 def summary(rec: dict, out: str) -> str:
-    parts = [f"[{rec['status']}] {rec['model']}/{rec['task']}/{rec['method']} bs={rec['batch_size']} "
-             f"seed={rec['seed']} dtype={rec['dtype']} steps={rec['steps']}"]
+    run, dev = rec["run"], rec["peak"]["device"]
+    parts = [f"[{rec['status']}] {run['model']}/{run['task']}/{run['method']} bs={run['batch_size']} "
+             f"seed={run['seed']} dtype={run['dtype']} steps={run['steps']}"]
     if rec["final_loss"] is not None:
         parts.append(f"loss={rec['final_loss']:.4f}")
     if rec["metric"]:
@@ -272,10 +257,10 @@ def summary(rec: dict, out: str) -> str:
         parts.append(f"step p50={rec['step_time_s']['p50'] * 1e3:.1f}ms")
     if rec["throughput"]:
         parts.append(f"{rec['throughput']['samples_per_s']:.1f} samples/s")
-    if rec["peak_memory"]:
-        parts.append(f"peak={rec['peak_memory']['bytes'] / 2**20:.1f}MiB")
-    if rec["activation_bytes"]:
-        parts.append(f"saved={rec['activation_bytes']['total'] / 2**20:.2f}MiB")
+    if dev:
+        parts.append(f"peak={dev['bytes'] / 2**20:.1f}MiB")
+    if rec["saved_bytes"]:
+        parts.append(f"saved={rec['saved_bytes']['total'] / 2**20:.2f}MiB")
     if rec["message"]:
         parts.append(f"message={rec['message'][:300]!r}")
     return " ".join(parts) + f" -> {out}"
@@ -294,29 +279,26 @@ def main(argv: list[str] | None = None) -> int:
     if task is None:  # --list
         print(listing())
         return 0
-    from experiments.record import now, write_atomic
+    from experiments.record import now, write
 
-    state = {"started_at": now()}
+    started = now()
+    sections = new_sections(cfg)
     status, message = "ok", None
     try:
-        train(cfg, task, state)
+        train(cfg, task, sections)
     except KeyboardInterrupt:
         raise
     except Exception as err:  # every training failure becomes a record
-        if is_oom(err):
-            status, message = "oom", f"{type(err).__name__}: {err}"
-        else:
-            status, message = "error", f"{type(err).__name__}: {err}"
+        status = "oom" if is_oom(err) else "error"
+        message = f"{type(err).__name__}: {err}"
+        if status == "error":
             traceback.print_exc(file=sys.stderr)
-        try:
+        with contextlib.suppress(Exception):
             import torch
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        except Exception:
-            pass
-    state["finished_at"] = now()
-    rec = make_record(cfg, state, status, message)
-    write_atomic(rec, cfg.out)
+    rec = finish(cfg, sections, status, message, started)
+    write(rec, cfg.out)
     print(summary(rec, cfg.out))
     return 0
 

@@ -6,15 +6,14 @@ model, method, steps, seed, test metric, ...). Saved from a run whose method kee
 (``baseline``, ``checkpointing``, ``tokentune``, ``mesa``, ...): ``--init`` loads strictly into the task's freshly
 built model and fails with the missing / unexpected names otherwise.
 
-Written atomically: a temporary file in the destination's directory, fsync'ed, then ``os.replace`` — a killed run
-leaves either no file or a whole one.
+Written atomically (``lowmembp.atomic``: a temporary file in the destination's directory, fsync'ed, then
+``os.replace``) — a killed run leaves either no file or a whole one. The file is serialised in memory first
+(``safetensors.torch.save``), which is fine for the small bases this is for.
 """
 from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
-from pathlib import Path
 
 import torch.nn as nn
 
@@ -29,22 +28,13 @@ def sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 def save_weights(model: nn.Module, path: str | os.PathLike, metadata: dict | None = None) -> None:
     """Write ``model.state_dict()`` to ``path`` (safetensors) atomically; ``metadata`` values are stored as text."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    from lowmembp.atomic import atomic_write
+
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(state, tmp, metadata=meta)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, save(state, metadata=meta))
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -55,8 +45,8 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> dict:
-    """Load ``path`` into ``model`` (strict); returns what the record keeps: path, sha256 and the file's metadata
-    (prefixed ``init_``)."""
+    """Load ``path`` into ``model`` (strict); returns the record's ``base`` section: path, sha256 and the file's
+    metadata."""
     from safetensors.torch import load_file
 
     state = load_file(str(path))
@@ -66,6 +56,4 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> dict:
             f"--init {path}: the weights do not fit model {type(model).__name__} — missing "
             f"{list(result.missing_keys)[:5]}, unexpected {list(result.unexpected_keys)[:5]} (save the base from a "
             "run of the same model and task with a method that keeps parameter names, e.g. baseline)")
-    info = {"init": str(path), "init_sha256": sha256(path)}
-    info.update({f"init_{k}": v for k, v in read_metadata(path).items()})
-    return info
+    return {"path": str(path), "sha256": sha256(path), "metadata": read_metadata(path)}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from experiments import train
-from experiments.record import validate, write_atomic
+from experiments.record import Record, RecordError, schema, write
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--steps", "3", "--limit", "48", "--eval-limit", "8", "--no-progress", "--seed", "1"]
@@ -27,7 +27,8 @@ def run(argv, capsys=None):
 
 def record(path) -> dict:
     rec = json.loads(Path(path).read_text())
-    validate(rec)
+    jsonschema.validate(rec, schema())
+    assert Record.from_dict(rec).to_dict() == rec
     return rec
 
 
@@ -41,7 +42,7 @@ def record(path) -> dict:
      "mnist5k takes vit-mnist"),
     (["--task", "mnist5k", "--method", "lowmembp", "--k", "4", "--batch-size", "2"], "not taken by method"),
     (["--task", "mnist5k", "--method", "tokentune", "--k", "many", "--batch-size", "2"], "cannot read 'many'"),
-    (["--task", "mnist5k", "--method", "baseline+lora", "--batch-size", "2"], "cannot be combined"),
+    (["--task", "mnist5k", "--method", "baseline+lora", "--batch-size", "2"], "combined"),
     (["--task", "mnist5k", "--method", "baseline"], "--batch-size is required"),
 ])
 def test_bad_arguments_fail_at_once(argv, needle, tmp_path, capsys):
@@ -61,16 +62,19 @@ def test_tiny_run_writes_a_valid_record(task, method, extra, metric, tmp_path, c
     assert run(["--task", task, "--method", method, "--batch-size", "4", *TINY, *extra, "--out", out]) == 0
     rec = record(out)
     assert rec["status"] == "ok", rec["message"]
-    assert (rec["task"], rec["method"], rec["steps"], rec["seed"]) == (task, method, 3, 1)
+    run_ = rec["run"]
+    assert (run_["task"], run_["method"], run_["steps"], run_["steps_planned"], run_["seed"]) == (task, method, 3, 3, 1)
     assert rec["metric"]["name"] == metric and rec["metric"]["value"] > 0
-    assert rec["activation_bytes"]["total"] == sum(rec["activation_bytes"]["by_kind"].values()) > 0
-    assert rec["peak_memory"]["bytes"] > 0 and rec["step_time_s"]["n"] == 1
+    assert rec["saved_bytes"]["total"] == sum(rec["saved_bytes"]["by_kind"].values()) > 0
+    assert rec["peak"]["device"]["bytes"] > 0 and rec["peak"]["host"] is None and rec["step_time_s"]["n"] == 1
     assert rec["throughput"]["samples_per_s"] > 0 and rec["final_loss"] > 0
-    assert rec["env"]["torch"] == torch.__version__
-    assert f"[ok] {rec['model']}/{task}/{method}" in capsys.readouterr().out
+    assert rec["environment"]["torch"] == torch.__version__ and rec["environment"]["threads"] == 1
+    assert rec["hyperparameters"]["threads"] == 1 and rec["hyperparameters"]["limit"] == 48
+    assert rec["task_facts"]["train_pool"] == 48 and rec["schema_version"] == 2
+    assert f"[ok] {run_['model']}/{task}/{method}" in capsys.readouterr().out
     if extra:
         key = extra[0].lstrip("-")
-        assert rec["options"][key] == int(extra[1])
+        assert rec["method_options"] == {key: int(extra[1])}
 
 
 def test_config_file_with_command_line_override(tmp_path):
@@ -80,7 +84,9 @@ def test_config_file_with_command_line_override(tmp_path):
     out = tmp_path / "r.json"
     assert run(["--config", cfg, "--seed", "7", "--out", out]) == 0
     rec = record(out)
-    assert (rec["seed"], rec["options"]["k"], rec["batch_size"], rec["status"]) == (7, 3, 4, "ok")
+    assert (rec["run"]["seed"], rec["method_options"]["k"], rec["run"]["batch_size"], rec["status"]) == \
+        (7, 3, 4, "ok")
+    assert rec["hyperparameters"]["config"] == str(cfg)
 
 
 def test_memory_budget_is_an_oom_result(tmp_path):
@@ -89,7 +95,7 @@ def test_memory_budget_is_an_oom_result(tmp_path):
                 "--max-memory-mb", "0.01", "--out", out]) == 0
     rec = record(out)
     assert rec["status"] == "oom" and "--max-memory-mb" in rec["message"]
-    assert rec["peak_memory"]["bytes"] > 0.01 * 2**20
+    assert rec["peak"]["device"]["bytes"] > 0.01 * 2**20 and rec["saved_bytes"]["total"] > 0
 
 
 def test_allocator_oom_is_an_oom_result(tmp_path, monkeypatch):
@@ -108,7 +114,7 @@ def test_allocator_oom_is_an_oom_result(tmp_path, monkeypatch):
     out = tmp_path / "r.json"
     assert run(["--task", "mnist5k", "--method", "baseline", "--batch-size", "4", *TINY, "--out", out]) == 0
     rec = record(out)
-    assert rec["status"] == "oom" and "Tried to allocate" in rec["message"] and rec["steps"] == 0
+    assert rec["status"] == "oom" and "Tried to allocate" in rec["message"] and rec["run"]["steps"] == 0
 
 
 def test_training_failure_is_an_error_result(tmp_path, capsys):
@@ -149,15 +155,15 @@ def test_sigkill_mid_run_leaves_no_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_write_atomic_validates_and_leaves_nothing_on_failure(tmp_path):
+def test_write_validates_and_leaves_nothing_on_failure(tmp_path):
     out = tmp_path / "r.json"
-    with pytest.raises(jsonschema.ValidationError):
-        write_atomic({"model": "x"}, out)
+    with pytest.raises(RecordError):
+        write({"model": "x"}, out)
     assert list(tmp_path.iterdir()) == []
     # an existing record is replaced whole or not at all
     out.write_text("old")
-    with pytest.raises(jsonschema.ValidationError):
-        write_atomic({"status": "ok"}, out)
+    with pytest.raises(RecordError):
+        write({"status": "ok", "schema_version": 2}, out)
     assert out.read_text() == "old" and len(list(tmp_path.iterdir())) == 1
 
 
@@ -205,18 +211,28 @@ def test_evidence_table_gaps_and_ratios():
     assert rows[3] == "| mesa | 59.0 | 60.0 | 59.5 ± 0.7 | -1.5 | 1500 | 1.30 |"  # median of 1.5, 1.2, 1.3
 
 
-@pytest.mark.parametrize("method, extra, lr", [("baseline", [], "lr"), ("lora+lowmembp", [], "lora_lr"),
-                                                ("lora", ["--lr", "5e-4"], 5e-4)])
-def test_learning_rate_defaults(method, extra, lr, tmp_path):
+@pytest.mark.parametrize("method, extra, lr", [("baseline", [], 1e-4), ("lora+lowmembp", [], 3e-3),
+                                                ("lowmembp+lora", [], 3e-3), ("lora", ["--lr", "5e-4"], 5e-4),
+                                                ("lora", ["--lr-base", "0.256"], 2e-3)])
+def test_learning_rate_defaults_per_method(method, extra, lr, tmp_path):
     from experiments.args import parse_args
-    from experiments.tasks.tweets_sentiment import DEFAULTS
+    from experiments.tasks import tweets_sentiment
+    from experiments.tasks.base import defaults_for
 
-    assert DEFAULTS["lora_lr"] != DEFAULTS["lr"]
-    lr = DEFAULTS.get(lr, lr)
-
-    cfg, _ = parse_args(["--task", "tweets-sentiment", "--method", method, "--batch-size", "2", *extra,
+    assert tweets_sentiment.DEFAULTS["lr"] == 1e-4 and tweets_sentiment.METHOD_DEFAULTS["lora"]["lr"] == 3e-3
+    assert defaults_for(tweets_sentiment, "lora+lowmembp")["lr"] == 3e-3
+    cfg, _ = parse_args(["--task", "tweets-sentiment", "--method", method, "--batch-size", "4", *extra,
                          "--out", str(tmp_path / "r.json")])
-    assert cfg.lr == lr
+    assert cfg.lr == pytest.approx(lr)
+
+
+def test_a_config_file_lr_wins_over_the_method_default(tmp_path):
+    from experiments.args import parse_args
+
+    c = tmp_path / "c.yaml"
+    c.write_text("task: tweets-sentiment\nmethod: lora\nbatch_size: 2\nlr: 7.0e-4\n")
+    cfg, _ = parse_args(["--config", str(c), "--out", str(tmp_path / "r.json")])
+    assert cfg.lr == 7e-4
 
 
 def test_mnist_cache_matches_csv_and_recovers_from_a_bad_file(tmp_path, monkeypatch):
@@ -266,7 +282,7 @@ def test_save_model_then_init_starts_from_those_weights(tmp_path):
     assert run([*LM, "--method", "baseline", "--train-split", "pretrain", "--save-model", base,
                 "--out", rec_base]) == 0
     rb = record(rec_base)
-    assert rb["status"] == "ok" and rb["options"]["train_split"] == "pretrain" and base.is_file()
+    assert rb["status"] == "ok" and rb["hyperparameters"]["train_split"] == "pretrain" and base.is_file()
     assert [p.name for p in base.parent.iterdir()] == ["b.safetensors"]  # no temporary left behind
     meta = read_metadata(base)
     assert (meta["task"], meta["model"], meta["train_split"], meta["steps"]) == ("tweets-lm", "llama-tiny",
@@ -275,11 +291,12 @@ def test_save_model_then_init_starts_from_those_weights(tmp_path):
     assert run([*LM, "--method", "lora", "--rank", "2", "--init", base, "--out", out]) == 0
     rec = record(out)
     assert rec["status"] == "ok", rec["message"]
-    opts = rec["options"]
-    assert opts["init"] == str(base) and opts["init_sha256"] == sha256(base) and opts["init_train_split"] == "pretrain"
+    b = rec["base"]
+    assert b["path"] == str(base) and b["sha256"] == sha256(base) and b["metadata"]["train_split"] == "pretrain"
+    assert rec["hyperparameters"]["init"] == str(base)
     # the base scored on the same test tweets before fine-tuning = what the pre-training run reported at its end
-    assert opts["init_metric_before"] == pytest.approx(rb["metric"]["value"], rel=1e-6)
-    assert rec["metric"]["value"] != pytest.approx(opts["init_metric_before"], rel=1e-9)  # it did train
+    assert b["metric_before"] == pytest.approx(rb["metric"]["value"], rel=1e-6)
+    assert rec["metric"]["value"] != pytest.approx(b["metric_before"], rel=1e-9)  # it did train
 
 
 def test_init_that_does_not_fit_the_model_is_an_error_result(tmp_path):
@@ -289,7 +306,7 @@ def test_init_that_does_not_fit_the_model_is_an_error_result(tmp_path):
     out = tmp_path / "r.json"
     assert run([*LM, "--method", "baseline", "--init", base, "--out", out]) == 0
     rec = record(out)
-    assert rec["status"] == "error" and "do not fit" in rec["message"] and rec["steps"] == 0
+    assert rec["status"] == "error" and "do not fit" in rec["message"] and rec["run"]["steps"] == 0
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -304,14 +321,11 @@ def test_bad_base_arguments_fail_at_once(argv, needle, tmp_path, capsys):
 
 
 def test_save_weights_leaves_nothing_when_writing_fails(tmp_path, monkeypatch):
-    import safetensors.torch
-
     from experiments.weights import save_weights
 
-    def broken(state, path, metadata=None):
-        Path(path).write_bytes(b"partial")
+    def broken(fd):
         raise OSError("disk full")
-    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    monkeypatch.setattr(os, "fsync", broken)  # the data is written, the flush to disk fails
     with pytest.raises(OSError, match="disk full"):
         save_weights(torch.nn.Linear(2, 2), tmp_path / "w.safetensors")
     assert list(tmp_path.iterdir()) == []

@@ -3,7 +3,9 @@
 A task module (one per task under ``experiments/tasks/``) defines ``NAME``, ``MODELS`` (the models it can train,
 the first one the default), ``METRIC``, ``DEFAULTS`` (hyper-parameters used when the command line gives none),
 ``check(cfg)`` (raises :class:`MissingData` at once when data or weights are absent) and ``build(model_name, cfg)
--> Setup``. ``cfg`` is the parsed configuration (an ``argparse.Namespace``).
+-> Setup``. ``cfg`` is the parsed configuration (an ``argparse.Namespace``). Optionally ``METHOD_DEFAULTS``:
+method name -> hyper-parameters that replace ``DEFAULTS`` when the method spec contains that method (e.g. the
+larger learning rate LoRA needs); :func:`defaults_for` is the one place the two are merged.
 
 Splits: the test split of every offline task is fixed (drawn with :data:`SPLIT_SEED`, whatever ``--seed`` is), so
 runs with different seeds are scored on the same examples; ``--seed`` chooses the training subsample, the order of
@@ -39,6 +41,16 @@ class Setup:
     seq_len: int | None  # tokens per sample (ViT: patches + cls; text: the maximum length)
     tokens: Callable[[dict], int | None] = lambda batch: None  # tokens in a batch (non-padding), for tokens/s
     info: dict = field(default_factory=dict)  # sizes etc., copied into the record's options
+
+
+def defaults_for(task, method_spec: str) -> dict:
+    """The task's default hyper-parameters for ``method_spec`` (names joined with '+'): ``DEFAULTS``, updated by
+    ``METHOD_DEFAULTS[name]`` of every method in the spec (in spec order)."""
+    out = dict(task.DEFAULTS)
+    per_method = getattr(task, "METHOD_DEFAULTS", {})
+    for name in (m.strip() for m in method_spec.split("+")):
+        out.update(per_method.get(name, {}))
+    return out
 
 
 def split_indices(n: int, n_test: int) -> tuple[np.ndarray, np.ndarray]:

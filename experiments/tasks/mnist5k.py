@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -63,14 +62,10 @@ def _parse(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _save_atomic(array: np.ndarray, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.save(fh, array)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from lowmembp.atomic import atomic_open
+
+    with atomic_open(path, "wb") as fh:
+        np.save(fh, array)
 
 
 def load() -> tuple[np.ndarray, np.ndarray]:
