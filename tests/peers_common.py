@@ -47,7 +47,7 @@ def train_steps(model, batch, loss=loss_of, steps=3, lr=1e-3):
         value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(value))
+        losses.append(float(value.detach()))
     moved = all(not torch.equal(a, p.detach()) for a, p in zip(before, params))
     return losses, moved
 
