@@ -218,3 +218,49 @@ def test_unrecorded_conversions_are_refused():
     model.norm = MSLayerNorm(32)
     with pytest.raises(ExportError, match="no record of the conversion"):
         lowmembp.export(model)
+
+
+def _convert_or_skip(model, method="lowmembp"):
+    from lowmembp.models import UnsupportedModelError
+    try:
+        return lowmembp.apply(model, method)
+    except UnsupportedModelError as e:  # the family's adapter is not in this build
+        pytest.skip(f"not convertible here: {e}"[:200])
+
+
+def _tiny_hf(cfg_name, cls_name, seed=0, **kw):
+    import transformers
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(getattr(transformers, cfg_name)(**kw))
+    _randomise_norms(model)
+    return model.eval()
+
+
+def test_gemma_one_plus_w_norms_get_w_back():
+    """Gemma's RMSNorm computes x̂·(1 + w): the export must store w = γ − 1, not γ."""
+    kw = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=56,
+              vocab_size=61, head_dim=8, max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False)
+    model = _tiny_hf("GemmaConfig", "GemmaForCausalLM", **kw)
+    batch = {"input_ids": torch.randint(1, 61, (2, 7), generator=torch.Generator().manual_seed(1))}
+    model = train(_convert_or_skip(model), batch)
+    want = eval_logits(model, batch)
+    stock = _tiny_hf("GemmaConfig", "GemmaForCausalLM", seed=7, **kw)
+    stock.load_state_dict(lowmembp.export(model).state_dict(), strict=True)
+    assert rel(eval_logits(stock, batch), want) <= TOL
+
+
+def test_gpt2_conv1d_consumers_unfold_transposed():
+    """GPT-2's Conv1D stores W in×out; lm_head (no bias, tied) is frozen so its folded bias stays expressible."""
+    kw = dict(n_embd=32, n_layer=2, n_head=2, vocab_size=61, n_positions=64)
+    model = _tiny_hf("GPT2Config", "GPT2LMHeadModel", **kw)
+    batch = {"input_ids": torch.randint(1, 61, (2, 7), generator=torch.Generator().manual_seed(1))}
+    model = _convert_or_skip(model)
+    model.lm_head.requires_grad_(False)
+    model.transformer.wte.requires_grad_(False)
+    model = train(model, batch)
+    want = eval_logits(model, batch)
+    exported = lowmembp.export(model)
+    assert exported.lm_head.weight is exported.transformer.wte.weight and exported.lm_head.bias is None
+    stock = _tiny_hf("GPT2Config", "GPT2LMHeadModel", seed=7, **kw)
+    stock.load_state_dict(exported.state_dict(), strict=True)
+    assert rel(eval_logits(stock, batch), want) <= TOL
