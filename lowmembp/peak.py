@@ -7,7 +7,10 @@
 - CUDA: the allocator's ``torch.cuda.max_memory_allocated`` over the step (after ``reset_peak_memory_stats``); the
   categories are parameters / gradients / optimizer state sized from the model and optimizer, and
   ``activations_and_temporaries`` the rest of the peak (the allocator does not know what a block holds).
-- CPU and fake tensors: :class:`StorageTracker`, a dispatch mode that follows every tensor storage created inside
+- CPU, a compiled model (``torch.compile``, the ``compile`` method): the CPU allocator's own events
+  (``torch.profiler`` with ``profile_memory``, as :func:`profiler_peak`), split like the CUDA peak. The dispatch-mode
+  tracker below would be wrong there: under a dispatch mode Dynamo runs the eager code instead of the compiled graphs.
+- CPU (eager), fake tensors: :class:`StorageTracker`, a dispatch mode that follows every tensor storage created inside
   it (and the model's, the optimizer's and the batch's, registered up front) until it dies, keeping the running
   total, its peak and the split by category at the peak. Sizes are exact storage bytes (no allocator rounding). A
   kernel's private scratch is not a tensor the dispatcher sees and is not counted (the CPU convolution backward's
@@ -219,6 +222,8 @@ def measure_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer | None,
             out["host"] = {"bytes": int(ledger.peak), "at_device_peak": None,
                            "how": "offload ledger: live pinned host copies"}
         return out
+    if not fake and _is_compiled(model):
+        return _compiled_cpu_peak(model, optimizer, step, external)
     tracker = StorageTracker()
     tracker.track_external(model, optimizer, *external)
     tracker.watch(model)
@@ -250,6 +255,26 @@ def prime_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _is_compiled(model: nn.Module) -> bool:
+    from lowmembp.methods.compile import is_compiled
+    return is_compiled(model)
+
+
+def _compiled_cpu_peak(model, optimizer, step, external) -> dict:
+    """A compiled step on CPU: the CPU allocator's own events. (The dispatch-mode tracker would measure eager ops:
+    under a dispatch mode Dynamo runs the original Python code, not the compiled graphs.)"""
+    base, peak = _profiled_peak(model, optimizer, step, external)
+    total = base + peak
+    params = _nbytes(list(model.parameters()) + list(model.buffers()))
+    grads = _nbytes([p for p in model.parameters() if p.requires_grad])  # one gradient per trainable parameter
+    opt = 0
+    if optimizer is not None:
+        opt = _nbytes([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
+    return {"bytes": total, "how": "cpu allocator events (torch.profiler profile_memory; compiled step)",
+            "by_category": {"parameters": params, "gradients": grads, "optimizer_state": opt,
+                            "activations_and_temporaries": max(total - params - grads - opt, 0)}}
+
+
 def _cuda_peak(model, optimizer, step, device) -> dict:
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -262,7 +287,8 @@ def _cuda_peak(model, optimizer, step, device) -> dict:
     if optimizer is not None:
         opt = _nbytes([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
     rest = max(peak - params - grads - opt, 0)
-    return {"bytes": peak, "how": "cuda max_memory_allocated",
+    how = "cuda max_memory_allocated" + ("; compiled step" if _is_compiled(model) else "")
+    return {"bytes": peak, "how": how,
             "by_category": {"parameters": params, "gradients": grads, "optimizer_state": opt,
                             "activations_and_temporaries": rest}}
 
@@ -291,10 +317,17 @@ def profiler_peak(model: nn.Module, optimizer: torch.optim.Optimizer | None, ste
     Independent of the dispatch-mode tracker (it sees every allocation of the CPU allocator, in time order), slower,
     real tensors only: the tests check the tracker and the fake-tensor estimate against it.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     for _ in range(warmup):
         step()
+    base, peak = _profiled_peak(model, optimizer, step, external)
+    return base + peak
+
+
+def _profiled_peak(model, optimizer, step, external) -> tuple[int, int]:
+    """(bytes alive before ``step()``: parameters, buffers, optimizer state, ``external``; the peak of the CPU
+    allocator's running total of allocations minus frees during ``step()``)."""
+    from torch.profiler import ProfilerActivity, profile
+
     live = list(model.parameters()) + list(model.buffers()) + [t for t in external if isinstance(t, torch.Tensor)]
     if optimizer is not None:
         live += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -307,4 +340,4 @@ def profiler_peak(model: nn.Module, optimizer: torch.optim.Optimizer | None, ste
     for e in sorted(events, key=lambda e: e.start_ns()):
         cur += e.nbytes()
         peak = max(peak, cur)
-    return base + peak
+    return base, peak

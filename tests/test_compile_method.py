@@ -97,6 +97,23 @@ def test_memory_budget_is_in_force_when_partitioning():
     assert again == full
 
 
+def test_compiled_lowmembp_keeps_90_percent_of_the_eager_saving():
+    """Saving = 1 - saved bytes / the baseline's in the same mode (eager vs eager, compiled vs compiled)."""
+    torch._dynamo.reset()
+
+    def eager(spec):
+        model, batch = _bert1()
+        model = lowmembp.apply(model, spec)
+        model.train()
+        return saved_bytes(model, lambda: model(**batch).loss)["total"]
+
+    eager_saving = 1 - eager("lowmembp") / eager("baseline")
+    compiled_saving = 1 - _compiled_saved("lowmembp+compile", compile_backend=FAST) / _compiled_saved(
+        "compile", compile_backend=FAST)
+    assert eager_saving > 0.2
+    assert compiled_saving >= 0.9 * eager_saving, (compiled_saving, eager_saving)
+
+
 def test_composes_last_and_keeps_the_model():
     from lowmembp.methods.registry import parse
     assert [m.name for m in parse("compile+lora+lowmembp+checkpointing")][-1] == "compile"
