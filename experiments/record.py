@@ -389,9 +389,11 @@ def _scalar(v):
     return v if isinstance(v, (int, float, str, bool)) or v is None else json.dumps(v)
 
 
-def flatten(d: dict) -> dict:
-    """One record (a dict of either schema version) -> one flat CSV row: :data:`COLUMNS`, then the prefixed ones."""
-    r = Record.from_dict(d)
+def flatten(d: dict | Record) -> dict:
+    """One record (a Record, or a dict of either schema version) -> one flat CSV row: :data:`COLUMNS`, then the
+    prefixed ones. ``schema_version`` is the version the record was written in."""
+    r = d if isinstance(d, Record) else Record.from_dict(d)
+    version = r.schema_version if isinstance(d, Record) else d.get("schema_version")
     run, dev, host = r.run, r.peak.device, r.peak.host
     row = {k: getattr(run, k) for k in ("task", "model", "method", "batch_size", "seed", "steps", "steps_planned",
                                          "epochs", "dtype", "seq_len")}
@@ -402,7 +404,7 @@ def flatten(d: dict) -> dict:
                base_path=r.base and r.base.path, base_sha256=r.base and r.base.sha256,
                base_metric_before=r.base and r.base.metric_before,
                notes="; ".join(r.notes) or None, started_at=r.started_at, finished_at=r.finished_at,
-               schema_version=d.get("schema_version"))
+               schema_version=version)
     for k in ("p20", "p50", "p80", "n"):
         row[f"step_time_{k}"] = r.step_time_s and getattr(r.step_time_s, k)
     row["samples_per_s"] = r.throughput and r.throughput.samples_per_s

@@ -233,7 +233,10 @@ def finish(cfg, sections: dict, status: str, message: str | None, started: str) 
         device = resolve_device(cfg)
     except Exception:  # pragma: no cover - torch itself broken
         device = None
-    env = dataclasses.asdict(environment(device))
+    try:
+        env = dataclasses.asdict(environment(device))
+    except Exception as err:  # what the run measured matters more than the device's name
+        env = {"device": f"unknown (the environment capture failed: {type(err).__name__}: {err})"}
     d = {**sections, "schema_version": 2, "status": status, "message": message, "started_at": started,
          "finished_at": now(), "environment": env}
     try:

@@ -122,6 +122,7 @@ def test_flatten_has_fixed_columns_first_and_prefixed_sections():
     assert (row["hp_max_len"], row["task_max_len"], row["hp_lr"]) == (9, 7, 1e-3)  # no collision any more
     extra = [c for c in row if c not in R.COLUMNS]
     assert all(c.startswith(R.PREFIXES) for c in extra)
+    assert R.flatten(full_record()) == row
     v1 = R.flatten(copy.deepcopy(V1))
     assert (v1["opt_rank"], v1["hp_lr"], v1["task_train_pool"], v1["peak_bytes"], v1["schema_version"]) == \
         (2, 0.01, 48, 7910508, 1)
