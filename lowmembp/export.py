@@ -22,7 +22,8 @@ What is undone (the converted model is left as it is unless ``inplace=True``; th
   embedding; otherwise the export stays untied with ``tie_word_embeddings=False`` and warns (``save_pretrained`` /
   ``from_pretrained`` then round-trip exactly; a strict ``load_state_dict`` into a fresh *tied* model cannot).
 - ``lowmembp-act``: ReGELU2 / ReSiLU2 become the original activation modules.
-- ``checkpointing`` (block wrappers, library switches) and ``tokentune`` (patched forwards) are removed.
+- ``checkpointing`` (block wrappers, library switches) and ``tokentune`` (patched forwards) are removed; a compiled
+  model (``compile``, ``nn.Module.compile``, a ``torch.compile`` wrapper) comes back eager.
 - ``mesa`` / ``mesa-gelu-ln``: Mesa linears become ``nn.Linear``, Mesa norms and activations the recorded originals
   (same parameters), patched attention modules lose their Mesa matmuls / softmax and get their attention
   implementation back (timm ``fused_attn``, the transformers config's ``_attn_implementation``).
@@ -208,8 +209,12 @@ def export(model: nn.Module, merge_lora: bool = False, inplace: bool = False) ->
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"export expects a torch.nn.Module, got {type(model).__name__}")
+    model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model  # torch.compile
     if not inplace:
         model = copy.deepcopy(model)
+    for m in model.modules():  # nn.Module.compile (the 'compile' method): an ordinary eager model comes back
+        if m.__dict__.get("_compiled_call_impl") is not None:
+            m._compiled_call_impl = None
     base = unwrap_peft(model)
     rec: ExportRecord | None = base.__dict__.get(RECORD)
     _remove_tokentune(model)
@@ -232,7 +237,7 @@ def export(model: nn.Module, merge_lora: bool = False, inplace: bool = False) ->
     model = _finish_lora(model, deltas, merge_lora)
     for m in {id(x): x for x in (model, base, unwrap_peft(model))}.values():
         for key in (RECORD, "_lowmembp_methods", "lowmembp_report", "_checkpointing", "_mesa_converted",
-                    "save_pretrained"):
+                    "_lowmembp_compile", "save_pretrained"):
             m.__dict__.pop(key, None)
     return model
 

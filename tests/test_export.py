@@ -264,3 +264,16 @@ def test_gpt2_conv1d_consumers_unfold_transposed():
     stock = _tiny_hf("GPT2Config", "GPT2LMHeadModel", seed=7, **kw)
     stock.load_state_dict(exported.state_dict(), strict=True)
     assert rel(eval_logits(stock, batch), want) <= TOL
+
+
+def test_compiled_model_comes_back_eager():
+    model, inputs = build("vit")
+    model = lowmembp.apply(model, "lowmembp")
+    model.compile(backend="eager", dynamic=False)
+    train(model, inputs(2), steps=1)
+    want = eval_logits(model, inputs(3))
+    for exported in (lowmembp.export(torch.compile(model, backend="eager")), lowmembp.export(model, inplace=True)):
+        assert exported._compiled_call_impl is None
+        stock = fresh("vit")
+        stock.load_state_dict(exported.state_dict(), strict=True)
+        assert rel(eval_logits(stock, inputs(3)), want) <= TOL
