@@ -414,3 +414,127 @@ def test_cuda_beyond_2_to_31_elements(kind):
     y_ref, p_ref = A.forward_reference(x[tail], k)
     _assert_within_ulps(y[tail], y_ref, torch.bfloat16, ulps=1.0, atol=1e-6)
     assert torch.equal(A.unpack_codes(packed, n)[tail], A.unpack_codes(p_ref, 8192))
+
+
+# ------------------------------------------------------------------------------------ every kind, every bit width
+ALL = [(k, b) for k in A.KINDS for b in A.BITS]
+_SQRT_2_PI = math.sqrt(2.0 / math.pi)
+
+
+def _exact64_any(kind, x):
+    x = x.double()
+    if kind in ("gelu", "silu"):
+        return _exact64(kind, x)
+    if kind == "gelu_tanh":
+        return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_PI * (x + 0.044715 * x ** 3)))
+    if kind == "quick_gelu":
+        return x / (1.0 + torch.exp(-1.702 * x))
+    r = torch.clamp(x, min=0.0)
+    return r if kind == "relu" else r * r
+
+
+@pytest.mark.parametrize("kind", A.KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_kind_forward_matches_float64_math(kind, dtype, torch_backend):
+    x = _rand((37, 11), dtype)
+    y = A.approx_act(x, kind, 2)
+    exact = _exact64_any(kind, x)
+    _assert_within_ulps(y, exact, dtype, ulps=2.0 if dtype == torch.float32 else 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,bits", ALL)
+def test_every_kind_and_bits_backward_is_dy_times_slope_of_code(kind, bits, torch_backend):
+    c, a = A.constants(kind, bits)
+    x = _rand((5, 13), torch.float32).requires_grad_()  # 65 elements: a partial last group of 8
+    dy = _rand((5, 13), torch.float32, scale=1.0)
+    (dx,) = torch.autograd.grad(A.approx_act(x, kind, bits), x, dy)
+    s64 = torch.tensor([0.0, *a], dtype=torch.float64).cumsum(0)
+    codes = _codes64(x.detach(), c)
+    assert int(codes.max()) <= 2 ** bits - 1
+    _assert_within_ulps(dx, dy.double() * s64[codes.long()], torch.float32, ulps=1.5)
+
+
+@pytest.mark.parametrize("bits", A.BITS)
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 17, 1001])
+def test_pack_unpack_roundtrip_any_bits(bits, n):
+    codes = torch.randint(0, 2 ** bits, (n,), dtype=torch.uint8)
+    packed = A.pack_codes(codes, bits)
+    assert packed.numel() == (n * bits + 7) // 8
+    assert torch.equal(A.unpack_codes(packed, n, bits), codes)
+    stream = sum(int(v) << (bits * i) for i, v in enumerate(codes.tolist()))  # the little-endian bit stream
+    assert packed.tolist() == [(stream >> (8 * j)) & 0xFF for j in range(packed.numel())]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("kind,bits", ALL)
+def test_triton_matches_reference_every_kind_and_bits(kind, bits, triton_backend):
+    x = torch.cat([_rand((203,), torch.float32), torch.tensor(_SPECIAL_X)])
+    c32 = A._consts32(kind, bits)[0]
+    x = torch.cat([x, torch.tensor(c32)])  # values exactly on the breakpoints
+    for dt in (torch.float32, torch.bfloat16):
+        # the interpreter flushes subnormal bf16 to 0 when it widens them (a GPU does not): none in bf16
+        xd = torch.where(x.abs() < torch.finfo(torch.float32).tiny, 0.0, x).to(dt) if dt == torch.bfloat16 else x
+        y0, p0 = A.forward_reference(xd, kind, True, bits)
+        y1, p1 = A.forward_triton(xd, kind, True, bits)
+        assert torch.equal(p0, p1), "codes differ"
+        assert p0.numel() == A.saved_bytes(x.numel(), bits)
+        if dt == torch.float32:
+            torch.testing.assert_close(y1, y0, rtol=4e-6, atol=1e-6, equal_nan=True)
+        dy = _rand(x.shape, dt, scale=1.0)
+        d1, d0 = A.backward_triton(dy, p1, kind, bits), A.backward_reference(dy, p0, kind, bits)
+        assert torch.equal(torch.isnan(d1), torch.isnan(d0)) and torch.equal(torch.isinf(d1), torch.isinf(d0))
+        if dt == torch.float32:
+            torch.testing.assert_close(d1, d0, rtol=0, atol=0, equal_nan=True)
+        else:  # the interpreter truncates fp32 -> bf16 stores: one ulp (a GPU rounds and matches exactly)
+            ok = torch.isfinite(d0)
+            _assert_within_ulps(d1[ok], d0[ok], dt, ulps=1.0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_relu2_plus_inf_gives_an_infinite_gradient(backend, monkeypatch):
+    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    x = torch.tensor([_INF, 1.0, -_INF, -2.0], requires_grad=True)
+    y = A.approx_act(x, "relu2", 2)
+    assert y[0] == _INF and y[2] == 0.0
+    (g,) = torch.autograd.grad(y, x, torch.ones(4))
+    assert g[0] == _INF and torch.isfinite(g[1:]).all() and g[2] == 0.0  # relu2'(+inf) = inf, relu2'(-inf) = 0
+
+
+def test_double_backward_is_the_same_linear_map(torch_backend):
+    """dx = dy·s[code] is linear in dy: its derivative in dy is s[code], in x it is 0 (h̃'' = 0 a.e.)."""
+    x = _rand((4, 9), torch.float32).requires_grad_()
+    dy = _rand((4, 9), torch.float32, scale=1.0).requires_grad_()
+    (dx,) = torch.autograd.grad(A.regelu2(x), x, dy, create_graph=True)
+    v = _rand((4, 9), torch.float32, scale=1.0)
+    (gdy,) = torch.autograd.grad(dx, dy, v)
+    s64 = torch.tensor([0.0, *A.REGELU2_A], dtype=torch.float64).cumsum(0)
+    _assert_within_ulps(gdy, v.double() * s64[_codes64(x.detach(), A.REGELU2_C).long()], torch.float32, ulps=1.5)
+
+
+@pytest.mark.parametrize("kind,bits", [("gelu", 2), ("silu", 2), ("gelu_tanh", 2), ("quick_gelu", 3),
+                                       ("relu", 1), ("relu2", 4)])
+def test_make_approx(kind, bits):
+    m = A.make_approx(kind, bits)
+    assert f"kind={kind}" in repr(m) and f"bits={bits}" in repr(m)
+    assert (type(m).__name__ == {"gelu": "ReGELU2", "silu": "ReSiLU2"}.get(kind, "ApproxAct")) or bits != 2
+    x = _rand((3, 8), torch.float32).requires_grad_()
+    assert torch.equal(m(x), A.approx_act(x, kind, bits))
+    with _SavedLog() as log:
+        m(x)
+    assert [t.numel() for t in log.saved] == [A.saved_bytes(24, bits)] == [(24 * bits + 7) // 8 + 1]
+
+
+def test_make_approx_errors():
+    with pytest.raises(ValueError, match="gelu, gelu_tanh, quick_gelu, silu, relu, relu2"):
+        A.make_approx("tanh")
+    with pytest.raises(ValueError, match="bits must be one of"):
+        A.make_approx("gelu", 5)
+    assert type(A.make_approx("gelu")) is A.ReGELU2 and type(A.make_approx("silu", 2)) is A.ReSiLU2
+
+
+def test_package_level_names():
+    from lowmembp.ops import (ApproxAct, MSLayerNorm, MSRMSNorm, ReGELU2, ReSiLU2, derive, make_approx,  # noqa
+                              ms_layer_norm, ms_rms_norm, regelu2, resilu2)
+    import lowmembp.ops as ops
+    assert {"regelu2", "resilu2", "ms_layer_norm", "ms_rms_norm", "make_approx", "derive"} <= set(ops.__all__)
+    assert regelu2 is A.regelu2 and callable(derive)
