@@ -141,3 +141,17 @@ def test_cuda_pinned_side_stream():
     assert model._lowmembp_host_ledger.peak > 0
     pk = _peak(model, {k: torch.cat([v] * 8) for k, v in batch.items()})
     assert pk["how"] == "cuda max_memory_allocated" and pk["host"]["bytes"] > 0
+
+
+def test_saved_tensors_come_back_with_their_strides_sac_on_fake_tensors():
+    """SAC's recomputation must see what it saved with its layout (a transposed attention output stays transposed,
+    or ``contiguous()`` clones in the recomputation and SAC's op log no longer matches): sac+offload on fake tensors."""
+    from lowmembp.estimate import estimate
+
+    small = dict(layers=2, batch_size=2, seq_len=8, overrides=dict(hidden_size=64, intermediate_size=128,
+                                                                    num_attention_heads=4, num_key_value_heads=4,
+                                                                    vocab_size=100))
+    sac = estimate("llama_7b", "sac", **small)
+    both = estimate("llama_7b", "sac+offload", **small)
+    assert both["saved"]["total"] == sac["saved"]["total"]
+    assert both["peak"]["host"]["bytes"] > 0.5 * sac["saved"]["total"]

@@ -188,11 +188,11 @@ class Offloader:
             stream = self._side_stream(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(stream):
-                host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
+                host = _empty_like(t, "cpu", pin_memory=True)
                 host.copy_(t, non_blocking=True)
             t.record_stream(stream)
         else:  # fake tensors (estimates) and other devices: a plain copy to the host
-            host = torch.empty(t.size(), dtype=t.dtype, device="cpu")
+            host = _empty_like(t, "cpu")
             host.copy_(t)
         note_host(host)
         held = _Held(host, t.device, True)
@@ -205,18 +205,39 @@ class Offloader:
         if held.device.type == "cuda" and type(held.host).__name__ != "FakeTensor":
             stream = self._side_stream(held.device)
             with torch.cuda.stream(stream):
-                dev = held.host.to(held.device, non_blocking=True)
+                dev = _empty_like(held.host, held.device)
+                dev.copy_(held.host, non_blocking=True)
             main = torch.cuda.current_stream(held.device)
             main.wait_stream(stream)
             dev.record_stream(main)
             return dev
-        dev = torch.empty(held.host.size(), dtype=held.host.dtype, device=held.device)
+        dev = _empty_like(held.host, held.device)
         return dev.copy_(held.host)
 
     def _side_stream(self, device):
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         return self._stream
+
+
+def _empty_like(t: torch.Tensor, device, pin_memory: bool = False) -> torch.Tensor:
+    """An empty tensor like ``t`` on ``device`` with ``t``'s strides where they are dense (a transposed saved tensor
+    comes back transposed: SAC's recomputation, for one, must see the same layout, or its ops differ)."""
+    if _dense(t):
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device, pin_memory=pin_memory)
+    return torch.empty(t.size(), dtype=t.dtype, device=device, pin_memory=pin_memory)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Do ``t``'s elements fill its memory span exactly (any dim order, no gaps, no overlap)?"""
+    expected = 1
+    for i in sorted(range(t.dim()), key=t.stride):
+        if t.size(i) == 1:
+            continue
+        if t.stride(i) != expected:
+            return False
+        expected *= t.size(i)
+    return True
 
 
 class _OffloadedForward:
