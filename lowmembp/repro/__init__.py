@@ -5,7 +5,8 @@
     python -m lowmembp.repro fig1    # prints the table as markdown
 
 Names: ``block-breakdown`` (LowMemoryBP's per-block activation memory by op kind), ``fig1`` (LowMemoryBP Fig. 1 peak
-memory), ``mesa-table`` (the Mesa README's memory column), ``tokentune-memory`` (TokenTune memory vs batch size).
+memory), ``mesa-table`` (the Mesa README's memory column), ``tokentune-memory`` (TokenTune memory vs batch size),
+``stacked`` (a torchtune-style stacked table of the peer techniques for LLaMA-7B and ViT-B/16).
 All run the real timm / transformers code on fake tensors (:mod:`lowmembp.estimate`): no GPU, nothing large allocated.
 Every table puts the paper's value (where there is one), ours and their ratio side by side, and a ``note`` says why
 where they differ by more than 5 %.
@@ -20,13 +21,14 @@ from lowmembp.repro._common import MiB, ratio, to_markdown
 from lowmembp.repro.block_breakdown import block_breakdown
 from lowmembp.repro.fig1 import fig1
 from lowmembp.repro.mesa_table import mesa_table
+from lowmembp.repro.stacked import stacked
 from lowmembp.repro.tokentune_memory import tokentune_memory
 
 __all__ = ["REPROS", "run", "to_markdown", "MiB", "ratio"]
 
 REPROS: dict[str, Callable[..., pd.DataFrame]] = {
     "block-breakdown": block_breakdown, "fig1": fig1, "mesa-table": mesa_table,
-    "tokentune-memory": tokentune_memory}
+    "tokentune-memory": tokentune_memory, "stacked": stacked}
 
 
 def run(name: str, **kwargs) -> pd.DataFrame:
