@@ -147,6 +147,8 @@ class Environment:
     timm: str | None = None
     transformers: str | None = None
     git_commit: str | None = None
+    git_dirty: bool | None = None  # uncommitted changes to tracked files: git_commit alone does not name the code
+    git_diff_sha256: str | None = None  # of `git diff HEAD` when dirty: two runs with equal values ran the same code
     hostname: str | None = None
     python: str | None = None
     threads: int | None = None  # torch intra-op threads
@@ -377,7 +379,8 @@ COLUMNS = ["task", "model", "method", "batch_size", "seed", "status", "message",
            "dtype", "seq_len", "peak_bytes", "peak_how", "host_peak_bytes", "host_peak_how", "activation_bytes",
            "step_time_p20", "step_time_p50", "step_time_p80", "step_time_n", "samples_per_s", "tokens_per_s",
            "final_loss", "metric_name", "metric_value", "metric_split", "base_path", "base_sha256",
-           "base_metric_before", "device", "torch", "triton", "timm", "transformers", "git_commit", "hostname",
+           "base_metric_before", "device", "torch", "triton", "timm", "transformers", "git_commit", "git_dirty",
+           "git_diff_sha256", "hostname",
            "python", "threads", "notes", "started_at", "finished_at", "schema_version"]
 """Fixed columns of a flattened record, in order. Open-ended ones follow them, by prefix: ``peak_<category>_bytes``
 and ``host_peak_<category>_bytes`` (peak by category), ``act_<kind>_bytes`` (saved bytes by kind), ``opt_<name>``
@@ -500,11 +503,26 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+@lru_cache(maxsize=1)
+def git_changes() -> tuple[bool | None, str | None]:
+    """(dirty, sha256 of ``git diff HEAD``) of the repository's tracked files; (None, None) without git."""
+    import hashlib
+
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "diff", "HEAD", "--binary"], capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    if out.returncode != 0:
+        return None, None
+    return (True, hashlib.sha256(out.stdout).hexdigest()[:16]) if out.stdout else (False, None)
+
+
 def environment(device=None) -> Environment:
     """What the run ran on. Never raises: a part that cannot be read is recorded as such."""
+    dirty, diff = git_changes()
     env = Environment(device="unknown", hostname=platform.node(), python=platform.python_version(),
-                      git_commit=git_commit(), triton=_version("triton"), timm=_version("timm"),
-                      transformers=_version("transformers"))
+                      git_commit=git_commit(), git_dirty=dirty, git_diff_sha256=diff, triton=_version("triton"),
+                      timm=_version("timm"), transformers=_version("transformers"))
     try:
         import torch
 
