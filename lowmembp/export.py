@@ -33,10 +33,12 @@ fresh unconverted model of the same architecture; for transformers models ``save
 round-trips. Converted models get ``save_pretrained`` replaced by one that saves ``export(model)`` (a deep copy:
 for a large model call ``export(model, inplace=True).save_pretrained(dir)`` at the end instead).
 
-Recording: :func:`record_fold` and :func:`record_act` are called by the conversion before it changes a site; they
-keep what cannot be read back from the live model (the original module, paths, which consumers had a bias, tied
-weights) in ``base.__dict__["_lowmembp_export"]`` — not a parameter, not in the state dict; ``copy.deepcopy`` and
-``torch.save`` keep it.
+Recording: :func:`record_fold`, :func:`record_act` / :func:`record_swap` and :func:`record_attention` are called by
+the conversions (``lowmembp``, ``mesa``) before they change a site; they keep what cannot be read back from the live
+model (the original module, paths, which consumers had a bias, tied weights, the attention implementation) in
+``base.__dict__["_lowmembp_export"]`` — not a parameter, not in the state dict; ``copy.deepcopy`` and ``torch.save``
+keep it. "Zero to rounding" (a term the stock form cannot hold, dropped) means within max(1e-5, 2·eps of the
+parameter dtype) of the magnitudes it is computed from.
 """
 from __future__ import annotations
 
@@ -290,8 +292,10 @@ def _out_in(lin: nn.Module) -> torch.Tensor:
     return w.t() if _is_conv1d(lin) else w
 
 
-def _is_zero(v: torch.Tensor, scale: torch.Tensor) -> bool:
-    return bool((v.abs() <= _TOL * scale + 1e-30).all())
+def _is_zero(v: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """|v| within rounding of ``scale`` (the sum of magnitudes v came from) in parameters of ``dtype``."""
+    tol = max(_TOL, 2 * torch.finfo(dtype).eps) if dtype.is_floating_point else _TOL
+    return bool((v.abs() <= tol * scale + 1e-30).all())
 
 
 def _unfold(base: nn.Module, f: NormFold, deltas: dict) -> None:
@@ -364,16 +368,17 @@ def _fit_beta(f: NormFold, leaves, inv, beta, post: bool) -> torch.Tensor:
             for p, lin, had in leaves if not had and lin.bias is not None]
     if not rows:
         return beta
+    dtype = leaves[0][1].weight.dtype
     M = torch.cat([w for w, _, _ in rows])
     c = torch.cat([b for _, b, _ in rows])
     x = beta * inv if inv is not None else beta.clone()
     scale = M.abs() @ x.abs() + c.abs()
-    if _is_zero(c - M @ x, scale):
+    if _is_zero(c - M @ x, scale, dtype):
         return beta
     if not post:
         x = x + torch.linalg.pinv(M) @ (c - M @ x)
         scale = M.abs() @ x.abs() + c.abs()
-        if _is_zero(c - M @ x, scale):
+        if _is_zero(c - M @ x, scale, dtype):
             return x / inv if inv is not None else x
     raise ExportError(f"{f.path}: {', '.join(p for *_, p in rows)} had no bias before lowmembp folded β into it, and "
                       f"training moved that bias to where no β of the norm reproduces it; the stock model cannot "
@@ -391,7 +396,7 @@ def _unfold_linear(lin: nn.Module, inv, beta, had_bias: bool, path: str) -> None
                 b = b - W @ beta.to(wd.device)
             if not had_bias:
                 scale = lin.bias.detach().double().abs() + W.abs() @ (beta.abs().to(wd.device) if beta is not None else 0)
-                if not _is_zero(b, scale):
+                if not _is_zero(b, scale, w.dtype):
                     raise ExportError(f"{path}: the bias lowmembp created while folding is {b.abs().max():.3g} away "
                                       f"from zero after un-folding; the stock layer has no bias")
                 lin.register_parameter("bias", None)
@@ -420,7 +425,7 @@ def _unfold_lora(layer: nn.Module, inv, beta, path: str, deltas: dict) -> None:
             key = (id(layer), name)
             if key in deltas:
                 c, scale = c + deltas[key][1], scale + deltas[key][2]
-            deltas[key] = (layer, c, scale)
+            deltas[key] = (layer, c, scale, a.weight.dtype)
 
 
 def _remove_residual_affine(receiver: nn.Module) -> None:
@@ -466,10 +471,10 @@ def _unshare_lora_inputs(model: nn.Module) -> None:
 
 
 def _finish_lora(model: nn.Module, deltas: dict, merge: bool) -> nn.Module:
-    live = {k: v for k, v in deltas.items() if not _is_zero(v[1], v[2])}
+    live = {k: v for k, v in deltas.items() if not _is_zero(v[1], v[2], v[3])}
     is_peft = callable(getattr(model, "merge_and_unload", None)) and hasattr(model, "peft_config")
     if merge:
-        for (_, name), (layer, c, _) in live.items():
+        for (_, name), (layer, c, *_) in live.items():
             lin = layer.get_base_layer()
             if lin.bias is None:
                 raise ExportError(f"{type(layer).__name__} on a linear without bias: its trained LoRA A bias term "

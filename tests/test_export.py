@@ -277,3 +277,18 @@ def test_compiled_model_comes_back_eager():
         stock = fresh("vit")
         stock.load_state_dict(exported.state_dict(), strict=True)
         assert rel(eval_logits(stock, inputs(3)), want) <= TOL
+
+
+def test_bf16_rounding_is_not_taken_for_a_trained_bias():
+    """In bf16 the folded bias W·β is itself rounded (2^-8 relative): un-folding must still give the stock no-bias
+    layer back, not refuse it as "moved in training"."""
+    torch.manual_seed(0)
+    model = _vit(qkv_bias=False)
+    _randomise_norms(model)
+    batch = {"x": torch.randn(2, 3, 32, 32)}
+    want = eval_logits(model, batch)
+    exported = lowmembp.export(lowmembp.apply(model, "lowmembp").to(torch.bfloat16))
+    assert all(b.attn.qkv.bias is None for b in exported.blocks)
+    stock = _vit(qkv_bias=False).eval()
+    stock.load_state_dict(exported.float().state_dict(), strict=True)
+    assert rel(eval_logits(stock, batch), want) <= 0.05  # bf16 weights, fp32 compute
