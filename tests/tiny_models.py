@@ -57,10 +57,71 @@ FAMILY_BUILDERS = {
 }
 
 
+_TOK = dict(bos_token_id=1, eos_token_id=2)
+
+
+def _hf(cfg_name, model_name, **kw):
+    import transformers
+    return getattr(transformers, model_name)(getattr(transformers, cfg_name)(**kw))
+
+
+_ENC = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48)
+_VIS = dict(_ENC, image_size=32, patch_size=8)
+
+
+def _timm(module, cls, **kw):
+    import importlib
+    return getattr(importlib.import_module(f"timm.models.{module}"), cls)(num_classes=5, **kw)
+
+
+# issue #11: architectures without a dedicated adapter before (most go through data flow). name -> (model
+# family as reported by the layout, builder, input kind: "ids" = input_ids, "img" = timm x, "pix" = pixel_values)
+MORE_BUILDERS = {
+    "gemma": ("llama", lambda: _decoder("Gemma", head_dim=8, **_TOK), "ids"),
+    "gemma2": ("gemma2", lambda: _decoder("Gemma2", head_dim=8, **_TOK), "ids"),
+    "gemma3": ("gemma3_text", lambda: _hf("Gemma3TextConfig", "Gemma3ForCausalLM", hidden_size=32,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          intermediate_size=56, vocab_size=VOCAB, head_dim=8,
+                                          max_position_embeddings=64, pad_token_id=0, **_TOK), "ids"),
+    "phi3": ("llama", lambda: _decoder("Phi3", **_TOK), "ids"),
+    "olmo2": ("olmo2", lambda: _decoder("Olmo2", **_TOK), "ids"),
+    "stablelm": ("llama", lambda: _decoder("StableLm", **_TOK), "ids"),
+    "gpt2": ("gpt2", lambda: _hf("GPT2Config", "GPT2LMHeadModel", n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB,
+                                 n_positions=64, bos_token_id=1, eos_token_id=2), "ids"),
+    "distilbert": ("distilbert", lambda: _hf("DistilBertConfig", "DistilBertForSequenceClassification", dim=32,
+                                             n_layers=2, n_heads=2, hidden_dim=48, vocab_size=VOCAB,
+                                             max_position_embeddings=40, num_labels=3, dropout=0.0,
+                                             attention_dropout=0.0), "ids"),
+    "debertav2": ("deberta-v2", lambda: _hf("DebertaV2Config", "DebertaV2ForSequenceClassification", **_ENC,
+                                            vocab_size=VOCAB, max_position_embeddings=40, num_labels=3,
+                                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), "ids"),
+    "electra": ("bert", lambda: _hf("ElectraConfig", "ElectraForSequenceClassification", embedding_size=16, **_ENC,
+                                    vocab_size=VOCAB, max_position_embeddings=40, num_labels=3,
+                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), "ids"),
+    "modernbert": ("modernbert", lambda: _hf("ModernBertConfig", "ModernBertForSequenceClassification", **_ENC,
+                                             vocab_size=VOCAB, max_position_embeddings=64, num_labels=3,
+                                             global_attn_every_n_layers=1, local_attention=16, pad_token_id=0, **_TOK,
+                                             cls_token_id=1, sep_token_id=2), "ids"),
+    "hf_vit": ("vit", lambda: _hf("ViTConfig", "ViTForImageClassification", **_VIS, num_labels=5), "pix"),
+    "dinov2": ("dinov2", lambda: _hf("Dinov2Config", "Dinov2ForImageClassification", hidden_size=32,
+                                     num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, image_size=32,
+                                     patch_size=8, num_labels=5), "pix"),
+    "clip_vision": ("clip_vision_model", lambda: _hf("CLIPVisionConfig", "CLIPVisionModel", **_VIS), "pix"),
+    "siglip_vision": ("siglip_vision_model", lambda: _hf("SiglipVisionConfig", "SiglipVisionModel", **_VIS), "pix"),
+    "eva": ("eva", lambda: _timm("eva", "Eva", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
+            "img"),
+    "beit": ("beit", lambda: _timm("beit", "Beit", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
+             "img"),
+    "swinv2": ("swintransformerv2", lambda: _timm("swin_transformer_v2", "SwinTransformerV2", img_size=32,
+                                                  patch_size=4, window_size=4, embed_dim=16, depths=(2, 2),
+                                                  num_heads=(1, 2)), "img"),
+}
+
+
 def build(name, seed=0):
     """(model in float32, a function returning a fresh input batch)."""
     torch.manual_seed(seed)
-    family, fn, kind = FAMILY_BUILDERS[name]
+    family, fn, kind = FAMILY_BUILDERS.get(name) or MORE_BUILDERS[name]
     model = fn()
     _randomise_norms(model)
 
@@ -68,6 +129,8 @@ def build(name, seed=0):
         g = torch.Generator().manual_seed(seed)
         if kind == "img":
             return {"x": torch.randn(*IMG, generator=g)}
+        if kind == "pix":
+            return {"pixel_values": torch.randn(*IMG, generator=g)}
         return {"input_ids": torch.randint(1, VOCAB, SEQ, generator=g)}
     return model, inputs
 
@@ -80,6 +143,8 @@ def _randomise_norms(model):
         for m in model.modules():
             if isinstance(m, torch.nn.Linear) and not m.weight.is_meta:
                 m.weight.normal_(0, 1.5 / m.in_features ** 0.5)
+            elif type(m).__name__ == "Conv1D" and not m.weight.is_meta:  # GPT-2: weight is in×out
+                m.weight.normal_(0, 1.5 / m.weight.shape[0] ** 0.5)
         for m in model.modules():
             name = type(m).__name__
             if "Norm" in name and getattr(m, "weight", None) is not None and m.weight.dim() == 1 \
@@ -93,7 +158,11 @@ def logits(model, batch):
     out = model(**batch)
     if isinstance(out, torch.Tensor):
         return out
-    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+    if getattr(out, "logits", None) is not None:
+        return out.logits
+    if getattr(out, "pooler_output", None) is not None:  # vision towers: both outputs must stay
+        return torch.cat([out.last_hidden_state.flatten(1), out.pooler_output.flatten(1)], 1)
+    return out.last_hidden_state
 
 
 LORA_TARGETS = {

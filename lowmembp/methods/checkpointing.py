@@ -54,14 +54,14 @@ def apply_checkpointing(model: nn.Module, every: int = 1) -> nn.Module:
 
 def _library_switch(layout) -> str | None:
     base = layout.base
-    if layout.family == "vit" and hasattr(base, "set_grad_checkpointing"):
+    if layout.checkpoint_switch == "timm" and hasattr(base, "set_grad_checkpointing"):
         from timm.layers import use_reentrant_ckpt
 
         if use_reentrant_ckpt():
             return None
         base.set_grad_checkpointing(True)
         return "timm"
-    if layout.family in ("bert", "llama") and getattr(base, "supports_gradient_checkpointing", False):
+    if layout.checkpoint_switch == "transformers" and getattr(base, "supports_gradient_checkpointing", False):
         kwargs = {"use_reentrant": False}
         if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x (the old name is deprecated)
             base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

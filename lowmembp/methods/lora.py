@@ -4,14 +4,17 @@ Options: ``rank`` (default 4), ``alpha`` (default None: α = rank, i.e. no α/r 
 setting), ``targets`` (default None: per family, below; or a list of module names / a comma-separated string / a
 regular expression, passed to peft's ``target_modules``).
 
-Default targets (only inside the transformer blocks):
+Default targets: the layout's ``projections`` (``ModelLayout.lora_targets()``) — every attention and MLP linear of
+every block, fused or not, as the architecture adapter (or the data-flow adapter) found them:
 
-- ViT / Swin (timm): ``qkv``, ``proj``, ``fc1``, ``fc2`` of each block's attention and MLP. timm fuses q, k and v
-  into one ``qkv`` linear, so "q, k, v" is one adapter of rank ``rank`` on ``qkv`` (not three). The patch embedding's
-  ``proj`` convolution and Swin's patch-merging linears are not targeted.
-- BERT / RoBERTa: ``query``, ``key``, ``value`` and every ``dense`` of the encoder layers (attention output,
-  intermediate, output); the pooler is not targeted.
-- LLaMA: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``.
+- ViT / Swin (timm): ``qkv``, ``proj``, ``fc1``, ``fc2``. timm fuses q, k and v into one ``qkv`` linear, so "q, k, v"
+  is one adapter of rank ``rank`` on ``qkv`` (not three). The patch embedding and Swin's patch merging are outside
+  the blocks and not targeted.
+- BERT / RoBERTa: ``query``, ``key``, ``value`` and every ``dense`` of the encoder layers; the pooler is not targeted.
+- LLaMA-like: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``; Phi-3's fused
+  ``qkv_proj`` / ``gate_up_proj``; GPT-2's ``Conv1D`` ``c_attn``, ``c_proj``, ``c_fc``.
+
+``targets`` given as a single string without commas is one module name (peft: a name suffix), e.g. ``"qkv"``.
 
 The classification head stays fully trainable (peft ``modules_to_save``): timm ``head``, transformers ``classifier``
 (BERT/RoBERTa) or ``score`` (LLaMA sequence classification). A causal LM's ``lm_head`` stays frozen. LoRA dropout is 0.
@@ -22,12 +25,6 @@ import torch.nn as nn
 
 from lowmembp.methods.registry import register
 
-DEFAULT_TARGETS = {
-    "vit": r".*blocks\.\d+\.(attn\.(qkv|proj)|mlp\.(fc1|fc2))",
-    "swin": r".*blocks\.\d+\.(attn\.(qkv|proj)|mlp\.(fc1|fc2))",
-    "bert": r".*encoder\.layer\.\d+\..*(query|key|value|dense)",
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-}
 _HEAD_NAMES = ("head", "classifier", "score")
 
 
@@ -45,10 +42,7 @@ def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targ
     if (type(model).__module__ or "").startswith("peft"):
         raise ValueError("lora: the model is already a peft model; apply 'lora' to the plain timm/transformers model")
     layout = get_layout(model)
-    if targets is None:
-        targets = DEFAULT_TARGETS[layout.family]
-    elif isinstance(targets, str) and "," in targets:
-        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    targets = resolve_targets(layout, targets)
     config = LoraConfig(r=rank, lora_alpha=rank if alpha is None else alpha, target_modules=targets,
                         lora_dropout=0.0, bias="none", modules_to_save=head_modules(layout.base) or None)
     try:
@@ -64,6 +58,27 @@ def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targ
         from lowmembp.export import guard_save
         guard_save(peft_model)  # its save_pretrained saves lowmembp.export(model): adapters relative to the stock base
     return peft_model
+
+
+def resolve_targets(layout, targets):
+    """peft ``target_modules`` for ``targets``: None -> the layout's projections; ``"a, b"`` -> ``["a", "b"]``; one
+    name (a string without commas) -> ``[name]`` (a name, not a regular expression, not characters); a list as
+    given."""
+    if targets is None:
+        found = layout.lora_targets()
+        if not found:
+            raise ValueError(f"lora: no attention / MLP linears found in the blocks of {type(layout.base).__name__}; "
+                             f"pass targets=[module names]")
+        return found
+    if isinstance(targets, str):
+        names = [t.strip() for t in targets.split(",") if t.strip()]
+        if not names:
+            raise ValueError("lora: targets is an empty string; pass module names, e.g. targets='q_proj,v_proj'")
+        return names
+    if isinstance(targets, (list, tuple, set)) and all(isinstance(t, str) for t in targets):
+        return list(targets)
+    raise ValueError(f"lora: targets must be None, a string of comma-separated module names or a list of names, "
+                     f"got {targets!r}")
 
 
 def _has_ms_norms(model: nn.Module) -> bool:

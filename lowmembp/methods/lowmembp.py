@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 import torch.nn as nn
 
 from lowmembp.export import guard_save, record_act, record_fold
 from lowmembp.methods.registry import register
-from lowmembp.models import get_layout
-from lowmembp.models.fold import fold_into, install_residual_affine, norm_affine, shared_parameters
+from lowmembp.models import UnsupportedModelError, get_layout
+from lowmembp.models.fold import fold_into, install_residual_affine, shared_parameters
 
 _MS_NORMS = ("MSLayerNorm", "MSRMSNorm")
 _APPROX_ACTS = ("ReGELU2", "ReSiLU2")
@@ -53,12 +54,15 @@ def _refuse_twice(base: nn.Module, acts: bool, norms: bool) -> None:
                            "applied); convert the original model once")
 
 
-def _ms_norm_like(norm: nn.Module, kind: str) -> nn.Module:
+def _ms_norm_like(ns) -> nn.Module:
+    """The MS norm taking the place of the norm at site ``ns`` (kind, width and eps from the layout)."""
     from lowmembp.ops.ms_norm import MSLayerNorm, MSRMSNorm
-    if kind == "layernorm":
-        return MSLayerNorm(tuple(norm.normalized_shape), eps=norm.eps)
-    hidden = norm.weight.shape[0] if getattr(norm, "weight", None) is not None else norm.hidden_size
-    return MSRMSNorm(hidden, eps=norm.variance_epsilon)
+    width, eps = ns.width(), ns.eps
+    if width is None or eps is None:
+        raise UnsupportedModelError(f"{ns.path}: cannot read the width / eps of {type(ns.get()).__name__}")
+    new = MSLayerNorm((width,), eps=eps) if ns.kind == "layernorm" else MSRMSNorm(width, eps=eps)
+    w = getattr(ns.get(), "weight", None)
+    return new.to(w.device) if isinstance(w, torch.Tensor) and not w.is_meta else new
 
 
 def _untie_config(base: nn.Module) -> None:
@@ -70,47 +74,103 @@ def _untie_config(base: nn.Module) -> None:
             c.tie_word_embeddings = False
 
 
-def convert(model: nn.Module, *, acts: bool = True, norms: bool = True, share_lora_inputs: bool = True) -> nn.Module:
-    """Convert ``model`` in place (see the module docstring); returns it, with ``lowmembp_report`` on the base."""
+def _approx_for(kind: str):
+    """The module replacing an activation of ``kind``, or (None, why) when this build cannot convert it."""
+    from lowmembp.ops import approx_act
+    if kind == "gelu":
+        return approx_act.ReGELU2(), ""
+    if kind == "silu":
+        return approx_act.ReSiLU2(), ""
+    make = getattr(approx_act, "make_approx", None)
+    if make is None:
+        return None, f"no approximate {kind} in lowmembp.ops.approx_act (make_approx missing)"
+    try:
+        return make(kind), ""
+    except (ValueError, NotImplementedError) as e:
+        return None, f"make_approx({kind!r}) refused: {e}"
+
+
+def convert(model: nn.Module, *, acts: bool = True, norms: bool = True, share_lora_inputs: bool = True,
+            verify: bool = True) -> nn.Module:
+    """Convert ``model`` in place (see the module docstring); returns it, with ``lowmembp_report`` on the base.
+
+    ``verify`` (default True): every converted site is checked against a copy of the original on random inputs
+    (lowmembp.methods._verify); a mismatch raises naming the site."""
+    from lowmembp.methods._verify import check_act, check_norm, snapshot_norm
+
     lay = get_layout(model)
     _refuse_twice(lay.base, acts, norms)
-    report = {"family": lay.family, "norms": [], "kept": [], "acts": [], "skipped_acts": []}
+    from torch._subclasses.fake_tensor import FakeTensor
+    verify = verify and not any(p.is_meta or isinstance(p, FakeTensor) for p in lay.base.parameters()) \
+        and torch._guards.detect_fake_mode() is None
+    _refuse_dtype(lay.base)
+    report = {"family": lay.family, "origin": lay.origin, "norms": [], "kept": [], "acts": [], "skipped_acts": [],
+              "sites": []}
+    sites = report["sites"]
     if norms:
         shared = shared_parameters(lay.base)
         untied = False
         for ns in lay.all_norms():
             if not ns.foldable or not (ns.consumers or ns.residual_consumers):
-                report["kept"].append((ns.path, ns.why or "no known readers"))
+                why = ns.why or "no known readers"
+                report["kept"].append((ns.path, why))
+                sites.append({"site": ns.path, "what": "norm", "status": "kept", "why": why})
                 continue
             norm = ns.get()
-            gamma, beta = norm_affine(norm)
+            gamma, beta = ns.affine()
+            snap = snapshot_norm(ns) if verify else None
             record_fold(lay.base, norm, gamma, beta, [c.get() for c in ns.consumers],
                         [r.get() for r in ns.residual_consumers])  # what lowmembp.export needs to undo this
             for c in ns.consumers:
                 lin = c.get()
                 untied |= any(id(p) in shared for p in lin.parameters())
                 fold_into(lin, gamma, beta, c.path, shared)
-            for r in ns.residual_consumers:
-                install_residual_affine(r.get(), gamma, beta)
-            ns.set(_ms_norm_like(norm, ns.kind))
+            for i, r in enumerate(ns.residual_consumers):
+                arg = ns.residual_args[i] if i < len(ns.residual_args) else 1
+                install_residual_affine(r.get(), gamma, beta, arg=arg)
+            ns.set(_ms_norm_like(ns))
+            if snap is not None:
+                check_norm(ns, snap)
             report["norms"].append(ns.path)
+            sites.append({"site": ns.path, "what": "norm", "status": "converted",
+                          "into": [c.path for c in ns.consumers] + [r.path + " (residual)"
+                                                                   for r in ns.residual_consumers]})
         if untied:
             _untie_config(lay.base)
         if share_lora_inputs and any(hasattr(m, "lora_A") for m in lay.base.modules()):
             from lowmembp.ops.shared_linear import share_lora_inputs as _share
             _share(lay.base)
     if acts:
-        from lowmembp.ops.approx_act import ReGELU2, ReSiLU2
         for a in lay.acts:
-            record_act(lay.base, a.get())  # lowmembp.export puts it back
-            a.set(ReGELU2() if a.kind == "gelu" else ReSiLU2())
+            old = a.get()
+            new, why = _approx_for(a.kind)
+            if new is None:
+                report["skipped_acts"].append((a.path, why))
+                sites.append({"site": a.path, "what": f"act:{a.kind}", "status": "kept", "why": why})
+                continue
+            record_act(lay.base, old)  # lowmembp.export puts it back
+            a.set(new)
+            if verify:
+                check_act(a, old)
             report["acts"].append(a.path)
-        if not lay.acts:
-            warnings.warn(f"lowmembp: no erf-GELU or SiLU activation found in this {lay.family} model "
-                          f"(tanh-GELU, ReLU, ... are not converted); activations left as they are", stacklevel=3)
+            sites.append({"site": a.path, "what": f"act:{a.kind}", "status": "converted"})
+        if not report["acts"]:
+            warnings.warn(f"lowmembp: no convertible activation found in this {lay.family} model "
+                          f"({'; '.join(w for _, w in report['skipped_acts']) or 'none of a known kind'}); "
+                          f"activations left as they are", stacklevel=3)
     object.__setattr__(lay.base, "lowmembp_report", report)
     guard_save(lay.model, lay.base)  # save_pretrained saves lowmembp.export(model), not the folded weights
     return model
+
+
+def _refuse_dtype(base: nn.Module) -> None:
+    bad = {p.dtype for p in base.parameters() if p.is_floating_point()} - {torch.float32, torch.float16,
+                                                                            torch.bfloat16}
+    if bad:
+        raise UnsupportedModelError(
+            f"lowmembp: parameters of dtype {', '.join(map(str, sorted(bad, key=str)))} are not supported (MS norms "
+            f"and the approximate activations run in float32, float16 and bfloat16): convert model.float() (or "
+            f".half() / .bfloat16()) first")
 
 
 _OPTS = {"share_lora_inputs": True}

@@ -7,7 +7,9 @@
   transformers with ``attn_implementation="eager"``) and leaves fused / SDPA attention alone (it saves q, k, v, o
   only; turning it into eager attention would add 2 bytes per score); ``"eager"`` switches every ViT / BERT / LLaMA
   attention to the eager path first (Mesa's own setting: DeiT computes attention eagerly); ``"keep"`` never touches
-  attention. Swin's window attention (relative position bias, shifted-window masks) is always left as it is.
+  attention. Which attention can be reached is the layout's ``attention_style`` (``"timm"``, ``"hf"`` or None):
+  Swin's window attention (relative position bias, shifted-window masks) and attention with soft-capping or its own
+  eager path (Gemma 2/3, GPT-2, ...) are left as they are. Norms in Gemma's ``1 + w`` form are kept.
 - ``mesa-gelu-ln``: only the activations and norms (GELU/SiLU, LayerNorm/RMSNorm) — the variant of the LowMemoryBP
   paper's Figure 1.
 
@@ -38,6 +40,7 @@ from lowmembp.ops.mesa_quant import MOMENTUM, EMAQuantizer
 _EXCLUDES = ("lowmembp", "lowmembp-act", "lowmembp-norm")
 _ATTENTION_MODES = ("auto", "eager", "keep")
 HF_IMPL = "mesa_eager"
+_MESA_ACT_KINDS = ("gelu", "gelu_tanh", "silu")
 
 
 @register("mesa", "Mesa 8-bit activations: Linear, GELU/SiLU, LayerNorm/RMSNorm inputs and eager attention "
@@ -87,8 +90,8 @@ def convert(model: nn.Module, *, linears: bool, acts: bool, norms: bool, attenti
             if isinstance(m, MesaAct):
                 continue
             kind = site.kind
-            if kind == "gelu" and getattr(m, "approximate", "none") == "tanh":
-                kind = "gelu_tanh"
+            if kind not in _MESA_ACT_KINDS:  # quick_gelu, relu, relu2: no Mesa layer; kept exact
+                continue
             record_swap(layout.base, m)  # lowmembp.export puts it back
             site.set(MesaAct(kind, groups))
             done["act"] += 1
@@ -97,12 +100,15 @@ def convert(model: nn.Module, *, linears: bool, acts: bool, norms: bool, attenti
             m = site.get()
             if isinstance(m, (MesaLayerNorm, MesaRMSNorm)):
                 continue
+            if site.gamma_offset:  # Gemma's (1 + w) form: MesaRMSNorm multiplies by its weight as stored
+                continue
             if site.kind in ("layernorm", "rmsnorm"):
                 record_swap(layout.base, m)  # lowmembp.export puts it back
             if site.kind == "layernorm" and isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
                 site.set(MesaLayerNorm.from_layernorm(m, groups))
-            elif site.kind == "rmsnorm":
-                site.set(MesaRMSNorm.from_rmsnorm(m, groups))
+            elif site.kind == "rmsnorm" and getattr(m, "bias", None) is None and site.eps is not None \
+                    and getattr(m, "weight", None) is not None:
+                site.set(MesaRMSNorm(m.weight, site.eps, groups))
             else:
                 continue
             done["norm"] += 1
@@ -129,14 +135,14 @@ def _add_attention_modules(attn: nn.Module, heads: int) -> None:
 def _convert_attention(attn: nn.Module, layout, mode: str) -> int:
     if hasattr(attn, "mesa_qk"):
         return 0
-    if layout.family == "vit" and _is_timm_vit_attention(attn):
+    if layout.attention_style == "timm" and _is_timm_vit_attention(attn):
         if mode == "auto" and getattr(attn, "fused_attn", False):
             return 0
         attn.fused_attn = False
         _add_attention_modules(attn, attn.num_heads)
         attn.forward = types.MethodType(_timm_mesa_forward, attn)
         return 1
-    if layout.family in ("bert", "llama"):
+    if layout.attention_style == "hf":
         config = getattr(attn, "config", None)
         if config is None:
             return 0

@@ -160,24 +160,26 @@ def apply_tokentune(model: nn.Module, k: int = 16, seed: int | None = None) -> n
         raise ValueError(f"tokentune: seed must be None (global RNG) or an int, got {seed!r}")
     from lowmembp.models import get_layout
     layout = get_layout(model)
-    if layout.family not in FAMILIES:
-        raise TypeError(f"tokentune supports the families {', '.join(FAMILIES)} (timm ViT, BERT/RoBERTa, "
-                        f"LLaMA-like); got family {layout.family!r} ({type(layout.base).__name__})")
-    base, fam = layout.base, FAMILIES[layout.family]
+    driver = layout.tokentune
+    if driver not in FAMILIES:
+        raise TypeError(f"tokentune supports the families {', '.join(FAMILIES)} (timm ViT, BERT/RoBERTa sequence "
+                        f"classification, LLaMA-like); it cannot run {type(layout.base).__name__}: "
+                        f"{layout.tokentune_why or 'its adapter names no TokenTune driver'}")
+    base, fam = layout.base, FAMILIES[driver]
     blocks = [s.get() for s in layout.blocks]
     for b in blocks:
         fam.check_block(b)
     if getattr(base, "_tokentune", None) is not None:
         raise RuntimeError("tokentune was already applied to this model")
-    state = TokenTuneState(k=k, family=layout.family, task="classification", seed=seed, blocks=blocks,
+    state = TokenTuneState(k=k, family=driver, task="classification", seed=seed, blocks=blocks,
                            sites=list(layout.blocks))
     name = type(base).__name__
-    if layout.family == "vit":
+    if driver == "vit":
         if not all(hasattr(base, a) for a in ("patch_embed", "_pos_embed", "norm_pre", "norm", "forward_features")):
             raise TypeError(f"tokentune: {name} is not a timm VisionTransformer")
         state.owner = base
         _patch(base, "forward_features", _vit_forward_features, state)
-    elif layout.family == "bert":
+    elif driver == "bert":
         backbone = getattr(base, "base_model", None)
         if not name.endswith("ForSequenceClassification") or backbone is None or backbone is base:
             raise TypeError(f"tokentune supports BERT/RoBERTa sequence classification models "

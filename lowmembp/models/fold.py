@@ -26,8 +26,27 @@ import torch.nn as nn
 
 
 def norm_affine(norm: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(γ, β) of a LayerNorm / LLaMA-style RMSNorm; either may be None (no affine, no bias)."""
+    """(γ, β) as stored on a LayerNorm / LLaMA-style RMSNorm; either may be None (no affine, no bias). For the
+    *effective* γ (Gemma's ``1 + w``) use ``NormSite.affine()`` of the layout."""
     return getattr(norm, "weight", None), getattr(norm, "bias", None)
+
+
+def _fold_conv1d(lin: nn.Module, gamma, beta, where: str, shared: set[int]) -> None:
+    """transformers ``Conv1D`` (GPT-2): ``y = x @ W + b`` with W in×out, so ``W' = diag(γ)·W``, ``b' = b + βᵀ·W``."""
+    _check_weight(lin, where)
+    w = lin.weight
+    if id(w) in shared:
+        w = nn.Parameter(w.detach().clone(), requires_grad=w.requires_grad)
+        lin.weight = w
+    with torch.no_grad():
+        wd = w.detach().double()
+        if beta is not None:
+            shift = beta.detach().double() @ wd
+            if lin.bias is None:
+                lin.bias = nn.Parameter(w.new_zeros(w.shape[1]), requires_grad=w.requires_grad)
+            lin.bias.copy_((lin.bias.detach().double() + shift).to(lin.bias.dtype))
+        if gamma is not None:
+            w.copy_((wd * gamma.detach().double()[:, None]).to(w.dtype))
 
 
 def _check_weight(lin: nn.Linear, where: str) -> None:
@@ -66,6 +85,9 @@ def fold_into(module: nn.Module, gamma, beta, where: str = "", shared: set[int] 
         return
     if isinstance(module, nn.Linear) and not hasattr(module, "lora_A"):
         _fold_linear(module, gamma, beta, where, shared)
+        return
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        _fold_conv1d(module, gamma, beta, where, shared)
         return
     base = getattr(module, "base_layer", None)
     if isinstance(base, nn.Module) and hasattr(module, "lora_A"):
@@ -120,6 +142,17 @@ class ResidualAffine(nn.Module):
 
 def _residual_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     ra = module.residual_affine
+    key = module.__dict__.get("_lowmembp_residual_arg", 1)
+    if isinstance(key, str):
+        if key in kwargs:
+            return args, {**kwargs, key: ra(kwargs[key])}
+        raise TypeError(f"{type(module).__name__}: expected the normalised input as keyword argument {key!r} (as "
+                        f"in the forward lowmembp traced)")
+    if key != 1:
+        if len(args) > key:
+            return args[:key] + (ra(args[key]),) + tuple(args[key + 1:]), kwargs
+        raise TypeError(f"{type(module).__name__}: expected the normalised input as positional argument {key} (as "
+                        f"in the forward lowmembp traced)")
     if len(args) >= 2:
         return (args[0], ra(args[1])) + tuple(args[2:]), kwargs
     if "input_tensor" in kwargs:
@@ -127,11 +160,14 @@ def _residual_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     raise TypeError(f"{type(module).__name__}: expected the residual as the second argument or 'input_tensor'")
 
 
-def install_residual_affine(receiver: nn.Module, gamma, beta) -> None:
-    """Re-apply ``(γ, β)`` to the residual argument of ``receiver`` (see :class:`ResidualAffine`)."""
+def install_residual_affine(receiver: nn.Module, gamma, beta, arg: int | str = 1) -> None:
+    """Re-apply ``(γ, β)`` to the residual argument of ``receiver`` (see :class:`ResidualAffine`): positional
+    argument ``arg`` (default 1, BERT's ``input_tensor``, also found by that keyword) or the keyword ``arg``."""
     if gamma is None and beta is None:
         return
     if hasattr(receiver, "residual_affine"):
         raise RuntimeError(f"{type(receiver).__name__} already has a residual_affine (converted twice?)")
     receiver.residual_affine = ResidualAffine(gamma, beta)
+    if arg != 1:
+        object.__setattr__(receiver, "_lowmembp_residual_arg", arg)
     receiver.register_forward_pre_hook(_residual_pre_hook, with_kwargs=True)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from lowmembp.models.layout import (ActSite, ModelLayout, NormSite, UnsupportedModelError, act_kind,
-                                    is_linear_like, norm_kind, register_adapter, site)
+from lowmembp.models.detect import act_kind, is_linear_like, norm_kind
+from lowmembp.models.layout import (BUILTIN_PRIORITY, ActSite, ModelLayout, NormSite, UnsupportedModelError,
+                                    register_adapter, site)
 
 
 def _backbone(base: nn.Module) -> tuple[nn.Module, str]:
@@ -66,7 +67,7 @@ def _heads(base: nn.Module, inner_prefix: str, inner: nn.Module) -> list:
     return out
 
 
-@register_adapter("bert")
+@register_adapter("bert", BUILTIN_PRIORITY)
 def detect_bert(model: nn.Module, base: nn.Module) -> ModelLayout | None:
     inner, ip = _backbone(base)
     layers = getattr(getattr(inner, "encoder", None), "layer", None)
@@ -81,6 +82,13 @@ def detect_bert(model: nn.Module, base: nn.Module) -> ModelLayout | None:
         raise UnsupportedModelError(f"embeddings.LayerNorm is {type(emb.LayerNorm).__name__}")
     bl, at, norms, acts = [], [], [], []
     prev = site(emb, "LayerNorm", _p(ip, "embeddings"), NormSite, kind=norm_kind(emb.LayerNorm), post_norm=True)
+    proj = getattr(inner, "embeddings_project", None)
+    if proj is not None:  # ELECTRA: embedding LayerNorm (embedding width) -> dropout -> embeddings_project
+        if not is_linear_like(proj):
+            raise UnsupportedModelError(f"embeddings_project is {type(proj).__name__}, not a linear")
+        prev.post_norm, prev.consumers = False, [site(inner, "embeddings_project", ip)]
+        norms.append(prev)
+        prev = None
     for i, layer in enumerate(layers):
         p = _p(ip, "encoder.layer", i)
         sa, so, it, out = layer.attention.self, layer.attention.output, layer.intermediate, layer.output
@@ -92,9 +100,10 @@ def detect_bert(model: nn.Module, base: nn.Module) -> ModelLayout | None:
                                         f"{{dense,LayerNorm}}, intermediate.dense, output.{{dense,LayerNorm}})")
         bl.append(site(layers, str(i), _p(ip, "encoder.layer")))
         at.append(site(layer.attention, "self", f"{p}.attention"))
-        prev.consumers = qkv
-        prev.residual_consumers = [site(layer.attention, "output", f"{p}.attention")]
-        norms.append(prev)
+        if prev is not None:
+            prev.consumers = qkv
+            prev.residual_consumers = [site(layer.attention, "output", f"{p}.attention")]
+            norms.append(prev)
         norms.append(site(so, "LayerNorm", f"{p}.attention.output", NormSite, kind=norm_kind(so.LayerNorm),
                           post_norm=True, consumers=[site(it, "dense", f"{p}.intermediate")],
                           residual_consumers=[site(layer, "output", p)]))
@@ -106,10 +115,22 @@ def detect_bert(model: nn.Module, base: nn.Module) -> ModelLayout | None:
     prev.consumers = head
     prev.foldable = False
     prev.why = "post-norm: the last hidden state is the model's output and the head's input; kept exact"
-    return ModelLayout("bert", model, base, bl, at, norms, acts, prev, head)
+    tt = type(base).__name__.endswith("ForSequenceClassification") and base is not inner
+    return ModelLayout("bert", model, base, bl, at, norms, acts, prev, head, attention_style="hf",
+                       checkpoint_switch=_hf_switch(base), tokentune="bert" if tt else None,
+                       tokentune_why="" if tt else f"tokentune supports BERT/RoBERTa sequence classification models "
+                       f"(BertForSequenceClassification, RobertaForSequenceClassification); got {type(base).__name__}")
 
 
-@register_adapter("llama")
+def _hf_switch(base: nn.Module) -> str | None:
+    return "transformers" if getattr(base, "supports_gradient_checkpointing", False) else None
+
+
+# model types whose decoder forward is exactly LLaMA's (embedding, full RoPE, blocks, norm): TokenTune's llama driver
+_TOKENTUNE_LLAMA = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@register_adapter("llama", BUILTIN_PRIORITY)
 def detect_llama(model: nn.Module, base: nn.Module) -> ModelLayout | None:
     inner, ip = _backbone(base)
     layers = getattr(inner, "layers", None)
@@ -122,26 +143,36 @@ def detect_llama(model: nn.Module, base: nn.Module) -> ModelLayout | None:
         n_norms = [n for n, c in layer.named_children() if norm_kind(c)]
         if sorted(n_norms) != ["input_layernorm", "post_attention_layernorm"]:
             raise UnsupportedModelError(
-                f"{p} ({type(layer).__name__}) has norms {n_norms}; a LLaMA-like layer has exactly the RMSNorms "
-                f"input_layernorm and post_attention_layernorm (γ·x·rsqrt(mean x² + eps), attribute variance_epsilon)")
+                f"{p} ({type(layer).__name__}) has norms {n_norms}; a LLaMA-like layer has exactly the norms "
+                f"input_layernorm and post_attention_layernorm (pre-norm; other layouts go through data flow)")
         attn, mlp = layer.self_attn, layer.mlp
+        act_attr = "act_fn" if hasattr(mlp, "act_fn") else "activation_fn"  # Phi-3: activation_fn
         qkv = _linears(attn, ("q_proj", "k_proj", "v_proj"), f"{p}.self_attn") \
             or _linears(attn, ("qkv_proj",), f"{p}.self_attn")
         gu = _linears(mlp, ("gate_proj", "up_proj"), f"{p}.mlp") or _linears(mlp, ("gate_up_proj",), f"{p}.mlp")
-        if qkv is None or gu is None or not hasattr(mlp, "act_fn"):
+        if qkv is None or gu is None or not hasattr(mlp, act_attr) or not _linears(mlp, ("down_proj",), ""):
             raise UnsupportedModelError(f"{p}: expected self_attn.{{q,k,v}}_proj (or qkv_proj) and "
-                                        f"mlp.{{gate,up}}_proj (or gate_up_proj) linears and mlp.act_fn")
+                                        f"mlp.{{gate,up}}_proj (or gate_up_proj) + down_proj linears and mlp.act_fn")
         bl.append(site(layers, str(i), _p(ip, "layers")))
         at.append(site(layer, "self_attn", p))
-        norms.append(site(layer, "input_layernorm", p, NormSite, kind="rmsnorm", consumers=qkv))
-        norms.append(site(layer, "post_attention_layernorm", p, NormSite, kind="rmsnorm", consumers=gu))
-        kind = act_kind(mlp.act_fn)
+        norms.append(site(layer, "input_layernorm", p, NormSite, consumers=qkv))
+        norms.append(site(layer, "post_attention_layernorm", p, NormSite, consumers=gu))
+        kind = act_kind(getattr(mlp, act_attr))
         if kind:
-            acts.append(site(mlp, "act_fn", f"{p}.mlp", ActSite, kind=kind))
+            acts.append(site(mlp, act_attr, f"{p}.mlp", ActSite, kind=kind))
     head = _heads(base, ip, inner)
     final = None
     if norm_kind(getattr(inner, "norm", nn.Identity())):
         final = site(inner, "norm", ip, NormSite, kind=norm_kind(inner.norm), consumers=head)
         if not head:
             final.foldable, final.why = False, "bare backbone: the last hidden state is the output"
-    return ModelLayout("llama", model, base, bl, at, norms, acts, final, head)
+    cfg = getattr(base, "config", None)
+    mtype = getattr(cfg, "model_type", "")
+    task_ok = type(base).__name__.endswith(("ForCausalLM", "ForSequenceClassification")) and base is not inner
+    tt = mtype in _TOKENTUNE_LLAMA and task_ok
+    why = "" if tt else (f"tokentune's decoder forward is LLaMA's (embedding, full RoPE, q/k/v/o); model type "
+                         f"{mtype!r} is not one of {', '.join(_TOKENTUNE_LLAMA)}" if task_ok else
+                         f"tokentune supports LLaMA-like *ForCausalLM and *ForSequenceClassification; got "
+                         f"{type(base).__name__}")
+    return ModelLayout("llama", model, base, bl, at, norms, acts, final, head, attention_style="hf",
+                       checkpoint_switch=_hf_switch(base), tokentune="llama" if tt else None, tokentune_why=why)

@@ -14,11 +14,17 @@ Every place is a :class:`Site` — the module that owns it plus the attribute na
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
 import torch.nn as nn
 
+from lowmembp.models.detect import (act_kind, in_features, is_conv1d, is_linear_like, is_plain_linear,  # noqa: F401
+                                    norm_eps, norm_kind, norm_spec)
+
+# the families with a dedicated adapter; anything else goes through the data-flow adapter (lowmembp/models/dataflow.py)
 FAMILIES = ("vit", "swin", "bert", "llama")
 
 
@@ -69,15 +75,49 @@ class NormSite(Site):
     residual_consumers: list[Site] = field(default_factory=list)
     foldable: bool = True
     why: str = ""
+    eps: float | None = None
+    gamma_offset: float | None = None
+    residual_args: list = field(default_factory=list)  # per residual consumer: positional index or keyword name
+
+    def __post_init__(self):
+        if self.eps is None or self.gamma_offset is None:
+            spec = norm_spec(self.get())
+            if spec is not None:
+                self.kind = spec[0]
+                self.eps = spec[1] if self.eps is None else self.eps
+                self.gamma_offset = spec[2] if self.gamma_offset is None else self.gamma_offset
+            else:
+                self.eps = norm_eps(self.get()) if self.eps is None else self.eps
+                self.gamma_offset = 0.0 if self.gamma_offset is None else self.gamma_offset
+
+    def affine(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The effective (γ, β) of the live norm: ``weight + gamma_offset`` (Gemma's ``1 + w``) and ``bias``."""
+        norm = self.get()
+        w, b = getattr(norm, "weight", None), getattr(norm, "bias", None)
+        w = w if isinstance(w, torch.Tensor) else None
+        b = b if isinstance(b, torch.Tensor) else None
+        if w is not None and self.gamma_offset:
+            w = w + self.gamma_offset
+        elif w is None and self.gamma_offset not in (0.0, 1.0):
+            raise ValueError(f"{self.path}: norm without weight but γ offset {self.gamma_offset}")
+        return w, b
+
+    def width(self) -> int | None:
+        norm = self.get()
+        shape = getattr(norm, "normalized_shape", None)
+        if shape is not None:
+            return int(tuple(shape)[-1]) if not isinstance(shape, int) else int(shape)
+        w = getattr(norm, "weight", None)
+        return int(w.shape[0]) if isinstance(w, torch.Tensor) else getattr(norm, "hidden_size", None)
 
 
 @dataclass(eq=False)
 class ActSite(Site):
-    """An element-wise activation module: ``kind`` ``"gelu"`` (erf form) or ``"silu"``.
+    """An element-wise activation module; ``kind`` is one of ``lowmembp.models.detect.ACT_KINDS``: ``"gelu"`` (erf
+    form), ``"gelu_tanh"``, ``"quick_gelu"``, ``"silu"``, ``"relu"``, ``"relu2"`` (squared ReLU).
 
     For timm this is the act layer (``Mlp.act``); for transformers it is the module attribute that holds the
     activation (``BertIntermediate.intermediate_act_fn``, ``LlamaMLP.act_fn``). Replace it with ``site.set(...)``.
-    Activations of another kind (tanh-approximate GELU, ReLU, ...) are not listed.
     """
     kind: str = "gelu"
 
@@ -103,6 +143,20 @@ class ModelLayout:
     - ``acts``: the GELU / SiLU activation modules (:class:`ActSite`), one per MLP.
     - ``head``: the task head's linear(s) reading the last hidden state (``head``, ``head.fc``, ``lm_head``,
       ``score``, ``classifier``, ``pooler.dense`` ...), empty for a bare backbone.
+
+    What the methods need, so that no method has to know a family:
+
+    - ``projections``: the attention and MLP linears of every block (fused or not: ``qkv``, ``qkv_proj``,
+      ``gate_up_proj``, GPT-2's ``Conv1D`` ``c_attn`` ...); default: every linear-like module inside ``blocks``.
+      :meth:`lora_targets` turns them into peft ``target_modules``.
+    - ``attention_style``: how Mesa may reach the attention matmuls — ``"timm"`` (timm ``Attention`` with
+      ``fused_attn``), ``"hf"`` (transformers ``eager_attention_forward`` through the attention interface) or None
+      (attention left as it is).
+    - ``checkpoint_switch``: the library's own gradient-checkpointing switch — ``"timm"`` (``set_grad_checkpointing``),
+      ``"transformers"`` (``gradient_checkpointing_enable``) or None (the checkpointing method wraps each block).
+    - ``tokentune``: the TokenTune training-forward driver for this model (``"vit"``, ``"bert"``, ``"llama"``, keys of
+      ``lowmembp.methods.tokentune_forward.FAMILIES``) or None, then ``tokentune_why`` says what is missing.
+    - ``origin``: ``"adapter"`` or ``"dataflow"`` (found by the traced forward of :mod:`lowmembp.models.dataflow`).
     """
     family: str
     model: nn.Module
@@ -113,26 +167,80 @@ class ModelLayout:
     acts: list[ActSite]
     final_norm: NormSite | None
     head: list[Site]
+    projections: list[Site] | None = None
+    attention_style: str | None = None
+    checkpoint_switch: str | None = None
+    tokentune: str | None = None
+    tokentune_why: str = ""
+    origin: str = "adapter"
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.projections is None:
+            self.projections = block_linears(self.blocks)
 
     def all_norms(self) -> list[NormSite]:
         """``norms`` plus ``final_norm`` (when there is one)."""
         return self.norms + ([self.final_norm] if self.final_norm is not None else [])
+
+    def lora_targets(self) -> str:
+        """peft ``target_modules``: a regular expression matching exactly the ``projections`` (block indices
+        generalised to ``\\d+``), relative to ``base``."""
+        pats = []
+        for s in self.projections:
+            pat = re.sub(r"(^|\\\.)\d+(\\\.|$)", r"\1\\d+\2", re.escape(s.path))
+            if pat not in pats:
+                pats.append(pat)
+        return "(?:" + "|".join(pats) + ")" if pats else ""
+
+
+def block_linears(blocks: list[Site]) -> list[Site]:
+    """Every linear-like module inside each block (peft wrappers counted once, their inner linears not), as Sites
+    whose path starts with the block's path; continuous-position-bias MLPs (Swin v2 ``cpb_mlp``) are left out."""
+    out = []
+    for b in blocks:
+        blk = b.get()
+        skip: list[str] = []
+        for name, m in blk.named_modules():
+            if not name or any(name == s or name.startswith(s + ".") for s in skip):
+                continue
+            if is_linear_like(m):
+                skip.append(name)
+                if "cpb" in name or "rel_pos" in name or "relative_position" in name:
+                    continue
+                owner_name, _, attr = name.rpartition(".")
+                owner = blk.get_submodule(owner_name) if owner_name else blk
+                out.append(Site(owner, attr, f"{b.path}.{name}" if b.path else name))
+    return out
 
 
 class UnsupportedModelError(TypeError):
     """Raised by :func:`get_layout` for a model no adapter recognises."""
 
 
-# (family, detector) pairs, tried in order; a detector returns a ModelLayout or None. Filled by the adapter modules.
-_ADAPTERS: list[tuple[str, Callable[[nn.Module, nn.Module], ModelLayout | None]]] = []
+# (priority, sequence number, family, detector); tried by priority (highest first), then registration order. A
+# detector returns a ModelLayout, None (not this family) or raises UnsupportedModelError (this family, but refused).
+_ADAPTERS: list[tuple[float, int, str, Callable[[nn.Module, nn.Module], ModelLayout | None]]] = []
+USER_PRIORITY = 100  # the default: a user's own adapter goes before the built-in ones
+BUILTIN_PRIORITY = 50
+DATAFLOW_PRIORITY = 0  # the data-flow adapter: last
 
 
-def register_adapter(family: str):
-    """Decorator for ``detect(model, base) -> ModelLayout | None`` (None: not this family)."""
+def register_adapter(family: str, priority: float = USER_PRIORITY):
+    """Decorator for ``detect(model, base) -> ModelLayout | None`` (None: not this family).
+
+    Adapters are tried by ``priority``, highest first (user adapters 100 by default, the built-in ones 50, the
+    data-flow adapter 0), so an adapter you register goes before the library's own for the same model."""
     def deco(fn):
-        _ADAPTERS.append((family, fn))
+        _ADAPTERS.append((float(priority), len(_ADAPTERS), family, fn))
+        _ADAPTERS.sort(key=lambda a: (-a[0], a[1]))
         return fn
     return deco
+
+
+def unregister_adapter(fn) -> None:
+    """Remove an adapter registered with :func:`register_adapter` (tests, notebooks)."""
+    _ADAPTERS[:] = [a for a in _ADAPTERS if a[3] is not fn]
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:
@@ -149,31 +257,40 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return model
 
 
+def refuse_parallel_wrapper(model: nn.Module) -> None:
+    """DataParallel / DistributedDataParallel: convert the model before wrapping it (clear error)."""
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        raise UnsupportedModelError(
+            f"the model is wrapped by {type(model).__name__}: apply lowmembp before wrapping — convert "
+            f"model.module (lowmembp.apply(model.module, ...)) and wrap the result again")
+
+
 def get_layout(model: nn.Module) -> ModelLayout:
     """The :class:`ModelLayout` of ``model``; :class:`UnsupportedModelError` if no adapter recognises it."""
-    from lowmembp.models import hf_models, timm_models  # noqa: F401  (register the adapters)
-
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"get_layout expects a torch.nn.Module, got {type(model).__name__}")
+    refuse_parallel_wrapper(model)
     base = unwrap_peft(model)
     problems = []
-    for family, detect in _ADAPTERS:
+    for _, _, family, detect in list(_ADAPTERS):
         try:
             layout = detect(model, base)
         except UnsupportedModelError as e:  # recognised the family, but something inside is not supported
             problems.append(f"{family}: {e}")
             continue
         if layout is not None:
+            if problems:
+                layout.notes.extend(problems)
             return layout
     detail = ("; ".join(problems) + ". ") if problems else ""
     raise UnsupportedModelError(
         f"no architecture adapter recognises {type(base).__name__} ({type(base).__module__}). {detail}"
-        f"Supported families: {', '.join(FAMILIES)} — timm VisionTransformer (vit_*, deit_*), timm SwinTransformer, "
-        f"transformers BERT/RoBERTa (post-norm) and LLaMA-like decoders (LLaMA, Mistral, Qwen2), plain or wrapped by "
-        f"peft. An adapter (lowmembp/models/, @register_adapter) must provide a ModelLayout: the blocks in forward "
-        f"order, each block's attention, every LayerNorm/RMSNorm with the linear layers its output feeds (and for "
-        f"post-norm models the modules that take it as residual), the GELU/SiLU activation modules, the final norm "
-        f"and the head's linears.")
+        f"Dedicated adapters: {', '.join(FAMILIES)} — timm VisionTransformer (vit_*, deit_*), timm SwinTransformer, "
+        f"transformers BERT/RoBERTa (post-norm) and LLaMA-like decoders; other models are traced (data flow). An "
+        f"adapter (lowmembp/models/, @register_adapter; README 'How to add a family') must provide a ModelLayout: "
+        f"the blocks in forward order, each block's attention, every LayerNorm/RMSNorm with the linear layers its "
+        f"output feeds (and for post-norm models the modules that take it as residual), the activation modules, the "
+        f"final norm and the head's linears.")
 
 
 def module_path(root: nn.Module, target: nn.Module) -> str:
@@ -181,45 +298,6 @@ def module_path(root: nn.Module, target: nn.Module) -> str:
         if m is target:
             return name
     return "?"
-
-
-# ---- small structural predicates shared by the adapters -------------------------------------------------------------
-
-_GELU_NAMES = {"GELU", "GELUActivation", "ReGELU2"}
-_SILU_NAMES = {"SiLU", "SiLUActivation", "Swish", "ReSiLU2"}
-
-
-def act_kind(m: nn.Module) -> str | None:
-    """``"gelu"`` for an erf-form GELU module, ``"silu"`` for SiLU, else None (tanh-GELU, ReLU, ... are not listed)."""
-    name = type(m).__name__
-    if name in _GELU_NAMES and getattr(m, "approximate", "none") == "none":
-        return "gelu"
-    if name in _SILU_NAMES:
-        return "silu"
-    return None
-
-
-def norm_kind(m: nn.Module) -> str | None:
-    """``"layernorm"`` / ``"rmsnorm"`` for a norm over the last dimension (already-converted MS norms included)."""
-    name = type(m).__name__
-    if isinstance(m, nn.LayerNorm) or name == "MSLayerNorm":
-        return "layernorm"
-    if name == "MSRMSNorm":
-        return "rmsnorm"
-    w = getattr(m, "weight", None)
-    # LLaMA-style RMSNorm: a 1-D weight γ, ``variance_epsilon``, no bias (Gemma's (1 + γ) form uses ``eps``).
-    if name.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and w is not None and w.dim() == 1 \
-            and getattr(m, "bias", None) is None:
-        return "rmsnorm"
-    return None
-
-
-def is_linear_like(m: nn.Module) -> bool:
-    """``nn.Linear``, or a peft wrapper around one (LoRA ``Linear`` with ``base_layer``, ``ModulesToSaveWrapper``)."""
-    if isinstance(m, nn.Linear):
-        return True
-    inner = getattr(m, "base_layer", None) or getattr(m, "original_module", None)
-    return isinstance(inner, nn.Module) and is_linear_like(inner)
 
 
 def site(owner: nn.Module, attr: str, prefix: str = "", cls=Site, **kw):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from lowmembp.models.layout import (ActSite, ModelLayout, NormSite, UnsupportedModelError, act_kind,
-                                    is_linear_like, norm_kind, register_adapter, site)
+from lowmembp.models.detect import act_kind, is_linear_like, norm_kind
+from lowmembp.models.layout import (BUILTIN_PRIORITY, ActSite, ModelLayout, NormSite, UnsupportedModelError,
+                                    register_adapter, site)
 
 
 def _timm_block_forwards():
@@ -52,7 +53,7 @@ def _head_linears(owner: nn.Module, names, prefix: str):
     return [site(owner, n, prefix) for n in names if is_linear_like(getattr(owner, n, None) or nn.Identity())]
 
 
-@register_adapter("vit")
+@register_adapter("vit", BUILTIN_PRIORITY)
 def detect_vit(model: nn.Module, base: nn.Module) -> ModelLayout | None:
     blocks = getattr(base, "blocks", None)
     if not (hasattr(base, "patch_embed") and isinstance(blocks, nn.Sequential) and hasattr(base, "head")):
@@ -88,10 +89,12 @@ def detect_vit(model: nn.Module, base: nn.Module) -> ModelLayout | None:
             final.foldable, final.why = False, "no classifier head (num_classes=0): the features are the output"
         elif not pooled_ok:
             final.foldable, final.why = False, f"pooling {getattr(base, 'global_pool', '?')!r} is not linear"
-    return ModelLayout("vit", model, base, bl, at, norms, acts, final, head)
+    return ModelLayout("vit", model, base, bl, at, norms, acts, final, head, attention_style="timm",
+                       checkpoint_switch="timm" if hasattr(base, "set_grad_checkpointing") else None,
+                       tokentune="vit")
 
 
-@register_adapter("swin")
+@register_adapter("swin", BUILTIN_PRIORITY)
 def detect_swin(model: nn.Module, base: nn.Module) -> ModelLayout | None:
     layers = getattr(base, "layers", None)
     if not (hasattr(base, "patch_embed") and isinstance(layers, nn.Sequential)
@@ -137,4 +140,7 @@ def detect_swin(model: nn.Module, base: nn.Module) -> ModelLayout | None:
             final.foldable, final.why = False, "no classifier head (num_classes=0): the features are the output"
         elif pool not in ("avg", "fast", ""):
             final.foldable, final.why = False, f"pooling {pool!r} is not linear"
-    return ModelLayout("swin", model, base, bl, at, norms, acts, final, head)
+    return ModelLayout("swin", model, base, bl, at, norms, acts, final, head, attention_style=None,
+                       checkpoint_switch=None, tokentune=None,
+                       tokentune_why="Swin's shifted-window attention has no TokenTune training forward (tokens "
+                       "are grouped into windows; selecting rows across windows is not implemented)")
