@@ -28,11 +28,10 @@ include: "workflow/rules/repro.smk"
 include: "workflow/rules/tables.smk"
 include: "workflow/rules/plots.smk"
 include: "workflow/rules/notebooks.smk"
-include: "workflow/rules/report.smk"
 include: "workflow/rules/reference.smk"
 
 
 rule all:
     input:
-        all_targets(),
+        all_targets,
     default_target: True

@@ -16,14 +16,17 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_CONFIGS = sorted((ROOT / "config" / "paper").glob("*.yaml"))
+ALL_CONFIGS = sorted((ROOT / "config").rglob("*.yaml"))
 sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
+sys.path.insert(0, str(ROOT / "workflow"))
 
 
 def snakemake(*args, cwd: Path, timeout=600, check=True) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory", str(cwd),
            *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                       preexec_fn=lambda: os.umask(0o022))  # a usual umask: files must come out 0644
     if check and p.returncode != 0:
         raise AssertionError(f"snakemake {' '.join(args)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n"
                              f"{p.stderr[-6000:]}")
@@ -49,13 +52,17 @@ def test_lint_clean(tmp_path):
     assert "Congratulations" in p.stdout + p.stderr, p.stdout[-3000:] + p.stderr[-3000:]
 
 
-@pytest.mark.parametrize("config", [ROOT / "config" / "config.yaml", *PAPER_CONFIGS], ids=lambda p: p.stem)
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=lambda p: p.stem)
 def test_dry_run_plans_every_cell(config, tmp_path):
+    """Every config under config/ passes the check against the job's registries and plans every cell."""
+    from catalogue import REPRODUCTIONS
+
     cfg = yaml.safe_load(config.read_text())
     p = snakemake("-n", "--configfile", str(config), cwd=tmp_path, timeout=300)
     jobs = planned_jobs(p.stdout + p.stderr)
     assert jobs.get("train", 0) == len(expected_cells(cfg))
-    names = cfg.get("repro", {}).get("names", ["block-breakdown", "fig1", "mesa-table", "tokentune-memory"])
+    assert jobs.get("base", 0) == len(cfg.get("bases", {}))
+    names = cfg.get("repro", {}).get("names", [r.name for r in REPRODUCTIONS])
     assert jobs.get("repro", 0) == len(names)
     assert jobs.get("notebook") == 4 and jobs.get("aggregate") == 1
     assert any(f"--configfile" in line or "Config file(s)" in line for line in (p.stdout + p.stderr).splitlines())
@@ -108,19 +115,19 @@ def _run_cell(tmp_path, body):
     args = [sys.executable, str(ROOT / "workflow" / "scripts" / "run_cell.py"), "--out", str(out), "--log", str(log),
             "--python", _fake_python(tmp_path, body), "--", "--model", "vit-mnist", "--task", "mnist5k",
             "--method", "lora+lowmembp", "--batch-size", "7", "--seed", "3", "--steps", "5", "--dtype", "bf16"]
-    p = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(args, capture_output=True, text=True, timeout=60, preexec_fn=lambda: os.umask(0o022))
     return p, out
 
 
 def test_crash_without_record_becomes_an_error_record(tmp_path):
-    import jsonschema
+    from experiments.record import load
 
     p, out = _run_cell(tmp_path, "echo 'Segmentation fault in some kernel' >&2; exit 139")
     assert p.returncode == 0
-    rec = json.loads(out.read_text())
-    jsonschema.validate(rec, json.loads((ROOT / "experiments" / "record.schema.json").read_text()))
-    assert rec["status"] == "error" and "Segmentation fault" in rec["message"] and "exit code 139" in rec["message"]
-    assert (rec["method"], rec["batch_size"], rec["seed"], rec["dtype"]) == ("lora+lowmembp", 7, 3, "bf16")
+    rec = load(out)  # the record layout's own reader: a valid record
+    assert rec.status == "error" and "Segmentation fault" in rec.message and "exit code 139" in rec.message
+    assert (rec.run.method, rec.run.batch_size, rec.run.seed, rec.run.dtype) == ("lora+lowmembp", 7, 3, "bf16")
+    assert out.stat().st_mode & 0o777 == 0o644  # umask 022: readable by the group, as any file the user writes
 
 
 def test_usage_error_and_interrupt_leave_no_record(tmp_path):
@@ -129,21 +136,6 @@ def test_usage_error_and_interrupt_leave_no_record(tmp_path):
     p, out = _run_cell(tmp_path, "kill -TERM $$")
     assert p.returncode != 0 and not out.exists()
     assert not list(tmp_path.glob(".rec.json*")), "a temporary file was left behind"
-
-
-def test_aggregate_marks_invalid_records(tmp_path):
-    import aggregate
-
-    p, out = _run_cell(tmp_path, "exit 1")
-    broken = tmp_path / "broken.json"
-    broken.write_text('{"status": "ok", "model": "m"')  # cut short
-    wrong = tmp_path / "wrong.json"
-    rec = json.loads(out.read_text())
-    rec["batch_size"] = 0
-    wrong.write_text(json.dumps(rec))
-    df = aggregate.aggregate([out, broken, wrong])
-    assert sorted(df["status"]) == ["error", "invalid", "invalid"]
-    assert df.loc[df["record"] == str(wrong), "message"].str.contains("batch_size").all()
 
 
 # --- the whole pipeline on a tiny config ------------------------------------------------------------------------
@@ -161,6 +153,7 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     ok = runs[runs["status"] == "ok"]
     assert len(ok) and (ok["peak_bytes"] > 0).all() and (ok["activation_bytes"] > 0).all()
     for name in ["memory", "speed", "accuracy"]:
+        assert (res / "tables" / f"{name}.html").read_text().startswith("<html>")
         t = pd.read_csv(res / "tables" / f"{name}.csv")
         prefix = {"memory": "peak", "speed": "time", "accuracy": "metric"}[name]
         assert {f"{prefix}_paper", f"{prefix}_ours", f"{prefix}_ours/paper"} <= set(t.columns)
@@ -172,14 +165,18 @@ def test_tiny_pipeline_end_to_end(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(list(res.glob("figures/*.png"))) == 3 + len(cfg["repro"]["names"])
     assert len(list(res.glob("notebooks/*.ipynb"))) == 4
+    # results, tables and bases are readable by the user's group (umask 022 here): no 0600 files
+    private = [f"{oct(f.stat().st_mode & 0o777)} {f.relative_to(res)}" for f in res.rglob("*")
+               if f.is_file() and f.stat().st_mode & 0o044 != 0o044]
+    assert not private, private
     # the base: made once by its own rule, then every cell of the sweep that names it starts from it
     base = res / "bases" / "tiny-base.safetensors"
     assert base.is_file() and json.loads((res / "bases" / "tiny-base.json").read_text())["status"] == "ok"
     lm = ok[ok["task"] == "tweets-lm"]
-    assert len(lm) == 1 and lm["opt_init"].iloc[0] == "results/bases/tiny-base.safetensors"
+    assert len(lm) == 1 and lm["base_path"].iloc[0] == "results/bases/tiny-base.safetensors"
     acc = pd.read_csv(res / "tables" / "accuracy.csv")
     assert acc.loc[acc["task"] == "tweets-lm", "metric_before"].iloc[0] == pytest.approx(
-        lm["opt_init_metric_before"].iloc[0])
+        lm["base_metric_before"].iloc[0])
     assert acc.loc[acc["task"] == "mnist5k", "metric_before"].isna().all()
     # nothing left to do; a changed setting reruns only what it touches
     p = snakemake("-n", "--configfile", str(config), cwd=tmp_path)
@@ -206,8 +203,8 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     more.write_text(yaml.safe_dump(cfg3))
     p = snakemake("-n", "--configfile", str(more), cwd=tmp_path)
     assert planned_jobs(p.stdout + p.stderr).get("train") == len(cfg3["sweeps"]["tiny"]["methods"])
-    records[0].unlink()
-    p = snakemake("-n", str(records[0].relative_to(tmp_path)), "--configfile", str(config), cwd=tmp_path)
+    records[0].unlink()  # a deleted record is remade by a plain rerun (records are targets of `all`)
+    p = snakemake("-n", "--configfile", str(config), cwd=tmp_path)
     assert planned_jobs(p.stdout + p.stderr).get("train") == 1
     # the report
     snakemake("--configfile", str(config), "--cores", "1", cwd=tmp_path)
@@ -277,3 +274,34 @@ def test_accuracy_figure_uses_the_trained_cells_not_the_short_memory_cells():
     assert accuracy_batch_size(pd.DataFrame(rows)) == 16
     rows += [dict(batch_size=32, seed=s, steps=20, method="a") for s in (0, 1)]
     assert accuracy_batch_size(pd.DataFrame(rows)) == 32  # more seeds wins: the spread needs them
+
+
+# --- one catalogue ------------------------------------------------------------------------------------------------
+
+def test_the_catalogue_is_what_the_library_and_the_scripts_make():
+    """workflow/catalogue.py lists the reproductions, tables, figures and notebooks; each is made by its script."""
+    import catalogue
+    import plots
+    import plots_repro
+    import tables
+    from lowmembp.repro import REPROS
+
+    assert [r.name for r in catalogue.REPRODUCTIONS] == list(REPROS)
+    assert [t.name for t in catalogue.RUN_TABLES] == list(tables.RUN_TABLES)
+    assert [f.name for f in catalogue.RUN_FIGURES] == list(plots.FIGURES)
+    assert set(plots_repro.TITLES) == set(catalogue.REPRO_BY_STEM)
+    assert set(catalogue.NOTEBOOKS) == {p.stem for p in (ROOT / "notebooks").glob("*.ipynb")}
+    for entry in (*catalogue.RUN_TABLES, *catalogue.RUN_FIGURES):
+        assert (ROOT / "workflow" / "scripts" / entry.script).is_file()
+
+
+def test_no_second_list_of_reproductions_and_no_second_atomic_writer():
+    """The reproductions are named once (the catalogue; lowmembp.repro is the library's own registry), and the
+    pipeline's files are written by lowmembp.atomic, not by copies of it."""
+    sources = [ROOT / "Snakefile", *(ROOT / "workflow").rglob("*.smk"), *(ROOT / "workflow").rglob("*.py"),
+               ROOT / "workflow" / "schemas" / "config.schema.yaml"]
+    for f in sources:
+        text = f.read_text()
+        if f.name != "catalogue.py":
+            assert not re.search(r"['\"](mesa-table|tokentune-memory)['\"]", text), f"{f}: names a reproduction"
+        assert "mkstemp" not in text and "os.replace" not in text, f"{f}: its own atomic write"

@@ -54,6 +54,8 @@ REPRODUCTIONS = (
                  "Mesa README: training memory at batch 128, AMP (DeiT-Ti/S/B, Swin-T)"),
     Reproduction("tokentune-memory", "tokentune_memory",
                  "TokenTune: BERT-large memory against batch size (baseline, LoRA, TokenTune k=16, both)"),
+    Reproduction("stacked", "stacked",
+                 "Memory techniques stacked, each row adding one to the row before (LLaMA-7B, ViT-B/16; fake tensors)"),
 )
 REPRO_SCRIPT = "repro.py"  # reproduction -> repro/<name>.csv
 REPRO_TABLE_SCRIPT = "tables.py"

@@ -1,10 +1,10 @@
-# All records of the configured sweep -> one CSV (one row per cell, oom and error cells included).
+# All records of the configured sweep -> one CSV (one row per cell, oom and error cells included; a record that does
+# not read back becomes an `invalid` row with its path and the reason).
 
 
 rule aggregate:
     input:
-        records=record_paths(),
-        schema=Path(workflow.basedir) / "experiments" / "record.schema.json",
+        records=checked_record_paths,
     output:
         f"{R}/runs.csv",
     log:

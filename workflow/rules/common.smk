@@ -1,13 +1,22 @@
-# Cells of the sweep and the paths the pipeline writes. Every rule file reads these helpers.
-import itertools
-import shlex
+# Cells of the sweep and the paths the pipeline writes. Every rule file reads these helpers. What the pipeline makes
+# (tables, figures, reproductions, notebooks) is listed once, in workflow/catalogue.py; the sweep's cells, command
+# lines and the check of the config against the training job are in workflow/sweep_config.py.
+import os
 import sys
 from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+from snakemake.logging import logger
+
+sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
+import catalogue as cat  # noqa: E402
+import sweep_config  # noqa: E402
 
 R = config["results"].rstrip("/")
 PY = config.get("python") or sys.executable
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 RECORD = f"{R}/runs/{{task}}/{{model}}/{{method}}/bs{{bs}}/seed{{seed}}.json"
+BASE = f"{R}/bases/{{base}}.safetensors"
 
 wildcard_constraints:
     task="[^/]+",
@@ -19,56 +28,16 @@ wildcard_constraints:
     base="[A-Za-z0-9_.-]+",
 
 
-SWEEP_DEFAULTS = {"seeds": [0], "steps": None, "dtype": "fp32", "train_config": None, "train_args": [],
-                  "method_options": {}, "resources": {}, "init": None}
-BASE = f"{R}/bases/{{base}}.safetensors"
-config.setdefault("bases", {})
-for _name, _sw in config["sweeps"].items():
-    if _sw.get("init") is not None and _sw["init"] not in config["bases"]:
-        raise ValueError(f"sweep {_name!r}: init {_sw['init']!r} is not under `bases:` "
-                         f"(bases: {', '.join(config['bases']) or 'none'})")
-for _sw in config["sweeps"].values():
-    for _k, _v in SWEEP_DEFAULTS.items():
-        _sw.setdefault(_k, _v)
+sweep_config.fill_defaults(config)
 config.setdefault("repro", {})
-config["repro"].setdefault("names", ["block-breakdown", "fig1", "mesa-table", "tokentune-memory"])
+config["repro"].setdefault("names", [r.name for r in cat.REPRODUCTIONS])
 config["repro"].setdefault("options", {})
-config.setdefault("notebooks", ["memory", "speed", "accuracy", "paper_comparison"])
-
-
-def _cells():
-    """(task, model, method, bs, seed) -> (sweep name, sweep spec); a cell listed by two sweeps must agree."""
-    cells = {}
-    for name, sw in config["sweeps"].items():
-        for tm, method, bs, seed in itertools.product(
-            sw["tasks"], sw["methods"], sw["batch_sizes"], sw["seeds"]
-        ):
-            key = (tm["task"], tm["model"], method, int(bs), int(seed))
-            if key in cells and _run_settings(cells[key][1], method) != _run_settings(sw, method):
-                raise ValueError(
-                    f"cell {key} is listed by sweeps {cells[key][0]!r} and {name!r} with different settings "
-                    "(steps, dtype, train_config, train_args, method options or resources); make them agree "
-                    "or drop it from one sweep"
-                )
-            cells.setdefault(key, (name, sw))
-    return cells
-
-
-def _options_for(sw, method):
-    """Options of every component of a composed method name (and of the full name), later ones win."""
-    opts = {}
-    mo = sw.get("method_options", {})
-    for part in method.split("+") + [method]:
-        opts.update(mo.get(part, {}))
-    return opts
-
-
-def _run_settings(sw, method):
-    keys = ("steps", "dtype", "train_config", "train_args", "resources", "init")
-    return tuple(repr(sw.get(k)) for k in keys) + (repr(sorted(_options_for(sw, method).items())),)
-
-
-CELLS = _cells()
+config.setdefault("notebooks", list(cat.NOTEBOOKS))
+try:  # every entry against the training job's registries: a bad config stops here, before any job
+    sweep_config.check(config, Path(workflow.basedir))
+    CELLS = sweep_config.cells(config)
+except sweep_config.ConfigError as err:
+    raise WorkflowError(str(err)) from None
 
 
 def cell(wc):
@@ -79,26 +48,18 @@ def cell(wc):
 
 
 def record_paths():
-    return [
-        RECORD.format(task=t, model=m, method=x, bs=b, seed=s) for (t, m, x, b, s) in sorted(CELLS)
-    ]
+    return [RECORD.format(task=t, model=m, method=x, bs=b, seed=s) for (t, m, x, b, s) in sorted(CELLS)]
+
+
+def base_paths():
+    return [p for name in config["bases"] for p in (BASE.format(base=name), f"{R}/bases/{name}.json")]
 
 
 def train_args(wc):
     """The training job's command line for one cell (experiments/train.py)."""
     sw = cell(wc)
-    args = ["--model", wc.model, "--task", wc.task, "--method", wc.method,
-            "--batch-size", wc.bs, "--seed", wc.seed, "--dtype", sw["dtype"]]
-    if sw.get("steps"):
-        args += ["--steps", str(sw["steps"])]
-    if sw.get("train_config"):
-        args += ["--config", sw["train_config"]]
-    for opt, val in _options_for(sw, wc.method).items():
-        args += [f"--{opt.replace('_', '-')}", str(val)]
-    args += list(sw.get("train_args", []))
-    if sw.get("init"):
-        args += ["--init", BASE.format(base=sw["init"])]
-    return shlex.join(args)
+    base = BASE.format(base=sw["init"]) if sw.get("init") else None
+    return sweep_config.join(sweep_config.cell_argv(sw, wc.task, wc.model, wc.method, wc.bs, wc.seed, base))
 
 
 def init_input(wc):
@@ -111,10 +72,7 @@ def base_args(wc):
     """The training job's command line for one base (its weights and record are added by the rule)."""
     if wc.base not in config["bases"]:
         raise ValueError(f"{wc.base!r} is not under `bases:` in the config")
-    b = config["bases"][wc.base]
-    args = ["--model", b["model"], "--task", b["task"], "--method", b.get("method", "baseline"),
-            "--batch-size", str(b["batch_size"]), "--seed", str(b.get("seed", 0)), "--steps", str(b["steps"])]
-    return shlex.join(args + list(b.get("train_args", [])))
+    return sweep_config.join(sweep_config.base_argv(config["bases"][wc.base]))
 
 
 def res(key, default):
@@ -122,49 +80,74 @@ def res(key, default):
 
 
 def slurm_extra(wc):
-    r = cell(wc).get("resources", {})
-    extra = r.get("slurm_extra", "")
-    return extra
+    return cell(wc).get("resources", {}).get("slurm_extra", "")
 
 
-def repro_names():
-    return list(config["repro"]["names"])
+def reproductions():
+    """The catalogue entries of the reproductions this config runs."""
+    return [cat.REPRO[n] for n in config["repro"]["names"]]
 
 
-TABLES = ["memory", "speed", "accuracy", "block_breakdown", "fig1", "mesa_table", "tokentune_memory"]
-REPRO_TABLES = {
-    "block-breakdown": "block_breakdown",
-    "fig1": "fig1",
-    "mesa-table": "mesa_table",
-    "tokentune-memory": "tokentune_memory",
-}
-REPRO_FIGURES = REPRO_TABLES
-REPRO_NAME = {v: k for k, v in REPRO_TABLES.items()}
-REPRO_TITLES = {
-    "block_breakdown": "Activation memory of one block by op kind: baseline vs LowMemoryBP (paper theory beside ours)",
-    "fig1": "LowMemoryBP Fig. 1: peak memory of ViT-B/16, batch 64, LoRA rank 4, fp16 autocast",
-    "mesa_table": "Mesa README: training memory at batch 128, AMP (DeiT-Ti/S/B, Swin-T)",
-    "tokentune_memory": "TokenTune: BERT-large memory against batch size (baseline, LoRA, TokenTune k=16, both)",
-}
-RUN_FIGURES = ["memory_vs_batch", "step_time_ratio", "accuracy"]
+def repro_of_stem(stem):
+    return cat.REPRO_BY_STEM[stem]
 
 
-def table_names():
-    names = ["memory", "speed", "accuracy"] if CELLS else []
-    return names + [REPRO_TABLES[n] for n in repro_names()]
+def table_stems():
+    names = [t.name for t in cat.RUN_TABLES] if CELLS else []
+    return names + [r.stem for r in reproductions()]
 
 
-def figure_names():
-    names = list(RUN_FIGURES) if CELLS else []
-    return names + [REPRO_FIGURES[n] for n in repro_names()]
+def figure_stems():
+    names = [f.name for f in cat.RUN_FIGURES] if CELLS else []
+    return names + [r.stem for r in reproductions()]
 
 
-def all_targets():
-    out = []
+def table_files(ext):
+    return [cat.table_paths(R, t)[ext] for t in table_stems()]
+
+
+_damaged_checked = []
+
+
+def set_aside_damaged_records():
+    """Before a real run, move every record (and base record) that does not read back (truncated, empty, not a record)
+    to <record>.damaged, so that the run remakes its cell; a dry run only says which it would remake. Done once, while
+    the DAG is built (an input function), when Snakemake knows whether this is a dry run."""
+    if _damaged_checked:
+        return
+    _damaged_checked.append(True)
+    if not workflow.is_main_process or workflow.executor_plugin is None:
+        return  # a job re-parsing the Snakefile (cluster), a report or a lint: leave the files alone
+    from experiments.record import RecordError, load
+
+    dry = workflow.dryrun or workflow.touch
+    for path in record_paths() + [f"{R}/bases/{name}.json" for name in config["bases"]]:
+        if not os.path.exists(path):
+            continue
+        try:
+            load(path)
+        except RecordError as err:
+            if dry:
+                logger.warning(f"damaged record, a real run remakes it: {err}")
+            else:
+                Path(path).rename(f"{path}.damaged")
+                if path.endswith(".json") and "/bases/" in path:
+                    Path(path).with_suffix(".safetensors").unlink(missing_ok=True)
+                logger.warning(f"damaged record set aside as {path}.damaged, its cell is remade: {err}")
+
+
+def checked_record_paths(wc):
+    set_aside_damaged_records()  # also when runs.csv is asked for alone
+    return record_paths()
+
+
+def all_targets(wc=None):
+    set_aside_damaged_records()
+    out = record_paths() + base_paths()  # targets themselves, so a deleted record or base is remade
     if CELLS:
         out += [f"{R}/runs.csv"]
-    out += expand(f"{R}/tables/{{t}}.{{ext}}", t=table_names(), ext=["md", "csv"])
-    out += expand(f"{R}/tables/{{t}}.html", t=table_names())
-    out += expand(f"{R}/figures/{{f}}.png", f=figure_names())
-    out += expand(f"{R}/notebooks/{{nb}}.ipynb", nb=config["notebooks"])
+    for ext in cat.TABLE_FORMATS:
+        out += table_files(ext)
+    out += [cat.figure_path(R, f) for f in figure_stems()]
+    out += [cat.notebook_path(R, nb) for nb in config["notebooks"]]
     return out

@@ -1,13 +1,14 @@
-# The result notebooks (notebooks/*.ipynb), executed against this run's results; executed copies under results/.
+# The result notebooks (notebooks/*.ipynb, listed in workflow/catalogue.py), executed against this run's results;
+# executed copies under results/.
 
 
 rule notebook:
     input:
         nb=Path(workflow.basedir) / "notebooks" / "{nb}.ipynb",
-        tables=expand(f"{R}/tables/{{t}}.csv", t=table_names()),
+        tables=table_files("csv"),
         runs=[f"{R}/runs.csv"] if CELLS else [],
     output:
-        f"{R}/notebooks/{{nb}}.ipynb",
+        cat.notebook_path(R, "{nb}"),
     log:
         f"{R}/logs/notebooks/{{nb}}.log",
     params:

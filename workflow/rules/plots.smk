@@ -1,4 +1,5 @@
-# Figures, each registered in the HTML report with its caption (workflow/report/figure.rst, one section per figure).
+# Figures (workflow/catalogue.py), each registered in the HTML report with its caption (workflow/report/figure.rst,
+# one section per figure).
 
 
 rule run_figure:
@@ -14,7 +15,7 @@ rule run_figure:
     log:
         f"{R}/logs/figures/{{fig}}.log",
     wildcard_constraints:
-        fig="|".join(RUN_FIGURES),
+        fig="|".join(f.name for f in cat.RUN_FIGURES),
     conda:
         "../envs/lowmembp.yaml"
     script:
@@ -23,7 +24,7 @@ rule run_figure:
 
 rule repro_figure:
     input:
-        lambda wc: f"{R}/repro/{REPRO_NAME[wc.rfig]}.csv",
+        lambda wc: cat.repro_csv(R, repro_of_stem(wc.rfig).name),
     output:
         report(
             f"{R}/figures/{{rfig}}.png",
@@ -34,7 +35,9 @@ rule repro_figure:
     log:
         f"{R}/logs/figures/{{rfig}}.log",
     wildcard_constraints:
-        rfig="|".join(REPRO_FIGURES.values()),
+        rfig="|".join(r.stem for r in cat.REPRODUCTIONS),
+    params:
+        title=lambda wc: repro_of_stem(wc.rfig).title,
     conda:
         "../envs/lowmembp.yaml"
     script:

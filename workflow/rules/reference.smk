@@ -1,16 +1,20 @@
 # Refresh the small reference result set kept in git (results/reference/), which the notebooks fall back to on a
-# fresh clone: `snakemake --cores 1 reference` after a default run. Not part of `all`.
+# fresh clone: `snakemake --cores 1 reference` after a default run. Not part of `all`. Every file it writes is an
+# output below (make_reference.py copies input i to output i).
+REF = f"{R}/reference"
 
 
 rule reference:
     input:
         runs=f"{R}/runs.csv",
-        tables=expand(f"{R}/tables/{{t}}.{{ext}}", t=table_names(), ext=["md", "csv"]),
-        repro=expand(f"{R}/repro/{{name}}.csv", name=repro_names()),
-        benchmarks=expand(f"{R}/benchmarks/repro/{{name}}.tsv", name=repro_names()),
+        tables=table_files("md") + table_files("csv"),
+        repro=[cat.repro_csv(R, r.name) for r in reproductions()],
+        benchmarks=[f"{R}/benchmarks/repro/{r.name}.tsv" for r in reproductions()],
     output:
-        machine=f"{R}/reference/MACHINE.md",
-        runs=f"{R}/reference/runs.csv",
+        machine=f"{REF}/MACHINE.md",
+        runs=f"{REF}/runs.csv",
+        tables=[p.replace(f"{R}/", f"{REF}/", 1) for p in table_files("md") + table_files("csv")],
+        repro=[cat.repro_csv(REF, r.name) for r in reproductions()],
     log:
         f"{R}/logs/reference.log",
     params:

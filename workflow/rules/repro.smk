@@ -1,13 +1,16 @@
-# Paper-scale reproductions (lowmembp.repro): estimated on fake tensors on the CPU, one CSV each.
+# Paper-scale reproductions (lowmembp.repro, listed in workflow/catalogue.py): estimated on fake tensors on the CPU,
+# one CSV each.
 
 
 rule repro:
     output:
-        f"{R}/repro/{{name}}.csv",
+        cat.repro_csv(R, "{name}"),
     log:
         f"{R}/logs/repro/{{name}}.log",
     benchmark:
         f"{R}/benchmarks/repro/{{name}}.tsv"
+    wildcard_constraints:
+        name="|".join(r.name for r in cat.REPRODUCTIONS),
     params:
         options=lambda wc: config["repro"]["options"].get(wc.name, {}),
     threads: 1

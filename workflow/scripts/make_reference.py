@@ -1,15 +1,17 @@
 """Copy a finished run's runs.csv, tables and reproductions into results/reference/ with a MACHINE.md that says
 which machine made them, when, with which command and config, and how long it took (from the records' and the
-benchmark files' timestamps). Only pipeline outputs are copied: nothing here is typed in by hand."""
+benchmark files' timestamps). Only pipeline outputs are copied: nothing here is typed in by hand. Every path written
+is one of the rule's outputs (input i is copied to output i), each written atomically."""
 import datetime as dt
 import os
 import platform
-import shutil
 import subprocess
 from pathlib import Path
 
 import pandas as pd
 import yaml
+
+from lowmembp.atomic import atomic_write
 
 
 def cpu_name() -> str:
@@ -28,15 +30,17 @@ def sweep_span(runs: pd.DataFrame) -> tuple[str, str, float]:
     return str(start), str(end), (end - start).total_seconds()
 
 
-def main(runs_csv, tables, repro, benchmarks, machine_out, runs_out, config) -> None:
-    out = Path(runs_out).parent
-    (out / "tables").mkdir(parents=True, exist_ok=True)
-    (out / "repro").mkdir(parents=True, exist_ok=True)
+def copy(sources, targets) -> None:
+    if len(sources) != len(targets):
+        raise ValueError(f"{len(sources)} files to copy to {len(targets)} destinations")
+    for src, dst in zip(sources, targets):
+        atomic_write(dst, Path(src).read_bytes())
+
+
+def main(runs_csv, tables, repro, benchmarks, machine_out, runs_out, config, tables_out, repro_out) -> None:
     runs = pd.read_csv(runs_csv)
-    for f in tables:
-        shutil.copy2(f, out / "tables" / Path(f).name)
-    for f in repro:
-        shutil.copy2(f, out / "repro" / Path(f).name)
+    copy(tables, tables_out)
+    copy(repro, repro_out)
     start, end, span = sweep_span(runs)
     repro_s = sum(float(pd.read_csv(b, sep="\t")["s"].iloc[0]) for b in benchmarks)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -64,11 +68,11 @@ def main(runs_csv, tables, repro, benchmarks, machine_out, runs_out, config) -> 
         "```",
         "",
     ]
-    Path(machine_out).write_text("\n".join(lines))
-    runs.to_csv(runs_out, index=False)
+    atomic_write(machine_out, "\n".join(lines))
+    atomic_write(runs_out, runs.to_csv(index=False))
 
 
 if "snakemake" in globals():
     sm = snakemake  # noqa: F821
     main(sm.input.runs, sm.input.tables, sm.input.repro, sm.input.benchmarks, sm.output.machine, sm.output.runs,
-         dict(sm.params.config))
+         dict(sm.params.config), sm.output.tables, sm.output.repro)

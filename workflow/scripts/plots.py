@@ -22,7 +22,8 @@ import pandas as pd  # noqa: E402
 
 HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
 sys.path.insert(0, str(HERE))
-from tables import KEYS, MiB, claim, load_claims, per_cell, reference_method, with_reference  # noqa: E402
+from tables import (KEYS, MiB, claim, load_claims, per_cell, read_runs, reference_method,  # noqa: E402
+                    with_reference)
 
 METHOD_ORDER = ["baseline", "checkpointing", "mesa-gelu-ln", "mesa", "lowmembp", "tokentune", "lora",
                 "lora+lowmembp"]
@@ -133,8 +134,8 @@ def accuracy(runs: pd.DataFrame, out: Path) -> None:
             ax.scatter(np.full(len(v), j) + np.linspace(-0.12, 0.12, len(v)), v, s=14, color="C0", zorder=3)
             ax.errorbar(j, v.mean(), yerr=v.std(ddof=1) if len(v) > 1 else 0, fmt="s", color="k", ms=5,
                         capsize=4, zorder=4)
-        if "opt_init_metric_before" in sub and sub["opt_init_metric_before"].notna().any():
-            before = pd.to_numeric(sub["opt_init_metric_before"], errors="coerce").mean()
+        if "base_metric_before" in sub and sub["base_metric_before"].notna().any():
+            before = pd.to_numeric(sub["base_metric_before"], errors="coerce").mean()
             ax.axhline(before, color="C3", ls="--", lw=1, label=f"base before fine-tuning ({before:.3g})")
             ax.legend(fontsize=7, loc="best")
         ax.set_xticks(range(len(methods)), methods, rotation=45, ha="right", fontsize=8)
@@ -150,13 +151,17 @@ def accuracy(runs: pd.DataFrame, out: Path) -> None:
 FIGURES = {"memory_vs_batch": memory_vs_batch, "step_time_ratio": step_time_ratio, "accuracy": accuracy}
 
 
-def main(runs_csv, name, out):
-    runs = pd.read_csv(runs_csv)
+def main(runs_csv, name, out, log=None):
+    """Figure ``name`` of runs.csv to ``out``; rows of damaged records (status invalid) are left out and counted."""
+    runs, invalid = read_runs(runs_csv)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     FIGURES[name](runs, Path(out))
+    if log:
+        Path(log).write_text(f"{name}: {len(runs)} rows, {len(invalid)} invalid left out"
+                             + "".join(f"\n  {r}" for r in invalid.get("record", [])) + "\n")
 
 
 if "snakemake" in globals():
-    main(snakemake.input.runs, snakemake.wildcards.fig, snakemake.output[0])  # noqa: F821
+    main(snakemake.input.runs, snakemake.wildcards.fig, snakemake.output[0], snakemake.log[0])  # noqa: F821
 elif __name__ == "__main__":
     main(*sys.argv[1:4])

@@ -19,12 +19,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-TITLES = {
-    "block_breakdown": "Activation memory of one block by op kind (16-bit units of b·s·d)",
-    "fig1": "LowMemoryBP Fig. 1: ViT-B/16, batch 64, LoRA r4, fp16 - peak memory",
-    "mesa_table": "Mesa README: training memory, batch 128, AMP",
-    "tokentune_memory": "TokenTune: BERT-large peak memory against batch size",
-}
+HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
+sys.path.insert(0, str(HERE.parent))
+from catalogue import REPRO_BY_STEM  # noqa: E402
+
+TITLES = {stem: r.title for stem, r in REPRO_BY_STEM.items()}
 
 
 def _numeric(df, prefix):
@@ -90,7 +89,7 @@ def tokentune_memory(df: pd.DataFrame, ax) -> None:
     ax.grid(alpha=0.3)
 
 
-def main(name: str, csv: str, out: str) -> None:
+def main(name: str, csv: str, out: str, title: str | None = None) -> None:
     df = pd.read_csv(csv)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     if name == "block_breakdown":
@@ -102,13 +101,13 @@ def main(name: str, csv: str, out: str) -> None:
             tokentune_memory(df, ax)
         else:
             side_by_side(df, ax, name)
-    fig.suptitle(TITLES.get(name, name), fontsize=10)
+    fig.suptitle(title or TITLES.get(name, name), fontsize=10)
     fig.tight_layout(rect=(0, 0.06, 1, 1) if name == "block_breakdown" else None)
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
 
 if "snakemake" in globals():
-    main(snakemake.wildcards.rfig, snakemake.input[0], snakemake.output[0])  # noqa: F821
+    main(snakemake.wildcards.rfig, snakemake.input[0], snakemake.output[0], snakemake.params.title)  # noqa: F821
 elif __name__ == "__main__":
     main(*sys.argv[1:4])

@@ -2,28 +2,26 @@
 
     python repro.py NAME OUT.csv [key=value ...]      # by hand; under Snakemake: rule repro
 
-NAME is one of block-breakdown, fig1, mesa-table, tokentune-memory; key=value pairs (or the config's
+NAME is a reproduction of workflow/catalogue.py (lowmembp.repro.REPROS); key=value pairs (or the config's
 repro.options.<NAME>) are passed to the reproduction's function as keyword arguments (e.g. a reduced scale).
 """
 
 import logging
 import sys
 import time
-from pathlib import Path
 
-HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
-sys.path.insert(0, str(HERE))
-from aggregate import write_csv_atomic  # noqa: E402
+from lowmembp.atomic import atomic_open
 
 
-def run(name: str, out: str | Path, **options):
+def run(name: str, out: str, **options):
     """Run reproduction ``name`` (lowmembp.repro.REPROS) with ``options`` and write its table to ``out``."""
     from lowmembp.repro import run as run_repro
 
     t0 = time.perf_counter()
     df = run_repro(name, **options)
     logging.info("%s: %d rows in %.1f s (options %s)", name, len(df), time.perf_counter() - t0, options)
-    write_csv_atomic(df, out)
+    with atomic_open(out, "w") as fh:
+        df.to_csv(fh, index=False)
     return df
 
 

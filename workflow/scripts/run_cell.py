@@ -4,21 +4,19 @@
 
 The training job writes its own record atomically and exits 0 for ``ok``, ``oom`` and ``error`` cells. If it dies
 without a record (a crash, an import error, killed for memory by the OS) this writes an ``error`` record itself,
-atomically, with the end of the log as the message, so the sweep goes on and the table shows the failure. It does
-not write a record when the job was stopped by a signal from the user (SIGINT/SIGTERM: an interrupted run leaves
-nothing) or when the job rejected its arguments (exit 2: a config mistake that must be fixed, not recorded).
+atomically (``experiments.record.error_record`` and ``write``), with the end of the log as the message, so the sweep
+goes on and the table shows the failure. It does not write a record when the job was stopped by a signal from the
+user (SIGINT/SIGTERM: an interrupted run leaves nothing) or when the job rejected its arguments (exit 2: a config
+mistake that must be fixed, not recorded).
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import os
 import platform
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 USAGE_ERROR = 2
@@ -29,36 +27,27 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def write_atomic(path: Path, record: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def error_record(train_args: list[str], message: str, started: str) -> dict:
+def identity(train_args: list[str]) -> dict:
+    """The cell's identity from the training job's arguments (what the crash record says the cell was)."""
     p = argparse.ArgumentParser(add_help=False)
     for flag in ("--model", "--task", "--method", "--dtype"):
-        p.add_argument(flag, default="?")
+        p.add_argument(flag)
     for flag in ("--batch-size", "--seed", "--steps"):
-        p.add_argument(flag, type=int, default=0)
+        p.add_argument(flag, type=int)
     a, _ = p.parse_known_args(train_args)
-    return {
-        "schema_version": 1, "model": a.model, "method": a.method, "task": a.task,
-        "batch_size": max(a.batch_size, 1), "seq_len": None, "dtype": a.dtype if a.dtype != "?" else "fp32",
-        "seed": a.seed, "steps": 0, "epochs": None, "options": {"argv": train_args},
-        "status": "error", "message": message, "peak_memory": None, "activation_bytes": None,
-        "step_time_s": None, "throughput": None, "final_loss": None, "metric": None,
-        "env": {"device": "unknown (the job died before reporting)", "hostname": platform.node()},
-        "started_at": started, "finished_at": _now(),
-    }
+    ident = {"task": a.task, "model": a.model, "method": a.method, "seed": a.seed,
+             "dtype": a.dtype if a.dtype in ("fp32", "bf16", "fp16") else None,
+             "batch_size": a.batch_size if a.batch_size and a.batch_size > 0 else None, "steps": 0,
+             "steps_planned": a.steps}
+    return {k: v for k, v in ident.items() if v is not None}
+
+
+def write_error_record(out: Path, train_args: list[str], message: str, started: str) -> None:
+    """A valid ``error`` record (experiments.record: the record layout's one writer), written atomically."""
+    from experiments.record import error_record, write
+
+    write(error_record(identity(train_args), message, started, environment={
+        "device": "unknown (the job died before reporting)", "hostname": platform.node()}), out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     tail = a.log.read_text(errors="replace").strip().splitlines()[-15:]
     why = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
     message = f"the training job died without a record ({why}): " + "\n".join(tail)
-    write_atomic(a.out, error_record(train_args, message, started))
+    write_error_record(a.out, train_args, message, started)
     return 0
 
 

@@ -7,7 +7,6 @@ The notebook runs in its own folder (so it imports notebooks/resultset.py) with 
 
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import nbformat
@@ -31,12 +30,9 @@ def execute(nb_path: str | Path, results: str | Path | None, out: str | Path | N
             else:
                 os.environ["LOWMEMBP_RESULTS"] = old
     if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-        os.close(fd)
-        nbformat.write(nb, tmp)
-        os.replace(tmp, out)
+        from lowmembp.atomic import atomic_write
+
+        atomic_write(out, nbformat.writes(nb))
     return nb
 
 

@@ -1,4 +1,8 @@
-"""A table's CSV -> a small standalone HTML page for the Snakemake report (numbers rounded, '-' for missing)."""
+"""A table -> a small standalone HTML page for the Snakemake report (numbers rounded, '-' for missing).
+
+tables.py writes each table's HTML in the same job as its Markdown and CSV (``page``), so the report never shows a
+stale table beside fresh ones. By hand: ``python table_html.py TABLE.csv OUT.html``.
+"""
 
 import html
 import sys
@@ -6,23 +10,27 @@ from pathlib import Path
 
 import pandas as pd
 
-HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
-sys.path.insert(0, str(HERE))
-from tables import _atomic_write, _fmt  # noqa: E402
-
 STYLE = ("<style>body{font-family:sans-serif;font-size:13px}table{border-collapse:collapse}"
          "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}th{background:#eee}</style>")
 
 
+def page(formatted: pd.DataFrame, title: str, notes=()) -> str:
+    """The HTML page of an already formatted table (strings), with its title and note lines."""
+    body = formatted.to_html(index=False, border=0, escape=True)
+    paras = "".join(f"<p>{html.escape(n)}</p>" for n in notes if n)
+    return (f"<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>{STYLE}</head><body>"
+            f"<h3>{html.escape(title)}</h3>{paras}{body}</body></html>\n")
+
+
 def main(csv: str, out: str) -> None:
-    df = pd.read_csv(csv)
-    name = Path(csv).stem
-    body = _fmt(df).to_html(index=False, border=0, escape=True)
-    _atomic_write(Path(out), f"<html><head><meta charset='utf-8'><title>{html.escape(name)}</title>{STYLE}"
-                             f"</head><body><h3>{html.escape(name)}</h3>{body}</body></html>\n")
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    sys.path.insert(0, str(here.parents[1]))
+    from lowmembp.atomic import atomic_write
+    from tables import _fmt
+
+    atomic_write(out, page(_fmt(pd.read_csv(csv)), Path(csv).stem))
 
 
-if "snakemake" in globals():
-    main(snakemake.input[0], snakemake.output[0])  # noqa: F821
-elif __name__ == "__main__":
+if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])

@@ -5,13 +5,15 @@ values are ratios to a reference run (``lora+X`` against ``lora``, every other m
 task, model and batch size), taken from workflow/resources/paper_claims.yaml; for the reproductions they come with
 the reproduction's own rows (lowmembp.repro).
 
+Each table is written as Markdown, CSV and HTML (table_html.py) by the same call, atomically (``lowmembp.atomic``),
+to the paths Snakemake gives (rule outputs); the titles come from workflow/catalogue.py. Rows of runs.csv with status
+``invalid`` (a damaged record) are left out and counted in the table's note.
+
 Run by Snakemake (rules run_tables, repro_table), or by hand:
 ``python tables.py runs RUNS.csv OUTDIR`` / ``python tables.py repro NAME REPRO.csv OUTDIR``.
 """
 
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,13 @@ import pandas as pd
 import yaml
 
 HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
+for _p in (HERE, HERE.parent, HERE.parents[1]):  # scripts, the catalogue, the library
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+import catalogue  # noqa: E402
+from lowmembp.atomic import atomic_write  # noqa: E402
+from table_html import page  # noqa: E402
+
 CLAIMS = HERE.parent / "resources" / "paper_claims.yaml"
 MiB = 2**20
 KEYS = ["task", "model", "method", "batch_size"]
@@ -109,7 +118,7 @@ def accuracy_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
                    axis=1).reset_index()
     names = ok.groupby(KEYS, dropna=False)["metric_name"].first().reset_index()
     # runs that start from a pre-trained base (--init) record the base's metric before fine-tuning
-    before = ok["opt_init_metric_before"] if "opt_init_metric_before" in ok else pd.Series(np.nan, index=ok.index)
+    before = ok["base_metric_before"] if "base_metric_before" in ok else pd.Series(np.nan, index=ok.index)
     before = pd.to_numeric(before, errors="coerce").groupby([ok[k] for k in KEYS], dropna=False).mean()
     names = names.merge(before.rename("metric_before").reset_index(), on=KEYS, how="left")
     status = runs.groupby(KEYS, dropna=False)["status"].agg(_status).reset_index()
@@ -123,11 +132,22 @@ def accuracy_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
 
 
 RUN_TABLES = {"memory": memory_table, "speed": speed_table, "accuracy": accuracy_table}
-TITLES = {
-    "memory": "Peak and activation memory per method (ratio to the reference run; paper values as ratios)",
-    "speed": "Step time per method (p50 over seeds; ratio to the reference run)",
-    "accuracy": "Evaluation metric per method: mean, spread over seeds, ratio to the reference run",
-}
+TITLES = {name: catalogue.RUN_TABLE[name].title for name in RUN_TABLES}
+INVALID = "invalid"
+
+
+def read_runs(runs_csv: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """runs.csv -> (the rows to use, the rows of damaged records, status ``invalid``, left out)."""
+    runs = pd.read_csv(runs_csv)
+    bad = runs["status"].astype(str) == INVALID if "status" in runs else pd.Series(False, index=runs.index)
+    return runs[~bad].reset_index(drop=True), runs[bad].reset_index(drop=True)
+
+
+def invalid_note(invalid: pd.DataFrame) -> list[str]:
+    if not len(invalid):
+        return []
+    return [f"Left out: {len(invalid)} damaged record(s) (status invalid in runs.csv; a rerun of the pipeline "
+            f"remakes them): {', '.join(map(str, invalid['record'].head(5)))}{' ...' if len(invalid) > 5 else ''}"]
 
 
 def _fmt(df: pd.DataFrame) -> pd.DataFrame:
@@ -140,23 +160,19 @@ def _fmt(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def write(df: pd.DataFrame, md: Path, csv: Path, title: str, notes: list[str] = ()) -> None:
-    _atomic_write(Path(csv), df.to_csv(index=False))
+def write(df: pd.DataFrame, md: Path, csv: Path, title: str, notes: list[str] = (), html: Path | None = None) -> None:
+    """One table as CSV, Markdown and (given ``html``) HTML, each written atomically."""
     src_cols = [c for c in df.columns if c.endswith("source")]
-    body = _fmt(df.drop(columns=src_cols)).to_markdown(index=False) if len(df) else "(no rows)"
-    lines = [f"# {title}", "", *notes, "", body, ""]
     sources = sorted({s for c in src_cols for s in df[c].dropna().astype(str) if s})
+    shown = _fmt(df.drop(columns=src_cols))
+    atomic_write(csv, df.to_csv(index=False))
+    body = shown.to_markdown(index=False) if len(df) else "(no rows)"
+    lines = [f"# {title}", "", *notes, "", body, ""]
     if sources:
         lines += ["Notes and sources:", "", *[f"- {s}" for s in sources], ""]
-    _atomic_write(Path(md), "\n".join(lines))
+    if html is not None:
+        atomic_write(html, page(shown, title, [*notes, *sources]))
+    atomic_write(md, "\n".join(lines))
 
 
 def machine_note(runs: pd.DataFrame) -> list[str]:
@@ -166,15 +182,16 @@ def machine_note(runs: pd.DataFrame) -> list[str]:
             + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))]
 
 
-def run_tables(runs_csv: str | Path, outdir: str | Path, names=RUN_TABLES) -> None:
-    runs = pd.read_csv(runs_csv)
+def run_tables(runs_csv: str | Path, outputs: dict[str, dict[str, str]]) -> None:
+    """``outputs``: table name -> {"md": path, "csv": path, "html": path} (the rule's outputs)."""
+    runs, invalid = read_runs(runs_csv)
     claims = load_claims()
-    for name in names:
+    for name, out in outputs.items():
         df = RUN_TABLES[name](runs, claims)
-        write(df, Path(outdir) / f"{name}.md", Path(outdir) / f"{name}.csv", TITLES[name], machine_note(runs))
+        write(df, out["md"], out["csv"], TITLES[name], machine_note(runs) + invalid_note(invalid), out.get("html"))
 
 
-def repro_table(name: str, repro_csv: str | Path, outdir: str | Path, title: str | None = None) -> None:
+def repro_table(name: str, repro_csv: str | Path, out: dict[str, str], title: str | None = None) -> None:
     """A reproduction's rows (lowmembp.repro: paper value, ours, ratio and a note already side by side) -> table.
 
     A table without a ``ratio`` column gets one from its first numeric ``paper...`` / ``ours...`` pair."""
@@ -185,18 +202,27 @@ def repro_table(name: str, repro_csv: str | Path, outdir: str | Path, title: str
         o = next((c for c in num if c.startswith("ours")), None)
         if p and o:
             df.insert(df.columns.get_loc(o) + 1, "ratio", df[o] / df[p])
-    write(df, Path(outdir) / f"{name}.md", Path(outdir) / f"{name}.csv", title or name.replace("_", " "),
-          [f"From `python -m lowmembp.repro {name.replace('_', '-')}` (fake tensors on the CPU)."])
+    write(df, out["md"], out["csv"], title or name.replace("_", " "),
+          [f"From `python -m lowmembp.repro {name.replace('_', '-')}` (fake tensors on the CPU)."], out.get("html"))
+
+
+def _in(outdir: str, stem: str) -> dict[str, str]:
+    """By hand: the table's files in OUTDIR (the command line names the folder)."""
+    return {ext: str(Path(outdir) / f"{stem}.{ext}") for ext in catalogue.TABLE_FORMATS}
 
 
 if "snakemake" in globals():
     sm = snakemake  # noqa: F821
     if sm.params.kind == "runs":
-        run_tables(sm.input.runs, Path(sm.output[0]).parent, names=sm.params.names)
+        run_tables(sm.input.runs, {name: {"md": md, "csv": csv, "html": html} for name, md, csv, html in
+                                   zip(sm.params.names, sm.output.md, sm.output.csv, sm.output.html)})
     else:
-        repro_table(sm.params.name, sm.input[0], Path(sm.output.md).parent, sm.params.title)
+        repro_table(sm.params.name, sm.input[0], {"md": sm.output.md, "csv": sm.output.csv, "html": sm.output.html},
+                    sm.params.title)
 elif __name__ == "__main__":
     if sys.argv[1] == "runs":
-        run_tables(sys.argv[2], sys.argv[3])
+        run_tables(sys.argv[2], {name: _in(sys.argv[3], name) for name in RUN_TABLES})
     else:
-        repro_table(sys.argv[2], sys.argv[3], sys.argv[4])
+        stem = sys.argv[2].replace("-", "_")
+        repro_table(stem, sys.argv[3], _in(sys.argv[4], stem), catalogue.REPRO_BY_STEM[stem].title
+                    if stem in catalogue.REPRO_BY_STEM else None)
