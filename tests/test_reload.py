@@ -101,3 +101,53 @@ def test_trainer_save_model_reloads_exactly(tmp_path):
     transformers.Trainer(model=model, args=args).save_model(str(tmp_path / "saved"))
     back = peft.PeftModel.from_pretrained(build("bert")[0], tmp_path / "saved").eval()
     assert rel(eval_logits(back, inputs(3)), want) <= TOL
+
+
+def _more():
+    import tiny_models
+    return sorted(getattr(tiny_models, "MORE_BUILDERS", {}))  # issue #11's architectures, where tiny_models has them
+
+
+def _apply_or_skip(model, method):
+    from lowmembp.models import UnsupportedModelError
+    try:
+        return lowmembp.apply(model, method)
+    except (UnsupportedModelError, KeyError, NotImplementedError) as e:  # conversion coverage is tested elsewhere
+        pytest.skip(f"{method} does not convert this model here: {type(e).__name__}: {e}"[:200])
+
+
+@pytest.mark.parametrize("name", _more())
+def test_more_architectures_reload_exactly(name, tmp_path):
+    """Full fine-tuning: export -> save_pretrained -> from_pretrained (transformers) or a strict state_dict load (timm).
+    Linears that had no bias before folding (GPT-2's lm_head, StableLM's q/k/v) are frozen: trained, their folded
+    bias has no stock form (test_export.py checks that refusal)."""
+    model, inputs = build(name)
+    model = _apply_or_skip(model, "lowmembp")
+    base = model
+    for f in base.__dict__["_lowmembp_export"].folds:
+        for p, had in f.stock_bias.items():
+            if not had:
+                base.get_submodule(p).requires_grad_(False)
+    model = train(model, inputs(2))
+    want = eval_logits(model, inputs(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # tied heads trained apart are exported untied
+        exported = lowmembp.export(model)
+    assert not [m for m in exported.modules() if type(m).__module__.startswith("lowmembp")]
+    if hasattr(exported, "save_pretrained"):
+        exported.save_pretrained(tmp_path)
+        back = type(exported).from_pretrained(tmp_path)
+    else:
+        back = build(name, seed=7)[0]
+        back.load_state_dict(exported.state_dict(), strict=True)
+    assert rel(eval_logits(back.eval(), inputs(3)), want) <= TOL
+
+
+@pytest.mark.parametrize("name", _more())
+def test_more_architectures_lora_adapter_reloads(name, tmp_path):
+    model, inputs = build(name)
+    model = train(_apply_or_skip(model, "lora+lowmembp"), inputs(2))
+    want = eval_logits(model, inputs(3))
+    model.save_pretrained(tmp_path)
+    back = peft.PeftModel.from_pretrained(build(name)[0], tmp_path).eval()
+    assert rel(eval_logits(back, inputs(3)), want) <= TOL
