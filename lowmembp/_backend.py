@@ -61,3 +61,25 @@ def is_shape_only(x: torch.Tensor) -> bool:
     except Exception:  # pragma: no cover - very old torch
         return False
     return bool(is_fake(x))
+
+
+def refuse_functorch_transforms(x: torch.Tensor, op: str, instead: str) -> None:
+    """Raise a clear error when ``x`` is inside a ``torch.func`` gradient transform (grad, vjp, jacrev, jvp, jacfwd,
+    hessian) or carries a forward-mode AD tangent: the ops' autograd is registered for ordinary reverse mode only,
+    and forward mode would silently give zero tangents. ``torch.func.vmap`` alone is allowed (it runs per sample).
+    A no-op under ``torch.compile`` (Dynamo/AOTAutograd trace the op's fake implementation, not this check)."""
+    if torch.compiler.is_compiling():
+        return
+    from torch._C import _functorch as ft
+    t = x
+    while ft.is_functorch_wrapped_tensor(t):
+        if ft.is_gradtrackingtensor(t):
+            raise RuntimeError(
+                f"{op}: torch.func gradient transforms (grad, vjp, jacrev, jvp, jacfwd, hessian) are not supported "
+                f"by this op (its backward is registered for ordinary autograd only). Use loss.backward() / "
+                f"torch.autograd.grad, or {instead} inside the transform.")
+        t = ft.get_unwrapped(t)
+    import torch.autograd.forward_ad as fwAD
+    if fwAD.unpack_dual(t).tangent is not None:
+        raise RuntimeError(f"{op}: forward-mode AD (torch.autograd.forward_ad dual tensors) is not supported by this "
+                           f"op; use reverse mode (loss.backward() / torch.autograd.grad), or {instead}.")

@@ -538,3 +538,15 @@ def test_package_level_names():
     import lowmembp.ops as ops
     assert {"regelu2", "resilu2", "ms_layer_norm", "ms_rms_norm", "make_approx", "derive"} <= set(ops.__all__)
     assert regelu2 is A.regelu2 and callable(derive)
+
+
+def test_torch_func_gradient_transforms_and_forward_ad_raise(torch_backend):
+    x = _rand((3, 8), torch.float32)
+    for transform in (lambda: torch.func.grad(lambda t: A.regelu2(t).sum())(x),
+                      lambda: torch.func.jacrev(A.resilu2)(x[0]), lambda: torch.func.jacfwd(A.regelu2)(x[0])):
+        with pytest.raises(RuntimeError, match=r"approx_act\((gelu|silu), bits=2\): torch.func gradient transforms"):
+            transform()
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="forward-mode AD"):
+        A.regelu2(fwAD.make_dual(x, torch.ones_like(x)))
+    torch.testing.assert_close(torch.func.vmap(A.regelu2)(x), A.regelu2(x))  # vmap alone works

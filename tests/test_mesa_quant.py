@@ -242,3 +242,39 @@ def test_channel_groups_fixed_once_trained():
     assert q.alpha.shape == (4,)
     with pytest.raises(ValueError, match="after training started"):
         q.pack(torch.randn(2, 10))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), 3e38])
+def test_non_finite_statistics_do_not_poison_the_ema(bad):
+    """One batch with inf / NaN / a range overflowing fp32 leaves the ranges as they were, and warns once."""
+    torch.manual_seed(3)
+    q = mq.EMAQuantizer(2, mode="channel")
+    good = [torch.randn(4, 8) for _ in range(3)]
+    q.pack(good[0])
+    alpha, beta, count = q.alpha.clone(), q.beta.clone(), int(q.count)
+    x = good[1].clone()
+    x[1, 2] = bad
+    if bad == 3e38:
+        x[2, 3] = -3e38  # max − min overflows to inf
+    with pytest.warns(RuntimeWarning, match="non-finite statistics"):
+        q.pack(x)
+    assert torch.equal(q.alpha, alpha) and torch.equal(q.beta, beta) and int(q.count) == count
+    assert int(q.skipped) == 1
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per quantiser: no second warning
+        q.pack(x)
+        qt = q.pack(good[2])  # later steps are healthy
+    assert int(q.skipped) == 2 and int(q.count) == count + 1
+    assert torch.isfinite(q.alpha).all() and torch.isfinite(q.beta).all()
+    xh = mq.dequantize(qt)
+    assert torch.isfinite(xh).all()
+
+
+def test_first_batch_non_finite_leaves_the_quantiser_uninitialised():
+    q = mq.EMAQuantizer(1, mode="channel")
+    with pytest.warns(RuntimeWarning):
+        q.pack(torch.tensor([[float("nan"), 1.0]]))
+    assert int(q.count) == 0
+    q.pack(torch.tensor([[0.0, 2.0]]))
+    assert int(q.count) == 1 and torch.equal(q.alpha, torch.tensor([2.0])) and torch.equal(q.beta, torch.tensor([0.0]))

@@ -310,3 +310,30 @@ def test_cuda_64bit_row_offsets():
     dx = ms_norm_bwd_triton(y, y, rstd, "rmsnorm", torch.bfloat16)
     dx_r = ms_norm_bwd_ref(y[-64:], y[-64:], rstd[-64:], "rmsnorm", torch.bfloat16)
     torch.testing.assert_close(dx[-64:].float(), dx_r.float(), rtol=1.6e-2, atol=1.6e-2)
+
+
+# ----------------------------------------------------------------------------------- unsupported autograd features
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_double_backward_raises_naming_the_op(kind, torch_backend):
+    x = _x((3, 8)).requires_grad_()
+    (g,) = torch.autograd.grad(FN[kind](x).pow(3).sum(), x, create_graph=True)
+    op = "ms_layer_norm" if kind == "layernorm" else "ms_rms_norm"
+    with pytest.raises(RuntimeError, match=f"{op}: double backward .* is not supported.*torch.nn.functional"):
+        g.sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_torch_func_gradient_transforms_raise_and_vmap_works(kind, torch_backend):
+    fn = FN[kind]
+    x = _x((3, 8))
+    op = "ms_layer_norm" if kind == "layernorm" else "ms_rms_norm"
+    for transform in (lambda: torch.func.grad(lambda t: fn(t).pow(2).sum())(x),
+                      lambda: torch.func.jacrev(fn)(x[0]), lambda: torch.func.jacfwd(fn)(x[0])):
+        with pytest.raises(RuntimeError, match=f"{op}: torch.func gradient transforms"):
+            transform()
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match=f"{op}: forward-mode AD"):
+        fn(fwAD.make_dual(x, torch.ones_like(x)))
+    with pytest.warns(UserWarning):  # no batching rule: torch's per-sample fallback, correct but slow
+        batched = torch.func.vmap(fn)(x)
+    torch.testing.assert_close(batched, torch.stack([fn(r) for r in x]))

@@ -22,6 +22,7 @@ f'(−∞)). A NaN has no code of its own (all 2^bits codes are taken), so when 
 s_0 = NaN for that call: every element of code 0 — the NaN ones and those left of c_1 — gets a NaN gradient (a NaN
 forward never yields a healthy-looking gradient; finite elements of other codes keep theirs). Likewise for
 ``relu2`` with a +∞ input, the top code's slope becomes +∞. ``dy`` NaN or ±∞ propagates by IEEE arithmetic.
+``torch.func`` gradient transforms and forward-mode AD raise an error naming the op (``vmap`` alone works).
 
 The ops are ``torch.library`` custom ops (``lowmembp::approx_act_fwd`` / ``lowmembp::approx_act_bwd``) with fake
 implementations and registered autograd: ``torch.compile`` treats them as opaque (no graph break, the Triton
@@ -41,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lowmembp._backend import backend_for, check_float_input
+from lowmembp._backend import backend_for, check_float_input, refuse_functorch_transforms
 from lowmembp.ops.approx_table import REGELU2_A, REGELU2_C, RESILU2_A, RESILU2_C, TABLE
 
 try:  # triton is optional on CPU-only installs; the reference path needs none of it
@@ -63,6 +64,9 @@ BITS = (1, 2, 3, 4)
 _KIND_ID = {k: i for i, k in enumerate(KINDS)}
 _UNBOUNDED = frozenset({"relu2"})  # f'(+∞) = +∞: a +∞ input sets flag bit 1
 _NEG_ZERO = frozenset({"gelu", "gelu_tanh", "quick_gelu", "silu"})  # f(x) < 0 for x < 0: f(−∞) = −0
+_EXACT = {"gelu": "torch.nn.functional.gelu", "gelu_tanh": "torch.nn.functional.gelu(x, approximate='tanh')",
+          "quick_gelu": "x * torch.sigmoid(1.702 * x)", "silu": "torch.nn.functional.silu",
+          "relu": "torch.relu", "relu2": "torch.relu(x) ** 2"}  # what to use instead where this op cannot go
 _GELU, _SILU = "gelu", "silu"  # legacy names (an int 0 / 1 is accepted as well)
 _LEGACY = {0: "gelu", 1: "silu"}
 NAN_FLAG, INF_FLAG = 1, 2
@@ -516,6 +520,7 @@ def approx_act(x: torch.Tensor, kind: str = "gelu", bits: int = 2) -> torch.Tens
     """Exact ``kind`` activation forward; backward with the ``bits``-bit approximate derivative (codes saved)."""
     kind, bits = _kind(kind), _bits(bits)
     check_float_input(x, f"approx_act({kind}, bits={bits})")
+    refuse_functorch_transforms(x, f"approx_act({kind}, bits={bits})", _EXACT[kind])
     t32, s32 = _consts32(kind, bits)
     with_codes = torch.is_grad_enabled() and x.requires_grad
     return _approx_act_fwd(x, kind, list(t32), list(s32), with_codes)[0]

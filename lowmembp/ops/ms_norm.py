@@ -24,7 +24,8 @@ reference too.
 The op is a ``torch.library`` custom op (``lowmembp::ms_norm_fwd`` / ``lowmembp::ms_norm_bwd``, fake implementations
 and registered autograd): ``torch.compile`` sees one opaque node (no graph break, ``_fused_rms_norm`` and the Triton
 interpreter are never traced) and FakeTensorMode / meta tensors take the fake implementation (the same y and rstd
-allocations). Double backward raises an error naming the op (the backward needs the exact norm's input).
+allocations). Double backward, ``torch.func`` gradient transforms and forward-mode AD raise an error naming the op
+and what to use instead (``torch.func.vmap`` alone works).
 
 Pure functions for scripts (e.g. ``benchmarks/gpu_check.py``); any shape, normalised over the last dim, rows = the
 product of the leading dims:
@@ -42,7 +43,7 @@ import math
 import torch
 from torch import nn
 
-from lowmembp._backend import backend_for, check_float_input
+from lowmembp._backend import backend_for, check_float_input, refuse_functorch_transforms
 
 try:
     import triton
@@ -299,6 +300,7 @@ def _ms_norm(x: torch.Tensor, eps: float, kind: str, op: str) -> torch.Tensor:
     eps = float(eps)
     if not eps >= 0.0:
         raise ValueError(f"{op}: eps must be a non-negative float, got {eps}")
+    refuse_functorch_transforms(x, op, "torch.nn.functional." + ("layer_norm" if kind == "layernorm" else "rms_norm"))
     return _ms_norm_fwd_op(x, kind, eps, _out_dtype(x))[0]
 
 
