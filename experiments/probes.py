@@ -154,6 +154,10 @@ class PeakProbe:
             sections.setdefault("peak", {})["device"] = {
                 "bytes": int(self.result["bytes"]), "how": self.result["how"],
                 "by_category": {k: int(v) for k, v in (self.result.get("by_category") or {}).items()}}
+            host = self.result.get("host")  # offloading: host memory, measured apart from the device
+            if host is not None:
+                sections["peak"]["host"] = {"bytes": int(host["bytes"]), "how": host["how"],
+                                            "by_category": {k: int(v) for k, v in host["by_category"].items()}}
         sections.setdefault("notes", []).extend(self.notes)
 
 

@@ -23,7 +23,8 @@ optimizer state, activations (created in the forward: saved tensors and forward 
 
 Host memory (activation offloading, the ``offload`` method): storages reported through :func:`note_host` while a
 tracker runs are host bytes — taken out of the device total (and its categories) and followed apart; the result
-then has ``"host": {"bytes": peak host bytes, "at_device_peak": host bytes when the device peak fell, "how"}``. On
+then has ``"host": {"bytes": peak host bytes, "by_category": {"activations": the same}, "at_device_peak": host
+bytes when the device peak fell, "how"}``. On
 CUDA the host bytes come from the method's ledger (``model._lowmembp_host_ledger``), the device bytes from the
 allocator.
 
@@ -219,7 +220,8 @@ def measure_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer | None,
             ledger.reset_peak()
         out = _cuda_peak(model, optimizer, step, device)
         if ledger is not None:
-            out["host"] = {"bytes": int(ledger.peak), "at_device_peak": None,
+            out["host"] = {"bytes": int(ledger.peak), "by_category": {"activations": int(ledger.peak)},
+                           "at_device_peak": None,
                            "how": "offload ledger: live pinned host copies"}
         return out
     if not fake and _is_compiled(model):
@@ -233,7 +235,8 @@ def measure_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     out = {"bytes": int(tracker.peak), "how": how, "by_category": {k: int(v) for k, v in
                                                                     tracker.peak_by_category.items()}}
     if ledger is not None or tracker.host_peak:
-        out["host"] = {"bytes": int(tracker.host_peak), "at_device_peak": int(tracker.host_at_peak),
+        out["host"] = {"bytes": int(tracker.host_peak), "by_category": {"activations": int(tracker.host_peak)},
+                       "at_device_peak": int(tracker.host_at_peak),
                        "how": "storages the offload method keeps in host memory" + (
                            " (on the CPU they stay where they are: counted as host, not device)" if not fake else "")}
     return out
