@@ -292,3 +292,15 @@ def test_bf16_rounding_is_not_taken_for_a_trained_bias():
     stock = _vit(qkv_bias=False).eval()
     stock.load_state_dict(exported.float().state_dict(), strict=True)
     assert rel(eval_logits(stock, batch), want) <= 0.05  # bf16 weights, fp32 compute
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_export_after_resuming_from_a_converted_state_dict(name):
+    """Resume: a fresh model converted the same way loads the converted state dict; its export is exact too
+    (the record of the fresh conversion serves: any nonzero γ un-folds a pre-norm site exactly)."""
+    model, inputs, want = converted_trained(name, "lowmembp")
+    resumed = lowmembp.apply(fresh(name), "lowmembp")
+    resumed.load_state_dict(model.state_dict(), strict=True)
+    stock = fresh(name)
+    stock.load_state_dict(lowmembp.export(resumed).state_dict(), strict=True)
+    assert rel(eval_logits(stock, inputs(3)), want) <= TOL
