@@ -71,8 +71,35 @@ def parse(spec: str) -> list[Method]:
     for m in chosen:
         for other in chosen:
             if other.name in m.excludes:
-                raise ValueError(f"{m.name!r} cannot be combined with {other.name!r} in {spec!r}: {_why(m, other)}")
+                raise ValueError(f"{_conflict(m, other)} (in {spec!r})")
     return sorted(chosen, key=lambda m: m.order)
+
+
+def _conflict(a: Method, b: Method) -> str:
+    """The one message for two methods that exclude each other (in one spec, or one already on the model)."""
+    a, b = sorted((a, b), key=lambda m: (m.order, m.name))
+    return f"{a.name!r} cannot be combined with {b.name!r}: {_why(a, b)}"
+
+
+def carried_methods(model: nn.Module) -> list[str]:
+    """The methods ``model`` already carries: those ``apply`` recorded, plus those its layers show (MS norms /
+    approximate activations: lowmembp-norm / lowmembp-act; Mesa layers: mesa or mesa-gelu-ln) when the record
+    was lost (e.g. the method's own function was called directly)."""
+    out = list(getattr(model, "_lowmembp_methods", ()))
+    mods = {(type(m).__module__ or "", type(m).__name__) for m in model.modules()}
+    names = {n for _, n in mods}
+    shown = []
+    if names & {"MSLayerNorm", "MSRMSNorm"}:
+        shown.append("lowmembp-norm")
+    if any(mod.startswith("lowmembp.ops.approx_act") for mod, _ in mods):
+        shown.append("lowmembp-act")
+    if any(mod.startswith("lowmembp.ops.mesa_layers") for mod, _ in mods):
+        shown.append("mesa" if "MesaLinear" in names else "mesa-gelu-ln")
+    covered = {"lowmembp": ("lowmembp-norm", "lowmembp-act"), "mesa": ("mesa-gelu-ln",)}
+    for name in shown:
+        if name not in out and not any(name in covered.get(o, ()) for o in out):
+            out.append(name)
+    return out
 
 
 def apply(model: nn.Module, method: str, **options) -> nn.Module:
@@ -87,6 +114,15 @@ def apply(model: nn.Module, method: str, **options) -> nn.Module:
     if bad:
         takes = "; ".join(f"{m.name}: {', '.join(m.options) or 'no options'}" for m in chosen)
         raise TypeError(f"option(s) {', '.join(bad)} not taken by {method!r} ({takes})")
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        raise TypeError(f"the model is wrapped by {type(model).__name__}: apply lowmembp before wrapping — "
+                        f"lowmembp.apply(model.module, {method!r}), then wrap the result again")
+    carried = carried_methods(model) if isinstance(model, nn.Module) else []
+    for m in chosen:
+        for name in carried:
+            other = _REGISTRY.get(name)
+            if other is not None and (other.name in m.excludes or m.name in other.excludes):
+                raise ValueError(f"{_conflict(m, other)} (the model already carries {other.name!r})")
     applied = list(getattr(model, "_lowmembp_methods", ()))
     for m in chosen:
         if m.name == "baseline":
