@@ -107,87 +107,122 @@ def planned_steps(cfg, pool: int) -> tuple[int, int]:
     return steps, warmup
 
 
-def train(cfg, task, out: dict) -> None:
-    """Train and evaluate; fills ``out`` (record sections) as it goes, so a failure still reports what was reached."""
-    import numpy as np
-    import torch
+class Run:
+    """One run's parts, built from the configuration: the task's setup, the converted model on its device, the
+    optimizer with its schedule, the batches; :meth:`step` is one optimizer step, :meth:`evaluate` the metric."""
 
-    import lowmembp
-    from experiments.probes import PeakProbe, SavedBytesProbe, Schedule, StepResult, StepTimer, run_step
+    def __init__(self, cfg, task, out: dict):
+        import torch
 
-    device = resolve_device(cfg)
-    if device.type == "cuda" and cfg.max_memory_mb:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.max_memory_mb * 2**20 / total), device)
-    make_deterministic(cfg.seed, cfg.threads, device)
-    setup = task.build(cfg.model, cfg)
-    out["run"]["seq_len"] = setup.seq_len
-    out["task_facts"] = dict(setup.info)
-    amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-    autocast = lambda: torch.autocast(device.type, dtype=amp_dtype or torch.float32,  # noqa: E731
-                                      enabled=amp_dtype is not None)
-    eval_bs = cfg.eval_batch_size or 2 * cfg.batch_size
+        import lowmembp
 
-    def evaluate(net) -> float:
+        self.cfg = cfg
+        self.device = device = resolve_device(cfg)
+        if device.type == "cuda" and cfg.max_memory_mb:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.max_memory_mb * 2**20 / total), device)
+        make_deterministic(cfg.seed, cfg.threads, device)
+        self.setup = setup = task.build(cfg.model, cfg)
+        out["run"]["seq_len"] = setup.seq_len
+        out["task_facts"] = dict(setup.info)
+        self.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+        if cfg.init:
+            from experiments.weights import load_weights
+
+            out["base"] = load_weights(setup.model, cfg.init)
+            out["base"]["metric_before"] = self.evaluate(setup.model.to(device))  # the base, on this test split
+        self.model = lowmembp.apply(setup.model, cfg.method, **cfg.method_options).to(device)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise RuntimeError(f"method {cfg.method!r} left no trainable parameter")
+        self.steps, warmup = planned_steps(cfg, len(setup.train))
+        out["run"]["steps_planned"] = self.steps
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lambda s: _lr_factor(s, self.steps, warmup))
+        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
+        self.batches = _batches(setup.train, cfg.batch_size, cfg.seed, setup.collate)
+
+    def autocast(self):
+        import torch
+
+        return torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
+                              enabled=self.amp_dtype is not None)
+
+    def evaluate(self, net=None) -> float:
+        net = self.model if net is None else net
+        setup, bs = self.setup, self.cfg.eval_batch_size or 2 * self.cfg.batch_size
         net.eval()
-        batches = (_to(setup.collate(setup.test[i:i + eval_bs]), device) for i in range(0, len(setup.test), eval_bs))
-        with autocast():
+        batches = (_to(setup.collate(setup.test[i:i + bs]), self.device) for i in range(0, len(setup.test), bs))
+        with self.autocast():
             return float(setup.evaluate(net, batches))
 
-    if cfg.init:
-        from experiments.weights import load_weights
-
-        out["base"] = load_weights(setup.model, cfg.init)
-        out["base"]["metric_before"] = evaluate(setup.model.to(device))  # the base, on this run's test split
-    model = lowmembp.apply(setup.model, cfg.method, **cfg.method_options).to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise RuntimeError(f"method {cfg.method!r} left no trainable parameter")
-    steps, warmup = planned_steps(cfg, len(setup.train))
-    out["run"]["steps_planned"] = steps
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, steps, warmup))
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
-    batches = _batches(setup.train, cfg.batch_size, cfg.seed, setup.collate)
-
-    def one_step(step: int, forward) -> StepResult:
+    def step(self, step: int, forward):
         """One optimizer step over ``grad_accum`` micro-batches; ``forward`` wraps the first micro-batch's forward."""
-        model.train()
+        import torch
+
+        from experiments.probes import StepResult
+
+        cfg, setup = self.cfg, self.setup
+        self.model.train()
         total_loss, n_tok = 0.0, 0
         for micro in range(cfg.grad_accum):
-            batch = _to(next(batches), device)
+            batch = _to(next(self.batches), self.device)
             t = setup.tokens(batch)
             n_tok = None if t is None or n_tok is None else n_tok + t
-            with autocast(), (forward if micro == 0 else contextlib.nullcontext()):
-                loss = setup.loss(model, batch)
+            with self.autocast(), (forward if micro == 0 else contextlib.nullcontext()):
+                loss = setup.loss(self.model, batch)
             if not torch.isfinite(loss.detach()):
                 raise FloatingPointError(f"training loss is {float(loss.detach())} at step {step} (lr {cfg.lr:g}): "
                                          "diverged")
-            scaler.scale(loss / cfg.grad_accum).backward()
+            self.scaler.scale(loss / cfg.grad_accum).backward()
             total_loss += float(loss.detach()) / cfg.grad_accum
             del loss, batch
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
         return StepResult(loss=total_loss, samples=cfg.batch_size * cfg.grad_accum, tokens=n_tok)
 
-    schedule = Schedule(saved_bytes_at=0, peak_at=1, time_from=cfg.timing_warmup)
-    budget = None if cfg.max_memory_mb is None else cfg.max_memory_mb * 2**20
-    timer = StepTimer(device, schedule)
-    probes = [SavedBytesProbe(model, schedule.saved_bytes_at),
-              PeakProbe(model, optimizer, schedule.peak_at, budget,
-                        is_fatal=lambda e: is_oom(e) or isinstance(e, FloatingPointError)),
-              timer]
+    def probes(self):
+        """The measurements and when they run (see the module doc)."""
+        from experiments.probes import PeakProbe, SavedBytesProbe, Schedule, StepTimer
 
+        cfg = self.cfg
+        schedule = Schedule(saved_bytes_at=0, peak_at=1, time_from=cfg.timing_warmup)
+        budget = None if cfg.max_memory_mb is None else cfg.max_memory_mb * 2**20
+        return [SavedBytesProbe(self.model, schedule.saved_bytes_at),
+                PeakProbe(self.model, self.optimizer, schedule.peak_at, budget,
+                          is_fatal=lambda e: is_oom(e) or isinstance(e, FloatingPointError)),
+                StepTimer(self.device, schedule)]
+
+    def save(self, path: str, out: dict) -> None:
+        from experiments.weights import save_weights
+
+        cfg = self.cfg
+        save_weights(self.model, path, {
+            "task": cfg.task, "model": cfg.model, "method": cfg.method, "train_split": cfg.train_split,
+            "steps": self.steps, "batch_size": cfg.batch_size, "seed": cfg.seed, "lr": cfg.lr,
+            "final_loss": out["final_loss"], "metric": f"{out['metric']['name']} {out['metric']['value']:.6g}",
+            "metric_split": out["metric"]["split"]})
+
+
+def train(cfg, task, out: dict) -> None:
+    """Train and evaluate; fills ``out`` (record sections) as it goes, so a failure still reports what was reached."""
+    import numpy as np
     from tqdm import tqdm
 
+    from experiments.probes import StepTimer, run_step
+
+    run = Run(cfg, task, out)
+    probes = run.probes()
+    timer = next(p for p in probes if isinstance(p, StepTimer))
     losses = []
-    bar = tqdm(range(steps), desc=f"{cfg.model}/{cfg.task}/{cfg.method}", disable=cfg.no_progress,
+    bar = tqdm(range(run.steps), desc=f"{cfg.model}/{cfg.task}/{cfg.method}", disable=cfg.no_progress,
                file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
     try:
         for step in bar:
-            result = run_step(step, lambda forward: one_step(step, forward), probes)
+            result = run_step(step, lambda forward: run.step(step, forward), probes)
             losses.append(result.loss)
             out["run"]["steps"] = step + 1
             speed = timer.samples_per_s()
@@ -197,18 +232,11 @@ def train(cfg, task, out: dict) -> None:
         bar.close()
         for probe in probes:  # what was measured counts also when a later step fails
             probe.report(out)
-    tail = losses[-min(10, len(losses)):]
+    tail = losses[-10:]
     out["final_loss"] = float(np.mean(tail)) if tail else None
-    value = evaluate(model)
-    out["metric"] = {"name": setup.metric, "value": value, "split": f"test ({len(setup.test)})"}
+    out["metric"] = {"name": run.setup.metric, "value": run.evaluate(), "split": f"test ({len(run.setup.test)})"}
     if cfg.save_model:
-        from experiments.weights import save_weights
-
-        save_weights(model, cfg.save_model, {
-            "task": cfg.task, "model": cfg.model, "method": cfg.method, "train_split": cfg.train_split,
-            "steps": steps, "batch_size": cfg.batch_size, "seed": cfg.seed, "lr": cfg.lr,
-            "final_loss": out["final_loss"], "metric": f"{setup.metric} {value:.6g}",
-            "metric_split": f"test ({len(setup.test)})"})
+        run.save(cfg.save_model, out)
 
 
 def identity(cfg) -> dict:
