@@ -82,13 +82,20 @@ MAX_SEED = 2**32 - 1  # numpy's generators take seeds in [0, 2**32)
 
 
 def _load_config(path: str) -> dict:
-    text = Path(path).read_text()
-    if path.endswith((".yaml", ".yml")):
-        import yaml
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ArgError(f"--config {path}: cannot read it ({err})") from None
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
 
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as err:  # yaml.YAMLError, json.JSONDecodeError
+        raise ArgError(f"--config {path}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'} "
+                       f"({err})") from None
     if not isinstance(data, dict):
         raise ArgError(f"config {path}: expected a mapping of settings, got {type(data).__name__}")
     return data
@@ -151,9 +158,13 @@ def _split_extra(extra: list[str]) -> dict[str, str]:
 def listing() -> str:
     from experiments import tasks
 
-    lines = ["tasks (models):"]
+    lines = ["tasks (models; default settings, then per method):"]
     for name in tasks.names():
-        lines.append(f"  {name}: {', '.join(tasks.get(name).MODELS)}")
+        task = tasks.get(name)
+        shown = ", ".join(f"{k} {v}" for k, v in task.DEFAULTS.items() if v is not None)
+        per = "; ".join(f"{m}: " + ", ".join(f"{k} {v}" for k, v in d.items())
+                        for m, d in getattr(task, "METHOD_DEFAULTS", {}).items())
+        lines.append(f"  {name}: {', '.join(task.MODELS)} [{shown}{'; ' + per if per else ''}]")
     lines.append("methods (options with defaults):")
     for name, desc in methods().items():
         opts = method_options(name)
@@ -350,6 +361,9 @@ def parse_args(argv: list[str] | None = None):
     if merged["threads"] is None:
         merged["threads"] = default_threads()
     check_values(merged)
+    if merged["limit"] is not None and merged["limit"] < merged["batch_size"]:
+        raise ArgError(f"--limit {merged['limit']} is smaller than one batch ({merged['batch_size']}): give a "
+                       "larger --limit or a smaller --batch-size")
     check_device(merged["device"])
     for key in ("out", "save_model"):
         check_destination(key, merged[key])

@@ -133,3 +133,23 @@ def test_good_arguments_still_run(tmp_path):
     assert train.main([*RUN, "--seed", "0", "--warmup-steps", "0", "--timing-warmup", "0", "--out", str(out)]) == 0
     rec = json.loads(Path(out).read_text())
     assert rec["status"] == "ok" and rec["step_time_s"]["n"] == 1  # steps 0, 1 measure memory; step 2 is timed
+
+
+def test_unreadable_or_invalid_config_files_are_refused(tmp_path, capsys):
+    assert "cannot read it" in refused(["--config", tmp_path / "missing.yaml", "--out", tmp_path / "r.json"], capsys)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("task: [unclosed\n")
+    assert "not valid YAML" in refused(["--config", bad, "--out", tmp_path / "r.json"], capsys)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert "not valid JSON" in refused(["--config", bad, "--out", tmp_path / "r.json"], capsys)
+
+
+def test_a_training_pool_smaller_than_a_batch_is_refused(tmp_path, capsys):
+    assert "smaller than one batch" in refused([*BASE, "--limit", "3", "--out", tmp_path / "r.json"], capsys)
+
+
+def test_list_shows_the_per_method_defaults(capsys):
+    assert train.main(["--list"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("tweets-sentiment:"))
+    assert "lr 0.0001" in line and "lora: lr 0.003" in line
