@@ -27,6 +27,7 @@ include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/repro.smk"
 include: "workflow/rules/tables.smk"
 include: "workflow/rules/plots.smk"
+include: "workflow/rules/pareto.smk"
 include: "workflow/rules/notebooks.smk"
 include: "workflow/rules/reference.smk"
 
