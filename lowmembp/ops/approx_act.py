@@ -225,9 +225,14 @@ def _flag_tensor(xf: torch.Tensor, kind: str) -> torch.Tensor:
 def _fwd_reference(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
     xf = x.float().contiguous()
     y = _exact_fp32(xf, kind)
-    # non-finite inputs by the mathematics (a library's vectorised path may return NaN for +inf): NaN, +inf, 0
-    zero = -0.0 if kind in _NEG_ZERO else 0.0
-    y = torch.where(torch.isfinite(xf), y, torch.where(xf < 0, zero, xf)).to(x.dtype)
+    # non-finite inputs by the mathematics (a library's vectorised path may return NaN for +inf): NaN, +inf, 0.
+    # One sum decides: it is finite only if every element is (NaN and ±inf propagate; a finite overflow to inf only
+    # sends us down the exact path). A host read: this runs eagerly inside the custom op; on CPU it costs no sync.
+    all_finite = bool(torch.isfinite(xf.sum())) if xf.numel() else True
+    if not all_finite:
+        zero = -0.0 if kind in _NEG_ZERO else 0.0
+        y = torch.where(torch.isfinite(xf), y, torch.where(xf < 0, zero, xf))
+    y = y.to(x.dtype)
     if not with_codes:
         return y, torch.empty(0, dtype=torch.uint8, device=x.device)
     bits = _bits_of(len(thresholds) + 1, "thresholds")
@@ -239,7 +244,10 @@ def _fwd_reference(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
         _packed_codes_2bit(flat, thresholds, packed[:nbytes])
     else:
         packed[:nbytes] = pack_codes(codes_reference(flat, thresholds), bits)
-    packed[nbytes] = _flag_tensor(flat, kind)
+    if all_finite:
+        packed[nbytes] = 0
+    else:
+        packed[nbytes] = _flag_tensor(flat, kind)
     return y, packed
 
 
