@@ -169,3 +169,13 @@ def test_environment_never_raises():
     env = R.environment("cuda:7")  # no such device here (or anywhere)
     assert isinstance(env, R.Environment) and env.device and env.torch
     assert dataclasses.asdict(R.environment("cpu"))["device"].startswith("cpu")
+
+
+def test_the_columns_tables_read_since_version_1_are_still_there():
+    v1_columns = ["task", "model", "method", "batch_size", "seed", "status", "message", "steps", "epochs", "dtype",
+                  "seq_len", "peak_bytes", "peak_how", "activation_bytes", "step_time_p20", "step_time_p50",
+                  "step_time_p80", "samples_per_s", "tokens_per_s", "final_loss", "metric_name", "metric_value",
+                  "metric_split", "device", "torch", "triton", "timm", "transformers", "git_commit", "hostname",
+                  "started_at", "finished_at"]
+    assert [c for c in R.COLUMNS if c in v1_columns] == v1_columns
+    assert len(set(R.COLUMNS)) == len(R.COLUMNS)
