@@ -435,9 +435,8 @@ def detect_dataflow(model: nn.Module, base: nn.Module) -> ModelLayout | None:
     return ModelLayout(
         family, model, base, blocks, attentions, norms, acts, final, head, attention_style=st,
         checkpoint_switch=switch, tokentune=None, origin="dataflow",
-        tokentune_why=f"no TokenTune training forward for {type(base).__name__}: tokentune needs a per-family driver "
-                      f"(lowmembp/methods/tokentune_forward.py: timm ViT, BERT/RoBERTa, LLaMA-like); this model was "
-                      f"mapped by data flow, which finds norms and linears but not the block's computation")
+        tokentune_why="mapped by data flow, which finds the norms and linears but not the block's computation; "
+                      "TokenTune needs a per-family training-forward driver (lowmembp/methods/tokentune_forward.py)")
 
 
 def _inside_linear(base, name, tr) -> bool:
