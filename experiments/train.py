@@ -23,8 +23,9 @@ time_from=--timing-warmup)``; the record's layout: ``experiments.record``):
 
 Determinism: the same cell, seed and ``--threads`` on the same machine gives the same record (loss and metric to
 the last digit on the CPU): the thread count is set (``torch.set_num_threads``), every generator is seeded from
-``--seed``, and the CPU runs with ``torch.use_deterministic_algorithms``. Different thread counts split the CPU's
-reductions differently and so differ in the last digits, which training amplifies.
+``--seed``. Different thread counts split the CPU's reductions differently and so differ in the last digits, which
+training amplifies. (``torch.use_deterministic_algorithms`` is not needed for this on the CPU and is left off: it is
+process-wide and fills every new tensor, which would change the step times measured.)
 
 Bases: ``--save-model PATH`` writes the trained weights (safetensors, atomically) and ``--init PATH`` starts a run
 from them; the record's ``base`` keeps the file's path, sha256, metadata and ``metric_before`` — the base's metric
@@ -78,7 +79,7 @@ def _lr_factor(step, total, warmup):
     return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def make_deterministic(seed: int, threads: int, device) -> None:
+def make_deterministic(seed: int, threads: int) -> None:
     """Seed every generator the run draws from and fix what else decides the CPU's arithmetic (see module doc)."""
     import numpy as np
     import torch
@@ -87,8 +88,6 @@ def make_deterministic(seed: int, threads: int, device) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
-    if device.type == "cpu":  # on CUDA it would need CUBLAS_WORKSPACE_CONFIG and slow the timed kernels
-        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def resolve_device(cfg):
@@ -121,7 +120,7 @@ class Run:
         if device.type == "cuda" and cfg.max_memory_mb:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.max_memory_mb * 2**20 / total), device)
-        make_deterministic(cfg.seed, cfg.threads, device)
+        make_deterministic(cfg.seed, cfg.threads)
         self.setup = setup = task.build(cfg.model, cfg)
         out["run"]["seq_len"] = setup.seq_len
         out["task_facts"] = dict(setup.info)
