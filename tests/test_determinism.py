@@ -15,12 +15,21 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from experiments import train
 
 ROOT = Path(__file__).resolve().parent.parent
 CELL = ["--task", "mnist5k", "--model", "vit-mnist", "--batch-size", "8", "--steps", "12", "--limit", "96",
         "--eval-limit", "32", "--no-progress", "--threads", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """The job sets torch's thread count (--threads); give the test process its own back afterwards."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 def outcome(path) -> tuple:

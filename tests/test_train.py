@@ -20,6 +20,14 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--steps", "3", "--limit", "48", "--eval-limit", "8", "--no-progress", "--seed", "1"]
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """The job sets torch's thread count (--threads); give the test process its own back afterwards."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 def run(argv, capsys=None):
     rc = train.main([str(a) for a in argv])
     return rc

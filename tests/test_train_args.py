@@ -17,6 +17,14 @@ BASE = ["--task", "mnist5k", "--method", "baseline", "--batch-size", "4", "--lim
 RUN = [*BASE, "--steps", "3"]
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """The job sets torch's thread count (--threads); give the test process its own back afterwards."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 def refused(argv, capsys) -> str:
     t0 = time.time()
     assert train.main([str(a) for a in argv]) == 2
