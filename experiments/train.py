@@ -254,7 +254,7 @@ def new_sections(cfg) -> dict:
 def finish(cfg, sections: dict, status: str, message: str | None, started: str) -> dict:
     """The record of this run as a dict, checked against the layout; if the sections do not fit it (a bug), an
     error record that says so, with the identity — a run that started always ends with a record."""
-    from experiments.record import Record, environment, error_record, now
+    from experiments.record import SCHEMA_VERSION, Record, environment, error_record, now
 
     try:
         device = resolve_device(cfg)
@@ -264,7 +264,7 @@ def finish(cfg, sections: dict, status: str, message: str | None, started: str) 
         env = dataclasses.asdict(environment(device))
     except Exception as err:  # what the run measured matters more than the device's name
         env = {"device": f"unknown (the environment capture failed: {type(err).__name__}: {err})"}
-    d = {**sections, "schema_version": 2, "status": status, "message": message, "started_at": started,
+    d = {**sections, "schema_version": SCHEMA_VERSION, "status": status, "message": message, "started_at": started,
          "finished_at": now(), "environment": env}
     try:
         return Record.from_dict(d).to_dict()
