@@ -25,7 +25,7 @@ def test_gradients_equal_baseline(name, policy):
     g0, g1 = grads(ref), grads(model)
     assert g0.keys() == g1.keys()
     for k in g0:
-        torch.testing.assert_close(g1[k], g0[k], rtol=0, atol=1e-7)
+        torch.testing.assert_close(g1[k], g0[k], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
