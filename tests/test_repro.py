@@ -7,7 +7,7 @@ from lowmembp.repro.block_breakdown import theory
 
 
 def test_registry_names():
-    assert set(REPROS) == {"block-breakdown", "fig1", "mesa-table", "tokentune-memory"}
+    assert set(REPROS) == {"block-breakdown", "fig1", "mesa-table", "tokentune-memory", "stacked"}
     with pytest.raises(ValueError, match="unknown reproduction"):
         run("fig2")
 

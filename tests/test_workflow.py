@@ -163,7 +163,7 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     assert (low["peak_paper"] == 0.73).all()  # vit-mnist plays ViT
     for png in res.glob("figures/*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(list(res.glob("figures/*.png"))) == 3 + len(cfg["repro"]["names"])
+    assert len(list(res.glob("figures/*.png"))) == 3 + 1 + len(cfg["repro"]["names"])  # + pareto (rules/pareto.smk)
     assert len(list(res.glob("notebooks/*.ipynb"))) == 4
     # results, tables and bases are readable by the user's group (umask 022 here): no 0600 files
     private = [f"{oct(f.stat().st_mode & 0o777)} {f.relative_to(res)}" for f in res.rglob("*")
