@@ -71,6 +71,37 @@ def test_lora_adapts_attention_and_mlp_of_every_block(name):
         assert leaves == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_lora_then_lowmembp_exact(name):
+    """peft-wrapped (LoRA with a random B, so the branch is not zero): folding reaches the LoRA A layers too."""
+    model, inputs = build(name)
+    batch = inputs()
+    pm = lowmembp.apply(model, "lora")
+    with torch.no_grad():
+        for k, p in pm.named_parameters():
+            if "lora_B" in k:
+                p.normal_(0, 0.1)
+    pm.eval()
+    with torch.no_grad():
+        ref = logits(pm, batch)
+    conv = lowmembp.apply(copy.deepcopy(pm), "lowmembp")
+    conv.eval()
+    with torch.no_grad():
+        assert _rel(logits(conv, batch), ref) <= 1e-5
+
+
+def test_float64_models_run_or_are_refused():
+    model, inputs = build("gpt2")
+    batch = inputs()
+    for method in ("checkpointing", "lora"):
+        m = lowmembp.apply(copy.deepcopy(model).double(), method)
+        m.train()
+        logits(m, batch).pow(2).mean().backward()
+    for method in ("mesa", "lowmembp", "lowmembp-act"):
+        with pytest.raises(TypeError, match="float64"):
+            lowmembp.apply(copy.deepcopy(model).double(), method)
+
+
 def test_gemma_effective_gamma_and_sandwich_norms_kept():
     model, _ = build("gemma2")
     lay = get_layout(model)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import sys
 import types
 
+import torch
 import torch.nn as nn
 
 from lowmembp.export import record_attention, record_swap
@@ -78,6 +79,11 @@ def convert(model: nn.Module, *, linears: bool, acts: bool, norms: bool, attenti
         raise ValueError(f"mesa_momentum must be a number in [0, 1) (0.9 is Mesa's; 0 uses each batch's own range), "
                          f"got {momentum!r}")
     layout = get_layout(model)
+    bad = {p.dtype for p in layout.base.parameters() if p.is_floating_point()} - {torch.float32, torch.float16,
+                                                                                  torch.bfloat16}
+    if bad:  # refuse now, not in the first training forward (Mesa's 8-bit quantiser takes 16/32-bit floats)
+        raise TypeError(f"mesa: parameters of dtype {', '.join(sorted(map(str, bad)))} are not supported (Mesa "
+                        f"quantises float32, float16 and bfloat16 activations): convert model.float() first")
     done = {"linear": 0, "act": 0, "norm": 0, "attention": 0}
     if attention != "keep":
         for site in layout.attentions:

@@ -115,11 +115,13 @@ def detect_bert(model: nn.Module, base: nn.Module) -> ModelLayout | None:
     prev.consumers = head
     prev.foldable = False
     prev.why = "post-norm: the last hidden state is the model's output and the head's input; kept exact"
-    tt = type(base).__name__.endswith("ForSequenceClassification") and base is not inner
+    tt = type(base).__name__.endswith("ForSequenceClassification") and base is not inner and proj is None
+    why = "" if tt else (
+        "ELECTRA's embedding projection (embeddings_project) is not part of TokenTune's BERT driver" if proj is not None
+        else f"tokentune supports BERT/RoBERTa sequence classification models (BertForSequenceClassification, "
+             f"RobertaForSequenceClassification); got {type(base).__name__}")
     return ModelLayout("bert", model, base, bl, at, norms, acts, prev, head, attention_style="hf",
-                       checkpoint_switch=_hf_switch(base), tokentune="bert" if tt else None,
-                       tokentune_why="" if tt else f"tokentune supports BERT/RoBERTa sequence classification models "
-                       f"(BertForSequenceClassification, RobertaForSequenceClassification); got {type(base).__name__}")
+                       checkpoint_switch=_hf_switch(base), tokentune="bert" if tt else None, tokentune_why=why)
 
 
 def _hf_switch(base: nn.Module) -> str | None:
