@@ -205,3 +205,21 @@ def test_mesa_block_compiles_and_trains_like_eager(torch_backend):
     for a, b in zip(g_comp, g_eager):  # 8-bit inputs with different random rounding: close, not equal
         assert torch.isfinite(a).all()
         assert float((a - b).norm() / b.norm()) < 0.05
+
+
+def test_dynamic_shapes_compile_once_for_every_op(torch_backend):
+    """dynamic=True: the fake implementations take symbolic sizes (codes: ceil(N·bits/8) + 1 bytes)."""
+    act = A.make_approx("quick_gelu", 3)
+    q = mq.EMAQuantizer(4)
+
+    def fn(x):
+        y = act(A.regelu2(MS.ms_rms_norm(x)))
+        return y.sum() + mq.dequantize(q.pack(x)).sum().detach()
+
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+    for rows in (3, 6):
+        x = torch.randn(rows, 16, requires_grad=True)
+        compiled(x).backward()
+        x2 = x.detach().clone().requires_grad_()
+        fn(x2).backward()
+        torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)

@@ -109,16 +109,16 @@ def _fp32(v: float) -> float:
     return struct.unpack("<f", struct.pack("<f", v))[0]
 
 
-_CONSTS32: dict = {}
+# fp32-rounded thresholds and slopes of every table entry, computed once at import (so a compiled graph only reads
+# this dict; Dynamo cannot trace struct.pack)
+_CONSTS32 = {key: (tuple(_fp32(v) for v in c), tuple(_fp32(v) for v in slopes(a))) for key, (c, a) in TABLE.items()}
 
 
 def _consts32(kind: str, bits: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """fp32-rounded thresholds and slopes (Python floats) for the custom ops' arguments (cached)."""
-    key = (kind, bits)
-    if key not in _CONSTS32:
-        c, a = constants(kind, bits)
-        _CONSTS32[key] = (tuple(_fp32(v) for v in c), tuple(_fp32(v) for v in slopes(a)))
-    return _CONSTS32[key]
+    """fp32-rounded thresholds and slopes (Python floats) for the custom ops' arguments."""
+    if (kind, bits) not in _CONSTS32:
+        constants(kind, bits)  # raises the clear error
+    return _CONSTS32[(kind, bits)]
 
 
 def _bits_of(n_values: int, what: str) -> int:

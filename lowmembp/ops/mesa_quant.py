@@ -48,7 +48,6 @@ load, cast to fp32, compute, cast back (bf16 arithmetic is never used); fp32, fp
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -93,7 +92,10 @@ def channel_groups(channels: int, wanted: int) -> int:
     """The number of channel groups actually used: ``gcd(channels, wanted)`` (groups must divide the channels)."""
     if wanted < 1:
         raise ValueError(f"the number of channel groups must be >= 1, got {wanted}")
-    return math.gcd(int(channels), int(wanted))
+    a, b = channels, int(wanted)  # Euclid by hand: math.gcd does not take the SymInt a compiled graph passes here
+    while b:
+        a, b = b, a % b
+    return a
 
 
 def group_min_max(x: torch.Tensor, inner: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
