@@ -17,6 +17,12 @@ the log-sum-exp, as on a GPU). Not included: CUDA allocator rounding and caching
 context, the data loader, and what the GPU autocast casts differently. Code that reads a value back from a fake
 tensor (``.item()``) fails here, as it would under any fake mode: the ops of this package do not (Mesa draws its seed
 from a real CPU generator and, on fake tensors, allocates its codes without computing them).
+
+Offloading (``offload``): its copies are made on the fake host, so the device storages die as on a GPU, and the peak
+tracker counts the copies as host memory (``peak["host"]``). The tensors are fake *CPU* tensors: FakeTensorMode makes
+``device="cuda"`` fake tensors and runs their forward, but torch 2.14's autograd engine refuses their backward
+without a GPU (``hasPrimaryContext expects a valid device index``). ``liger`` refuses fake tensors (its Triton
+kernels need a GPU): its figures come from a GPU run.
 """
 from __future__ import annotations
 
