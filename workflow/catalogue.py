@@ -43,6 +43,7 @@ RUN_FIGURES = (
     Output("memory_vs_batch", "Peak and activation memory against batch size", "plots.py"),
     Output("step_time_ratio", "Step time as a ratio to the reference run (p50), paper's ratio beside", "plots.py"),
     Output("accuracy", "Evaluation metric per method, every seed and the mean", "plots.py"),
+    Output("pareto", "Peak memory against step time per method, per task, with the front", "plots_pareto.py"),
 )
 REPRODUCTIONS = (
     Reproduction("block-breakdown", "block_breakdown",

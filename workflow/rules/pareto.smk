@@ -1,8 +1,7 @@
 # The Pareto figure (issue #15): peak memory against step time for every method of one run, per task
-# (workflow/scripts/plots_pareto.py). Part of the default targets: all_targets() (common.smk) is extended here, as
-# this file is included before `rule all`; the catalogue (workflow/catalogue.py) may list it instead later.
+# (workflow/scripts/plots_pareto.py). Listed in workflow/catalogue.py (RUN_FIGURES), which puts it in `all`.
 
-PARETO_FIGURE = f"{R}/figures/pareto.png"
+PARETO_FIGURE = cat.figure_path(R, "pareto")
 
 
 rule pareto_figure:
@@ -17,9 +16,3 @@ rule pareto_figure:
     script:
         "../scripts/plots_pareto.py"
 
-
-_targets_before_pareto = all_targets
-
-
-def all_targets(wc=None):
-    return _targets_before_pareto(wc) + ([PARETO_FIGURE] if CELLS else [])
