@@ -82,7 +82,8 @@ def pareto(runs: pd.DataFrame, out: Path) -> None:
         ax.set_ylabel("peak device memory (MiB)")
         ax.set_title(f"{task} / {model}, batch {int(sub['batch_size'].iloc[0])}", fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right")
+        ax.margins(x=0.18, y=0.12)  # room for the labels of the outermost points
+        ax.legend(fontsize=7, loc="best")
     fig.suptitle("Peak memory against step time; hollow marker: device + host (offloading)", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
