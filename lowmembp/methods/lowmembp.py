@@ -2,14 +2,19 @@
 
     model = lowmembp.apply(model, "lowmembp")          # or "lora+lowmembp", "lowmembp-act", "lowmembp-norm"
 
-- ``lowmembp-act`` (the paper's "activation" variant): every erf-GELU → ``ReGELU2``, every SiLU → ``ReSiLU2``
-  (lowmembp.ops.approx_act): exact forward, 2-bit codes saved instead of the input.
+- ``lowmembp-act`` (the paper's "activation" variant): every erf-GELU → ``ReGELU2``, every SiLU → ``ReSiLU2``,
+  and tanh-GELU / QuickGELU / ReLU / squared ReLU → ``approx_act.make_approx(kind)`` where that exists (else kept and
+  listed in ``lowmembp_report["skipped_acts"]``): exact forward, 2-bit codes saved instead of the input.
 - ``lowmembp-norm`` (the paper's "mergeln" variant): every LayerNorm / RMSNorm the adapter can fold →
   ``MSLayerNorm`` / ``MSRMSNorm`` (lowmembp.ops.ms_norm, no affine), with γ and β folded into every linear that reads
   the norm (lowmembp.models.fold: float64, cast back; peft LoRA branches folded too), the final norm folded into the
   head (ViT ``head`` — after token/avg pooling, ``fc_norm`` or ``norm`` — Swin ``head.fc``, LLaMA ``lm_head`` /
   ``score``; tied embeddings are untied), and for post-norm BERT / RoBERTa the affine re-applied on the residual
-  path (``lowmembp.models.fold.ResidualAffine``).
+  path (``lowmembp.models.fold.ResidualAffine``). The effective γ comes from the layout (``NormSite.affine()``:
+  Gemma's ``1 + w``); models without a dedicated adapter are mapped by data flow (lowmembp.models.dataflow).
+- After converting, every converted norm (with its consumers and residual receivers) and activation is checked
+  against a copy of the original on random inputs (lowmembp.methods._verify); a mismatch raises
+  ``ConversionCheckError`` naming the site. ``lowmembp_report["sites"]`` lists every site: converted or kept, and why.
 - ``lowmembp``: both.
 
 Exact in the forward (fp32: to rounding) with these stated exceptions, which are kept or reported, never silent:
