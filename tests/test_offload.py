@@ -140,7 +140,7 @@ def test_cuda_pinned_side_stream():
         torch.testing.assert_close(grads(model)[k], g, rtol=0, atol=0)
     assert model._lowmembp_host_ledger.peak > 0
     pk = _peak(model, {k: torch.cat([v] * 8) for k, v in batch.items()})
-    assert pk["how"] == "cuda max_memory_allocated" and pk["host"]["bytes"] > 0
+    assert "cuda" in pk["how"] and pk["host"]["bytes"] > 0
 
 
 def test_saved_tensors_come_back_with_their_strides_sac_on_fake_tensors():
