@@ -1,0 +1,419 @@
+"""The GPU evidence run (issue #12): one command on one GPU writes every measurement into one folder.
+
+    bash benchmarks/prepare_gpu_run.sh                       # once, here: fills the git-ignored third_party/
+    python benchmarks/gpu_run.py --out results/gpu/          # on the GPU machine (benchmarks/gpu_run.sh wraps it)
+    python benchmarks/gpu_run.py --cpu-smoke --out /tmp/gr   # no GPU: the same script, tiny, nothing measured
+
+Parts, in this order, each with its own time limit inside ``--budget-s`` (default 420 s), each in its own process
+on the GPU (a crash or a hang loses that part only; what it wrote so far stays):
+  gpu_check  benchmarks/gpu_check.py: every Triton kernel against its reference, GB/s and % of a device copy
+             -> gpu_check/gpu_check.{json,md}
+  fig1       LowMemoryBP Fig. 1 for real, ViT-B/16 (benchmarks/gpu_run_steps.py) -> fig1.csv
+  llama      a LLaMA-7B-width 4-layer LoRA step -> llama.csv
+  kernels    ours vs the official LowMemoryBP CUDA ops vs Liger vs PyTorch (benchmarks/gpu_run_kernels.py)
+             -> kernels.csv
+  pytest     ``pytest -m gpu`` over the test files that hold gpu tests -> pytest_gpu.txt, pytest_gpu.xml
+and, on the CPU alongside them (started first), ``estimates``: lowmembp's fake-tensor estimate of every fig1 / llama
+configuration -> estimates.csv; the official ops' nvcc build also runs in the background from the start.
+At the end: estimator_error.csv (measured / estimated peak per configuration), margin.json (the planner's allocator
+margin, read by lowmembp.plan from results/gpu/margin.json), machine.json (GPU, driver, CUDA, versions, the
+command, each part's status and time) and summary.md. Exit status 0 when every part passed, 1 otherwise.
+
+Liger-Kernel: if ``liger_kernel`` is not importable, the wheel in third_party/wheels/ is installed with
+``pip install --no-deps --no-index --target`` into a temporary folder put on the path.
+``--cpu-smoke``: TRITON_INTERPRET=1 (set before triton is imported), tiny shapes, our kernels through the
+interpreter, the official ops replaced by a flagged stand-in (our reference), Liger skipped, gpu_check on one op and
+pytest collecting only; no timing claims. tests/test_gpu_run.py runs it.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+# part: (limit cap on a GPU in s, cap in the CPU dry run); the order is the run's order
+# The order puts the official nvcc build (started first, in the background) well before the kernels part needs it,
+# and pytest, which repeats much of gpu_check, last.
+PARTS = {"gpu_check": (75, 300), "fig1": (100, 300), "llama": (70, 300), "kernels": (90, 300), "pytest": (60, 300)}
+FLOOR_S = 20  # what each later part keeps back from an earlier one's limit
+PAPER_FIG1 = {"lora": (3827, 288), "lora+checkpointing": (1252, 229), "lora+mesa-gelu-ln": (2853, 226),
+              "lora+lowmembp": (2717, 290)}  # DESIGN §3: peak MiB, img/s
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="results/gpu", help="output folder (default results/gpu/)")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU through TRITON_INTERPRET=1")
+    p.add_argument("--budget-s", type=float, default=420.0, help="total seconds for all parts (default 420)")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated parts to run (default all: {','.join(PARTS)}); estimates run with "
+                        "fig1/llama")
+    p.add_argument("--third-party", default=str(ROOT / "third_party"),
+                   help="the folder benchmarks/prepare_gpu_run.sh filled (default third_party/)")
+    p.add_argument("--build-dir", default=None, help="nvcc build folder of the official ops (default: a temp dir)")
+    p.add_argument("--estimate-workers", type=int, default=None, help="processes for the estimates (GPU: 3)")
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)        # internal: run one part here
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.parts = [x.strip() for x in a.parts.split(",") if x.strip()]
+    bad = [x for x in a.parts if x not in PARTS]
+    if bad:
+        p.error(f"unknown part(s) {bad}; choose from {list(PARTS)}")
+    if a.budget_s <= 0:
+        p.error("--budget-s must be positive")
+    return a
+
+
+class Ctx:
+    def __init__(self, a):
+        self.out = Path(a.out).resolve()
+        self.smoke = a.cpu_smoke
+        self.third_party = Path(a.third_party).resolve()
+        self.build_dir = Path(a.build_dir).resolve() if a.build_dir else \
+            Path(os.environ.get("TMPDIR", "/tmp")) / "lowmembp_lomem_build"
+        self.args = a
+
+
+class CsvSink:
+    """A CSV with fixed columns, one flushed row at a time (a killed part keeps its rows)."""
+
+    def __init__(self, path: Path, columns: list[str]):
+        self.path, self.columns = path, columns
+        self._f = open(path, "w", newline="")
+        self._w = csv.DictWriter(self._f, columns, extrasaction="ignore", restval="")
+        self._w.writeheader()
+        self._f.flush()
+
+    def write(self, row: dict):
+        self._w.writerow({k: ("" if v is None else v) for k, v in row.items()})
+        self._f.flush()
+
+    def rewrite(self, rows: list[dict]):
+        self._f.close()
+        self.__init__(self.path, self.columns)
+        for r in rows:
+            self.write(r)
+
+    def close(self):
+        self._f.close()
+
+
+def read_csv(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# ------------------------------------------------------------------------------------------- one part, here
+def run_part(name: str, ctx: Ctx, deadline: float) -> int:
+    """Run part ``name`` in this process; 0 when it completed with every row ok."""
+    sys.path[:0] = [str(ROOT), str(HERE)]
+    if name == "kernels":
+        from gpu_run_kernels import COLUMNS, run_kernels
+        sink = CsvSink(ctx.out / "kernels.csv", COLUMNS)
+        rows, stopped = run_kernels(ctx, sink, deadline)
+        sink.rewrite(rows)
+        sink.close()
+        bad = [r for r in rows if r.get("status") in ("FAIL", "error")]
+        return 1 if bad or stopped else 0
+    if name in ("fig1", "llama"):
+        from gpu_run_steps import STEP_COLUMNS, run_steps
+        sink = CsvSink(ctx.out / f"{name}.csv", STEP_COLUMNS)
+        facts = run_steps(ctx, name, sink, deadline)
+        sink.close()
+        (ctx.out / f"{name}_allocator.json").write_text(json.dumps(facts, indent=1))
+        rows = read_csv(ctx.out / f"{name}.csv")
+        return 1 if any(r["status"] in ("error", "oom") for r in rows) else 0
+    if name == "estimates":
+        from gpu_run_steps import ESTIMATE_COLUMNS, run_estimates
+        sink = CsvSink(ctx.out / "estimates.csv", ESTIMATE_COLUMNS)
+        workers = ctx.args.estimate_workers or (1 if ctx.smoke else 3)
+        run_estimates(ctx, sink, deadline, workers=workers)
+        sink.close()
+        return 0
+    raise ValueError(f"unknown part {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------- processes
+def _env(ctx: Ctx, extra: dict | None = None) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    paths = [str(ROOT), str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.update(extra or {})
+    return env
+
+
+class Proc:
+    """A child process whose output goes, line by line, to the console (prefixed) and to a log file."""
+
+    def __init__(self, name: str, cmd: list[str], log: Path, env: dict, cwd: Path = ROOT):
+        self.name, self.cmd, self.t0 = name, cmd, time.time()
+        self.log = open(log, "w")
+        self.p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, start_new_session=True)
+        self.reader = threading.Thread(target=self._pump, daemon=True)
+        self.reader.start()
+        self.timed_out = False
+
+    def _pump(self):
+        for line in self.p.stdout:
+            self.log.write(line)
+            self.log.flush()
+            print(f"[{self.name}] {line}", end="", flush=True)
+
+    def wait(self, limit: float) -> int:
+        try:
+            rc = self.p.wait(timeout=max(0.1, limit))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.timed_out = True
+            rc = self.p.wait()
+        self.reader.join(timeout=5)
+        self.log.close()
+        return rc
+
+    def kill(self):
+        try:
+            os.killpg(self.p.pid, 9)  # its own session: the part and its children, nothing else
+        except ProcessLookupError:
+            pass
+
+    @property
+    def seconds(self):
+        return time.time() - self.t0
+
+
+def part_command(name: str, ctx: Ctx, deadline: float) -> list[str]:
+    """The command line of a part that runs in a process of its own."""
+    py = sys.executable
+    if name == "gpu_check":
+        cmd = [py, str(HERE / "gpu_check.py"), "--out", str(ctx.out / "gpu_check")]
+        return cmd + (["--cpu-smoke", "--skip-large", "--ops", "approx_act"] if ctx.smoke else [])
+    if name == "pytest":
+        files = gpu_test_files()
+        cmd = [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+               f"--junitxml={ctx.out / 'pytest_gpu.xml'}"]
+        return cmd + (["--collect-only"] if ctx.smoke else ["-rfEs"]) + files
+    cmd = [py, str(Path(__file__).resolve()), "--part", name, "--out", str(ctx.out), "--deadline", f"{deadline:.1f}",
+           "--third-party", str(ctx.third_party), "--build-dir", str(ctx.build_dir)]
+    if ctx.args.estimate_workers:
+        cmd += ["--estimate-workers", str(ctx.args.estimate_workers)]
+    return cmd + (["--cpu-smoke"] if ctx.smoke else [])
+
+
+def gpu_test_files() -> list[str]:
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                  if "mark.gpu" in p.read_text(errors="ignore"))
+
+
+def ensure_liger(ctx: Ctx) -> str:
+    """Make ``liger_kernel`` importable (from third_party/wheels if needed); a line saying how."""
+    import importlib.util
+    if importlib.util.find_spec("liger_kernel") is not None:
+        return "liger_kernel importable as installed"
+    if ctx.smoke:
+        return "liger: not installed; skipped without CUDA"
+    wheels = sorted((ctx.third_party / "wheels").glob("liger_kernel-*.whl"))
+    if not wheels:
+        return f"liger: not installed and no wheel in {ctx.third_party / 'wheels'} (run prepare_gpu_run.sh)"
+    target = Path(os.environ.get("TMPDIR", "/tmp")) / "lowmembp_liger_site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
+                        "--upgrade", "--target", str(target), str(wheels[-1])], capture_output=True, text=True,
+                       timeout=120)
+    if r.returncode != 0:
+        return f"liger: pip install of {wheels[-1].name} failed: {r.stderr[-300:]}"
+    sys.path.insert(0, str(target))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(target)] + [p for p in
+                                                                os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return f"liger: installed {wheels[-1].name} into {target}"
+
+
+def nvidia_smi() -> dict:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return {}
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,driver_version,memory.total,compute_cap",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout
+        name, driver, mem, cap = [x.strip() for x in out.strip().splitlines()[0].split(",")]
+        return {"name": name, "driver": driver, "memory_total": mem, "compute_capability": cap}
+    except Exception as e:
+        return {"error": f"nvidia-smi: {e}"}
+
+
+def _version_line(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[-1]
+    except Exception:
+        return None
+
+
+def machine_facts(ctx: Ctx, argv: list[str]) -> dict:
+    from importlib import metadata
+    versions = {}
+    for pkg in ("torch", "triton", "timm", "transformers", "peft", "liger-kernel", "numpy", "pytest"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except Exception:
+            versions[pkg] = None
+    git = {}
+    try:
+        git["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                       timeout=10).stdout.strip() or None
+        git["dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                           capture_output=True, text=True, timeout=20).stdout.strip())
+    except Exception:
+        pass
+    prepared = ctx.third_party / "PREPARED.txt"
+    return {"command": " ".join([Path(sys.executable).name, str(Path(__file__).relative_to(ROOT))] + argv),
+            "cwd": str(Path.cwd()), "smoke": ctx.smoke, "gpu": nvidia_smi(), "cuda_torch": _torch_cuda(),
+            "nvcc": _version_line(["nvcc", "--version"]) if shutil.which("nvcc") else None,
+            "python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+            "versions": versions, "git": git,
+            "third_party": prepared.read_text().strip() if prepared.is_file() else "absent"}
+
+
+def _torch_cuda():
+    try:
+        import torch
+        return torch.version.cuda
+    except Exception:
+        return None
+
+
+# --------------------------------------------------------------------------------------------------- the run
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = parse_args(argv)
+    if a.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported, here and in every child
+    ctx = Ctx(a)
+    if a.part:
+        ctx.out.mkdir(parents=True, exist_ok=True)
+        return run_part(a.part, ctx, a.deadline or time.time() + 600)
+    if ctx.smoke and ctx.out == (ROOT / "results" / "gpu").resolve():
+        print("gpu_run: --cpu-smoke would overwrite the GPU results in results/gpu/ (the planner reads its "
+              "margin.json); choose another --out", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    end = t0 + a.budget_s
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    smi = nvidia_smi()
+    if not ctx.smoke and not smi.get("name"):
+        print("gpu_run: no NVIDIA GPU here (nvidia-smi). Run it on the GPU machine, or --cpu-smoke.", file=sys.stderr)
+        return 2
+    if not ctx.smoke and smi.get("compute_capability"):
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", smi["compute_capability"])  # the official build, one arch
+        os.environ.setdefault("MAX_JOBS", str(max(1, min(8, (os.cpu_count() or 2) // 2))))
+    print(f"gpu_run: {'CPU dry run' if ctx.smoke else smi.get('name')}; budget {a.budget_s:.0f} s; out {ctx.out}",
+          flush=True)
+    liger_line = ensure_liger(ctx)
+    print(f"gpu_run: {liger_line}", flush=True)
+    status = {}
+    background = {}
+    lomem = ctx.third_party / "lomem"
+    if not ctx.smoke and "kernels" in a.parts:
+        if (lomem / "csrc").is_dir():
+            cap = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+            background["official_build"] = Proc(
+                "official_build", [sys.executable, str(HERE / "official_lomem.py"), "build", "--src", str(lomem),
+                                   "--build-dir", str(ctx.build_dir)] + (["--arch", cap] if cap else []),
+                ctx.out / "official_build.log", _env(ctx, {"CUDA_VISIBLE_DEVICES": ""}))
+        else:
+            print(f"gpu_run: no official sources at {lomem}: the kernels part records them as skipped "
+                  "(run benchmarks/prepare_gpu_run.sh and carry third_party)", flush=True)
+    if {"fig1", "llama"} & set(a.parts):
+        est_deadline = end - 10
+        background["estimates"] = Proc("estimates", part_command("estimates", ctx, est_deadline),
+                                       ctx.out / "estimates.log",
+                                       _env(ctx, {"CUDA_VISIBLE_DEVICES": "", "GPU_RUN_EST_THREADS": "2"}))
+    todo = [p for p in PARTS if p in a.parts]
+    for i, name in enumerate(todo):
+        cap = PARTS[name][1 if ctx.smoke else 0]
+        left = end - time.time() - FLOOR_S * (len(todo) - i - 1) - 10
+        limit = min(cap, left)
+        if limit < 5:
+            status[name] = dict(status="skipped", seconds=0, limit_s=round(limit), note="no budget left")
+            print(f"gpu_run: {name}: skipped, no budget left", flush=True)
+            continue
+        deadline = time.time() + limit - 8  # the part stops itself before it is killed
+        print(f"\ngpu_run: === {name} (limit {limit:.0f} s, {time.time() - t0:.0f} s in) ===", flush=True)
+        log = ctx.out / (f"{name}.log" if name != "pytest" else "pytest_gpu.txt")
+        busy = [b for b, p in background.items() if p.p.poll() is None]
+        extra = {}
+        build = background.get("official_build")
+        if name == "kernels" and build is not None and build.p.poll() not in (None, 0):
+            extra["GPU_RUN_OFFICIAL_FAILED"] = f"the background build failed (rc {build.p.poll()}), see " \
+                                               "official_build.log"
+        if ctx.smoke and name in ("kernels", "fig1", "llama"):
+            t = time.time()
+            try:
+                rc = run_part(name, ctx, deadline)
+                note = ""
+            except Exception as e:
+                import traceback
+                traceback.print_exc()
+                rc, note = 1, f"{type(e).__name__}: {e}"
+            status[name] = dict(status="ok" if rc == 0 else "failed", rc=rc, seconds=round(time.time() - t, 1),
+                                limit_s=round(limit), note=note)
+            continue
+        proc = Proc(name, part_command(name, ctx, deadline), log, _env(ctx, extra))
+        rc = proc.wait(limit)
+        ok = rc == 0 or (name == "pytest" and rc == 5)  # 5: no gpu tests collected
+        status[name] = dict(status="timeout" if proc.timed_out else ("ok" if ok else "failed"), rc=rc,
+                            seconds=round(proc.seconds, 1), limit_s=round(limit),
+                            note=f"CPU background still running at its start: {', '.join(busy)}" if busy else "")
+        print(f"gpu_run: {name}: {status[name]['status']} (rc {rc}) in {proc.seconds:.0f} s", flush=True)
+    for name, proc in background.items():
+        left = max(5.0, end - time.time()) if name == "estimates" else 1.0
+        rc = proc.wait(left)
+        status[name] = dict(status="timeout" if proc.timed_out else ("ok" if rc == 0 else "failed"), rc=rc,
+                            seconds=round(proc.seconds, 1), background=True)
+    finish(ctx, status, argv, t0, liger_line)
+    failed = [n for n, s in status.items() if s["status"] not in ("ok",)]
+    print(f"\ngpu_run: done in {time.time() - t0:.0f} s; parts not ok: {failed or 'none'}; see {ctx.out / 'summary.md'}",
+          flush=True)
+    return 1 if failed else 0
+
+
+def finish(ctx: Ctx, status: dict, argv: list[str], t0: float, liger_line: str) -> None:
+    """estimator_error.csv, margin.json, machine.json, summary.md from what the parts wrote."""
+    sys.path[:0] = [str(ROOT), str(HERE)]
+    from gpu_run_steps import ERROR_COLUMNS, estimator_error, margin_from
+    measured = read_csv(ctx.out / "fig1.csv") + read_csv(ctx.out / "llama.csv")
+    estimates = read_csv(ctx.out / "estimates.csv")
+    errors = estimator_error(measured, estimates)
+    sink = CsvSink(ctx.out / "estimator_error.csv", ERROR_COLUMNS)
+    for r in errors:
+        sink.write(r)
+    sink.close()
+    allocator = {}
+    for part in ("fig1", "llama"):
+        p = ctx.out / f"{part}_allocator.json"
+        if p.is_file():
+            allocator[part] = json.loads(p.read_text() or "{}")
+    where = f"benchmarks/gpu_run.py {time.strftime('%Y-%m-%d', time.gmtime())}"
+    margin = margin_from(errors, allocator, ctx.smoke, where)
+    if margin is not None:
+        (ctx.out / "margin.json").write_text(json.dumps(margin, indent=1) + "\n")
+    facts = machine_facts(ctx, argv)
+    facts.update(started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)), seconds=round(time.time() - t0, 1),
+                 budget_s=ctx.args.budget_s, liger=liger_line, parts=status, allocator=allocator)
+    (ctx.out / "machine.json").write_text(json.dumps(facts, indent=1) + "\n")
+    from gpu_run_summary import write_summary
+    write_summary(ctx.out, facts, PAPER_FIG1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Part "kernels" of benchmarks/gpu_run.py: our ops, the official LowMemoryBP CUDA ops, Liger-Kernel and PyTorch side
+by side in one process — forward and backward time, bytes saved for backward, and each one's output and gradients
+against a reference. One row per (op, shape, dtype, implementation) in ``kernels.csv``.
+
+Ops (each called through autograd, as a model calls it):
+  regelu2 / resilu2   ours, official, torch (F.gelu / F.silu: exact backward, saves its input)
+  geglu / swiglu      act(a) * b, the gated MLP: ours and official with ReGELU2 / ReSiLU2, torch, Liger's fused
+                      GeGLU (tanh GELU) / SwiGLU
+  ms_layernorm / ms_rmsnorm   no affine (LowMemoryBP folds γ/β into the next linear): ours, official, torch
+                      (F.layer_norm / F.rms_norm), Liger (γ = 1, β = 0, not trained)
+Reference ("semantics" column): ``approx`` — lowmembp's own PyTorch reference op in fp32 (exact forward, 2-bit
+backward: what ReGELU2/ReSiLU2 compute, ours and theirs alike); ``exact`` — the PyTorch op in fp32 (tanh GELU for
+Liger's GeGLU). Errors are max |impl − ref| / max |ref| over the output and over every input gradient.
+Times: ``triton.testing.do_bench`` medians (ms) of the forward (building the graph) and of the backward alone
+(``retain_graph``); ``*_vs_ours``: impl time / ours. CPU dry run: tiny shapes, ours through Triton's interpreter, the
+official ops replaced by the reference stand-in of :mod:`official_lomem` (flagged), Liger skipped, no times.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+import traceback
+import zlib
+
+COLUMNS = ["op", "shape", "dtype", "impl", "semantics", "status", "y_err", "dx_err", "fwd_ms", "bwd_ms",
+           "saved_bytes", "saved_bytes_per_element", "fwd_vs_ours", "bwd_vs_ours", "note"]
+SHAPES_GPU = {"act": {"vit-b 64x197x3072": (64, 197, 3072), "llama7b 4x2048x11008": (4, 2048, 11008)},
+              "norm": {"vit-b 64x197x768": (64, 197, 768), "llama7b 4x2048x4096": (4, 2048, 4096)}}
+SHAPES_SMOKE = {"act": {"tiny 2x5x40": (2, 5, 40)}, "norm": {"tiny 6x48": (6, 48)}}
+TOL = {"float16": (2e-3, 4e-3), "bfloat16": (1e-2, 2e-2), "float32": (1e-5, 1e-4)}  # (y, dx) relative to max |ref|
+
+
+def _saved_bytes(torch, fn, inputs):
+    """(output, bytes of the distinct storages saved for backward by one forward)."""
+    seen = {}
+
+    def pack(t):
+        try:
+            s = t.untyped_storage()
+            seen[(s.data_ptr(), t.device)] = s.nbytes()
+        except Exception:
+            seen[id(t)] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(*inputs)
+    return y, sum(seen.values())
+
+
+def _rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    scale = float(b.abs().max()) if b.numel() else 1.0
+    return float((a - b).abs().max()) / (scale or 1.0) if b.numel() else 0.0
+
+
+class KernelBench:
+    def __init__(self, ctx, sink):
+        import torch
+        self.torch, self.ctx, self.sink = torch, ctx, sink
+        self.device = "cpu" if ctx.smoke else "cuda"
+
+    # --------------------------------------------------------------------------------------------- timing
+    def time_ms(self, fn):
+        if self.ctx.smoke:  # the interpreter: run it (the code path), claim nothing
+            fn()
+            return None
+        import triton.testing
+        try:
+            return float(triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median"))
+        except TypeError:  # older triton
+            return float(triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=[0.5])[0])
+
+    # ------------------------------------------------------------------------------------------ one row
+    def run(self, op, shape_name, dtype, impl, semantics, fn, ref_fn, inputs, note=""):
+        torch = self.torch
+        row = dict(op=op, shape=shape_name, dtype=str(dtype).replace("torch.", ""), impl=impl, semantics=semantics,
+                   note=note)
+        try:
+            xs = [x.detach().requires_grad_() for x in inputs]
+            y, saved = _saved_bytes(torch, fn, xs)
+            dy = torch.randn_like(y)
+            grads = torch.autograd.grad(y, xs, dy.clone())
+            ref_in = [x.detach().float().requires_grad_() for x in inputs]
+            prev = os.environ.get("LOWMEMBP_BACKEND")
+            os.environ["LOWMEMBP_BACKEND"] = "torch"  # our reference path, in fp32
+            try:
+                y_ref = ref_fn(*ref_in)
+                g_ref = torch.autograd.grad(y_ref, ref_in, dy.float())
+            finally:
+                _restore_env("LOWMEMBP_BACKEND", prev)
+            y_err = _rel_err(y, y_ref)
+            dx_err = max(_rel_err(g, r) for g, r in zip(grads, g_ref))
+            tol_y, tol_dx = TOL[row["dtype"]]
+            ok = y_err <= tol_y and dx_err <= tol_dx and math.isfinite(y_err) and math.isfinite(dx_err)
+            n = inputs[0].numel()
+            row.update(status="ok" if ok else "FAIL", y_err=f"{y_err:.2e}", dx_err=f"{dx_err:.2e}",
+                       saved_bytes=saved, saved_bytes_per_element=f"{saved / n:.3f}")
+            del y, grads, y_ref, g_ref, ref_in
+            row["fwd_ms"] = self.time_ms(lambda: fn(*xs))
+            y = fn(*xs)
+            row["bwd_ms"] = self.time_ms(lambda: torch.autograd.grad(y, xs, dy, retain_graph=True))
+            del y, xs, dy
+        except Exception as e:
+            row.update(status="error", note=(note + "; " if note else "") + f"{type(e).__name__}: {str(e)[:300]}")
+            if os.environ.get("GPU_RUN_TRACEBACKS"):
+                traceback.print_exc()
+        self.sink.write(row)
+        _progress(row)
+        return row
+
+
+def _restore_env(name, value):
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _progress(row):
+    t = "" if row.get("fwd_ms") is None else f" fwd {row['fwd_ms']:.4f} ms bwd {row['bwd_ms']:.4f} ms"
+    print(f"  {row['status']:5s} {row['op']:12s} {row['shape']:22s} {row['dtype']:8s} {row['impl']:9s} "
+          f"y {row.get('y_err', '-')} dx {row.get('dx_err', '-')} saved {row.get('saved_bytes', '-')}{t} "
+          f"{row.get('note', '')}", flush=True)
+
+
+def _ratios(rows):
+    """fwd/bwd time of each impl over ours at the same (op, shape, dtype)."""
+    ours = {(r["op"], r["shape"], r["dtype"]): r for r in rows if r["impl"] == "ours"}
+    for r in rows:
+        o = ours.get((r["op"], r["shape"], r["dtype"]))
+        for k in ("fwd", "bwd"):
+            a, b = r.get(f"{k}_ms"), (o or {}).get(f"{k}_ms")
+            r[f"{k}_vs_ours"] = f"{a / b:.3f}" if a and b else ""
+    return rows
+
+
+def load_liger(smoke):
+    """Liger's functional ops, or (None, reason)."""
+    if smoke:
+        return None, "liger: skipped without CUDA (its kernels do not run under Triton's interpreter)"
+    try:
+        from liger_kernel.transformers import functional as lf
+        return lf, ""
+    except Exception as e:
+        return None, f"liger: not importable ({type(e).__name__}: {e}); run benchmarks/prepare_gpu_run.sh and carry " \
+                     "third_party"
+
+
+def run_kernels(ctx, sink, deadline):
+    """All rows; stops (writing what it has) when ``deadline`` (time.time()) is near."""
+    prev = os.environ.get("LOWMEMBP_BACKEND")
+    if ctx.smoke:
+        os.environ["LOWMEMBP_BACKEND"] = "triton"  # "ours" through the interpreter (TRITON_INTERPRET=1 is set)
+    try:
+        return _run_all(ctx, sink, deadline)
+    finally:
+        _restore_env("LOWMEMBP_BACKEND", prev)
+
+
+def _run_all(ctx, sink, deadline):
+    import torch
+    import torch.nn.functional as F
+    from official_lomem import OfficialUnavailable, load_official
+
+    from lowmembp.ops.approx_act import regelu2, resilu2
+    from lowmembp.ops.ms_norm import ms_layer_norm, ms_rms_norm
+
+    bench = KernelBench(ctx, sink)
+    official, official_note = None, ""
+    try:
+        if os.environ.get("GPU_RUN_OFFICIAL_FAILED"):
+            raise OfficialUnavailable(os.environ["GPU_RUN_OFFICIAL_FAILED"])
+        official = load_official(ctx.third_party / "lomem", ctx.build_dir, stand_in=ctx.smoke)
+        official_note = official.source + "; " + official.python
+        print(f"kernels: official ops: {official_note} (build/load {official.build_s:.0f} s)", flush=True)
+    except OfficialUnavailable as e:
+        official_note = f"official: {e}"
+        print(f"kernels: {official_note}", flush=True)
+    liger, liger_note = load_liger(ctx.smoke)
+    if liger is None:
+        print(f"kernels: {liger_note}", flush=True)
+    impl_official = "official" if official is None or not official.is_stand_in else "official-stand-in"
+    shapes = SHAPES_SMOKE if ctx.smoke else SHAPES_GPU
+    dev = bench.device
+
+    def ones(n, dt):
+        return torch.ones(n, device=dev, dtype=dt)
+
+    def zeros(n, dt):
+        return torch.zeros(n, device=dev, dtype=dt)
+
+    def ops_for(kind):
+        """(op, [(impl, semantics, fn or None, ref_fn, why-not)], n_inputs)."""
+        off = official
+        if kind == "act":
+            return [
+                ("regelu2", 1, [("ours", "approx", regelu2, regelu2, ""),
+                                (impl_official, "approx", off and off.regelu2, regelu2, official_note),
+                                ("torch", "exact", F.gelu, F.gelu, "")]),
+                ("resilu2", 1, [("ours", "approx", resilu2, resilu2, ""),
+                                (impl_official, "approx", off and off.resilu2, resilu2, official_note),
+                                ("torch", "exact", F.silu, F.silu, "")]),
+                ("geglu", 2, [("ours", "approx", lambda a, b: regelu2(a) * b, lambda a, b: regelu2(a) * b, ""),
+                              (impl_official, "approx", off and (lambda a, b: off.regelu2(a) * b),
+                               lambda a, b: regelu2(a) * b, official_note),
+                              ("torch", "exact", lambda a, b: F.gelu(a) * b, lambda a, b: F.gelu(a) * b, ""),
+                              ("liger", "exact", liger and liger.liger_geglu,
+                               lambda a, b: F.gelu(a, approximate="tanh") * b, liger_note or "tanh GELU")]),
+                ("swiglu", 2, [("ours", "approx", lambda a, b: resilu2(a) * b, lambda a, b: resilu2(a) * b, ""),
+                               (impl_official, "approx", off and (lambda a, b: off.resilu2(a) * b),
+                                lambda a, b: resilu2(a) * b, official_note),
+                               ("torch", "exact", lambda a, b: F.silu(a) * b, lambda a, b: F.silu(a) * b, ""),
+                               ("liger", "exact", liger and liger.liger_swiglu, lambda a, b: F.silu(a) * b,
+                                liger_note)]),
+            ]
+        ln = lambda x: F.layer_norm(x, x.shape[-1:], eps=1e-5)  # noqa: E731
+        rms = lambda x: F.rms_norm(x, x.shape[-1:], eps=1e-6)  # noqa: E731
+        return [
+            ("ms_layernorm", 1, [("ours", "exact", lambda x: ms_layer_norm(x, 1e-5), ln, ""),
+                                 (impl_official, "exact", off and (lambda x: off.layer_norm(x, 1e-5)), ln,
+                                  official_note),
+                                 ("torch", "exact", ln, ln, ""),
+                                 ("liger", "exact", liger and (lambda x: liger.liger_layer_norm(
+                                     x, ones(x.shape[-1], x.dtype), zeros(x.shape[-1], x.dtype), 1e-5)), ln,
+                                  liger_note or "gamma=1, beta=0 (not trained)")]),
+            ("ms_rmsnorm", 1, [("ours", "exact", lambda x: ms_rms_norm(x, 1e-6), rms, ""),
+                               (impl_official, "exact", off and (lambda x: off.rms_norm(x, 1e-6)), rms,
+                                official_note),
+                               ("torch", "exact", rms, rms, ""),
+                               ("liger", "exact", liger and (lambda x: liger.liger_rms_norm(
+                                   x, ones(x.shape[-1], x.dtype), 1e-6)), rms,
+                                liger_note or "gamma=1 (not trained), casting_mode llama, in_place dY")]),
+        ]
+
+    rows, stopped = [], False
+    dtypes = [torch.float16, torch.bfloat16]
+    torch.manual_seed(0)
+    for kind in ("act", "norm"):
+        for sname, shape in shapes[kind].items():
+            for dt in dtypes:
+                for op, n_in, impls in ops_for(kind):
+                    if time.time() > deadline:
+                        stopped = True
+                        break
+                    g = torch.Generator(device=dev).manual_seed(zlib.crc32(f"{op} {sname} {dt}".encode()))
+                    inputs = [(torch.randn(shape, device=dev, generator=g) * 3 + (0.5 if kind == "norm" else 0))
+                              .to(dt) for _ in range(n_in)]
+                    for impl, sem, fn, ref, why in impls:
+                        if fn is None:
+                            row = dict(op=op, shape=sname, dtype=str(dt).replace("torch.", ""), impl=impl,
+                                       semantics=sem, status="skipped", note=why)
+                            sink.write(row)
+                            _progress(row)
+                            rows.append(row)
+                            continue
+                        rows.append(bench.run(op, sname, dt, impl, sem, fn, ref, inputs, note=why))
+                    del inputs
+                    if dev == "cuda":
+                        torch.cuda.empty_cache()
+    if stopped:
+        print("kernels: stopped at the part's time limit; the rows so far are written", flush=True)
+    return _ratios(rows), stopped

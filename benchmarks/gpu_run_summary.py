@@ -1,0 +1,114 @@
+"""summary.md of a benchmarks/gpu_run.py run: the machine, each part's status, and the tables a reader needs
+(kernel time ratios and saved bytes, Fig. 1 beside the paper, the LLaMA step, the estimator's error, the margin)."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _table(head: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join("" if v is None else str(v) for v in r) + " |" for r in rows]
+    return out + [""]
+
+
+def write_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
+    smoke = facts.get("smoke")
+    gpu = facts.get("gpu") or {}
+    v = facts.get("versions", {})
+    lines = [f"# GPU evidence run{' — CPU DRY RUN (nothing here is a measurement)' if smoke else ''}", "",
+             f"{gpu.get('name', 'no GPU')} (driver {gpu.get('driver', '-')}, CUDA {facts.get('cuda_torch')}, "
+             f"{facts.get('nvcc') or 'no nvcc'}); torch {v.get('torch')}, triton {v.get('triton')}, timm "
+             f"{v.get('timm')}, transformers {v.get('transformers')}, peft {v.get('peft')}, liger-kernel "
+             f"{v.get('liger-kernel')}; commit {str((facts.get('git') or {}).get('commit'))[:10]}"
+             f"{' (dirty)' if (facts.get('git') or {}).get('dirty') else ''}; {facts.get('started')}, "
+             f"{facts.get('seconds')} s of a {facts.get('budget_s')} s budget.", "",
+             f"Command: `{facts.get('command')}`", "", "## Parts", ""]
+    lines += _table(["part", "status", "rc", "seconds", "limit s", "note"],
+                    [[k, s.get("status"), s.get("rc"), s.get("seconds"), s.get("limit_s", "background"),
+                      s.get("note", "")] for k, s in (facts.get("parts") or {}).items()])
+    gc = out / "gpu_check" / "gpu_check.json"
+    if gc.is_file():
+        try:
+            rows = json.loads(gc.read_text())["rows"]
+            bad = [r for r in rows if not r.get("ok")]
+            lines += [f"gpu_check: {len(rows) - len(bad)}/{len(rows)} checks passed (gpu_check/gpu_check.md)"] + \
+                     [f"- FAIL {r['op']} {r['dir']} {r['shape']} {r['dtype']}: {r['detail']}" for r in bad[:10]] + [""]
+        except Exception as e:
+            lines += [f"gpu_check: report unreadable ({e})", ""]
+    pt = out / "pytest_gpu.txt"
+    if pt.is_file():
+        tail = [x for x in pt.read_text(errors="ignore").strip().splitlines() if x.strip()]
+        lines += [f"pytest -m gpu: {tail[-1] if tail else '(no output)'}", ""]
+
+    kern = _rows(out / "kernels.csv")
+    if kern:
+        lines += ["## Kernels: ours, official LowMemoryBP, Liger, PyTorch (kernels.csv)", "",
+                  "Times: forward / backward median ms; ×ours: impl time / ours (below 1: faster than ours). "
+                  "Saved: bytes kept for backward per input element. Errors against the reference of its semantics.",
+                  ""]
+        lines += _table(["op", "shape", "dtype", "impl", "status", "fwd ms", "bwd ms", "fwd ×ours", "bwd ×ours",
+                         "saved B/elem", "y err", "dx err", "note"],
+                        [[r["op"], r["shape"], r["dtype"], r["impl"], r["status"], r["fwd_ms"], r["bwd_ms"],
+                          r["fwd_vs_ours"], r["bwd_vs_ours"], r["saved_bytes_per_element"], r["y_err"], r["dx_err"],
+                          r["note"][:80]] for r in kern])
+    fig1 = _rows(out / "fig1.csv")
+    if fig1:
+        lines += ["## Fig. 1: ViT-B/16, batch 64, fp16 autocast, LoRA r4 (fig1.csv)", "",
+                  "Paper: LowMemoryBP Fig. 1 (their ViT and LoRA code, one GPU; DESIGN §3)."
+                  + (" Dry run: tiny model, no timing." if smoke else ""), ""]
+        lines += _table(["LoRA on", "method", "status", "peak MiB", "peak vs lora", "img/s", "speed vs lora",
+                         "paper MiB", "paper img/s", "note"],
+                        [[r["lora_targets"], r["method"], r["status"], r["peak_mib"], *_vs_lora(r, fig1),
+                          *paper_fig1.get(r["method"], ("", "")), r["note"][:80]] for r in fig1])
+    llama = _rows(out / "llama.csv")
+    if llama:
+        lines += ["## LLaMA-7B width, 4 layers, batch 4 x 1024, bf16, LoRA r64 all linears (llama.csv)", ""]
+        lines += _table(["method", "status", "peak MiB", "peak vs lora", "tokens/s", "speed vs lora", "step ms p50",
+                         "note"],
+                        [[r["method"], r["status"], r["peak_mib"], *_vs_lora(r, llama), r["step_ms_p50"],
+                          r["note"][:80]] for r in llama])
+    err = _rows(out / "estimator_error.csv")
+    if err:
+        lines += ["## Estimator error: measured peak / fake-tensor estimate (estimator_error.csv)", ""]
+        lines += _table(["config", "method", "estimate MiB", "measured MiB", "ratio", "note"],
+                        [[r["config"], r["method"], _mib(r["estimate_bytes"]), _mib(r["measured_bytes"]), r["ratio"],
+                          r.get("note", "")[:80]] for r in err])
+    m = out / "margin.json"
+    if m.is_file():
+        mg = json.loads(m.read_text())
+        lines += [f"Planner margin (margin.json): fraction {mg['fraction']}, reserved "
+                  f"{mg['reserved_bytes'] / 2 ** 30:.2f} GiB — {mg['source']}", ""]
+    text = "\n".join(lines) + "\n"
+    (out / "summary.md").write_text(text)
+    return text
+
+
+def _mib(b):
+    try:
+        return f"{int(b) / 2 ** 20:.0f}"
+    except (TypeError, ValueError):
+        return ""
+
+
+def _vs_lora(r: dict, rows: list[dict]) -> list:
+    """[peak change vs the config's lora row, throughput, throughput ratio to lora]."""
+    base = next((b for b in rows if b["config"] == r["config"] and b["method"] == "lora" and b["status"] == "ok"), None)
+    peak, speed = "", ""
+    try:
+        peak = f"{100 * (int(r['peak_bytes']) / int(base['peak_bytes']) - 1):+.1f} %"
+    except (TypeError, ValueError, KeyError, ZeroDivisionError):
+        pass
+    try:
+        speed = f"{float(r['throughput']) / float(base['throughput']):.3f}x"
+    except (TypeError, ValueError, KeyError, ZeroDivisionError):
+        pass
+    return [peak, r.get("throughput", ""), speed]

@@ -1,0 +1,288 @@
+"""The official LowMemoryBP CUDA ops (github yyyyychen/LowMemoryBP, package ``lomem``), built and called beside ours.
+
+    python benchmarks/official_lomem.py build --src third_party/lomem --build-dir /tmp/lomem_build   # nvcc + ninja
+    ops = load_official("third_party/lomem", "/tmp/lomem_build")       # in a benchmark, on a CUDA machine
+    ops.regelu2(x); ops.resilu2(x); ops.layer_norm(x, eps); ops.rms_norm(x, eps)   # autograd functions
+
+Their code is never committed here: ``benchmarks/prepare_gpu_run.sh`` copies their ``lomem/`` (and setup.py, LICENSE)
+into the git-ignored ``third_party/`` folder, which travels to the GPU machine with the device tool's ``carry``.
+
+Build: their ``setup.py`` builds one extension ``lomem._C`` from ``lomem/csrc/*.cpp`` and ``*.cu`` with the flags in
+:data:`NVCC_FLAGS` (copied from that setup.py) for sm_75/80/90. Here it is built just-in-time with
+``torch.utils.cpp_extension.load`` (ninja) for the one GPU at hand (``TORCH_CUDA_ARCH_LIST`` of its compute
+capability only: a third of the nvcc time), into a build folder that a second ``load`` with the same arguments and
+environment reuses without recompiling — so a background ``build`` (no GPU needed: ``--arch 9.0``) can run while the
+GPU does other work.
+
+Calling: their Python package (``lomem/activation.py``, ``normalization.py``) is imported from the copy with the built
+module put in place of ``lomem._C``, so their own ``autograd.Function`` classes run. If that import fails (say a
+later torch drops ``torch.cuda.amp.custom_fwd``), :class:`_AdapterFns` calls the same ``_C`` functions the same way.
+
+Without CUDA (the CPU dry run of ``benchmarks/gpu_run.py``) :func:`stand_in_c` gives a ``_C`` with their function
+names and tensor layouts (codes without our flag byte, fp32 rstd of shape [rows]) computed by *our* PyTorch reference;
+every wrapping code path then runs, and ``Official.source`` says that it is a stand-in, not their kernels.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+import types
+import warnings
+from pathlib import Path
+
+EXTENSION_NAME = "lomem_official_C"
+# from their setup.py (extra_compile_args), minus the -gencode list, which build_kwargs sets for the GPU at hand
+CXX_FLAGS = ["-O3", "-std=c++17"]
+NVCC_FLAGS = ["-O3", "-std=c++17", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+              "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+              "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "--expt-relaxed-constexpr", "--expt-extended-lambda",
+              "--use_fast_math"]
+C_FUNCTIONS = ("regelu2_fw", "regelu2_bw", "resilu2_fw", "resilu2_bw", "layer_norm_fw", "layer_norm_bw",
+               "rms_norm_fw", "rms_norm_bw")
+
+
+class OfficialUnavailable(RuntimeError):
+    """The official ops cannot be used here; the message says why and what to do."""
+
+
+def find_sources(src: str | Path) -> dict:
+    """``{"root": lomem dir, "sources": [csrc/*.cpp, csrc/*.cu] sorted, "include": csrc/include}`` of a copy.
+
+    ``src`` is the ``lomem`` package folder or the folder holding it (the repository root)."""
+    src = Path(src)
+    root = src / "lomem" if (src / "lomem" / "csrc").is_dir() else src
+    csrc = root / "csrc"
+    if not csrc.is_dir():
+        raise OfficialUnavailable(f"no official LowMemoryBP sources at {src} (expected lomem/csrc/); run "
+                                  "`bash benchmarks/prepare_gpu_run.sh` to copy them into third_party/")
+    sources = sorted(csrc.glob("*.cpp")) + sorted(csrc.glob("*.cu"))
+    if not any(p.suffix == ".cu" for p in sources):
+        raise OfficialUnavailable(f"{csrc} holds no .cu files: an incomplete copy; run "
+                                  "`bash benchmarks/prepare_gpu_run.sh` again")
+    return {"root": root.resolve(), "sources": [str(p.resolve()) for p in sources],
+            "include": str((csrc / "include").resolve())}
+
+
+def arch_of(capability) -> str:
+    """``(9, 0)`` or ``"9.0"`` -> ``"9.0"``: the TORCH_CUDA_ARCH_LIST entry of one compute capability."""
+    if isinstance(capability, str):
+        major, _, minor = capability.strip().partition(".")
+    else:
+        major, minor = capability
+    if not str(major).isdigit() or not str(minor or "0").isdigit():
+        raise ValueError(f"compute capability must look like (9, 0) or '9.0', got {capability!r}")
+    return f"{int(major)}.{int(minor or 0)}"
+
+
+def build_env(capability, cpus: int | None = None) -> dict:
+    """Environment of the build: ``TORCH_CUDA_ARCH_LIST`` names the one GPU at hand, so torch's ``load`` adds
+    ``-gencode arch=compute_XY,code=sm_XY`` for it alone (their setup.py builds sm_75, sm_80 and sm_90); ninja jobs."""
+    cpus = cpus or os.cpu_count() or 2
+    return {"TORCH_CUDA_ARCH_LIST": arch_of(capability), "MAX_JOBS": str(max(1, min(8, cpus // 2)))}
+
+
+def build_kwargs(src: str | Path, build_dir: str | Path, nvcc_threads: int = 4, verbose: bool = False) -> dict:
+    """Keyword arguments of ``torch.utils.cpp_extension.load`` that build their ``_C`` (flags of their setup.py).
+
+    Identical arguments and environment give the same build: a second ``load`` reuses the first one's output."""
+    found = find_sources(src)
+    return dict(name=EXTENSION_NAME, sources=found["sources"], extra_include_paths=[found["include"]],
+                extra_cflags=list(CXX_FLAGS), extra_cuda_cflags=NVCC_FLAGS + ["--threads", str(int(nvcc_threads))],
+                build_directory=str(Path(build_dir).resolve()), verbose=verbose)
+
+
+def build(src: str | Path, build_dir: str | Path, capability=None, verbose: bool = False):
+    """Build (or reuse) their ``_C`` and return the loaded module.
+
+    ``capability``: the GPU's, e.g. ``"9.0"``; default ``TORCH_CUDA_ARCH_LIST`` if set, else the current device's
+    (the build itself needs nvcc, not a GPU)."""
+    kw = build_kwargs(src, build_dir, verbose=verbose)
+    if capability is None:
+        capability = os.environ.get("TORCH_CUDA_ARCH_LIST") or None
+    if capability is None:
+        import torch
+        if not torch.cuda.is_available():
+            raise OfficialUnavailable("building the official ops needs a CUDA device or a compute capability "
+                                      "(--arch 9.0 / TORCH_CUDA_ARCH_LIST), and nvcc")
+        capability = torch.cuda.get_device_capability()
+    for k, v in build_env(capability).items():
+        if k == "TORCH_CUDA_ARCH_LIST" or k not in os.environ:
+            os.environ[k] = v
+    Path(kw["build_directory"]).mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils.cpp_extension import load
+        return load(**kw)
+    except Exception as e:  # nvcc missing, a compile error: say so, with the build folder for the log
+        raise OfficialUnavailable(f"building the official ops failed ({type(e).__name__}: {str(e)[-600:]}); build "
+                                  f"folder {kw['build_directory']}") from e
+
+
+# ------------------------------------------------------------------------------------------------ CPU stand-in
+def stand_in_c() -> types.SimpleNamespace:
+    """Their ``_C`` function names and tensor layouts, computed by lowmembp's PyTorch reference (CPU dry runs)."""
+    import torch
+    from lowmembp.ops import approx_act as aa
+    from lowmembp.ops import ms_norm as mn
+
+    def act_fw(kind):
+        def fw(x):
+            y, packed = aa.forward_reference(x, kind)
+            return [y, packed[:-1].clone()]  # theirs: (N + 3) // 4 code bytes, no flag byte
+        return fw
+
+    def act_bw(kind):
+        def bw(dy, packed):
+            flag = torch.zeros(1, dtype=torch.uint8, device=packed.device)
+            return aa.backward_reference(dy, torch.cat([packed, flag]), kind)
+        return bw
+
+    def norm_fw(kind):
+        def fw(x, normalized_shape, eps):
+            y, rstd = mn.ms_norm_fwd_ref(x, kind, float(eps))
+            return [y, rstd.float()]
+        return fw
+
+    def norm_bw(kind):
+        def bw(dy, y, rstd):
+            return mn.ms_norm_bwd_ref(dy, y, rstd, kind, dy.dtype)
+        return bw
+
+    return types.SimpleNamespace(regelu2_fw=act_fw("gelu"), regelu2_bw=act_bw("gelu"),
+                                 resilu2_fw=act_fw("silu"), resilu2_bw=act_bw("silu"),
+                                 layer_norm_fw=norm_fw("layernorm"), layer_norm_bw=norm_bw("layernorm"),
+                                 rms_norm_fw=norm_fw("rmsnorm"), rms_norm_bw=norm_bw("rmsnorm"))
+
+
+# ------------------------------------------------------------------------------------------------ calling them
+class _AdapterFns:
+    """Their four ops as autograd functions over a ``_C``, written as their activation.py / normalization.py do."""
+
+    def __init__(self, C):
+        import torch
+
+        class _Act(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, fw, bw):
+                out, packed = fw(x)
+                ctx.save_for_backward(packed)
+                ctx.bw = bw
+                return out
+
+            @staticmethod
+            def backward(ctx, g):
+                return ctx.bw(g.contiguous(), ctx.saved_tensors[0]), None, None
+
+        class _Norm(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, shape, eps, fw, bw):
+                out, rstd = fw(x, shape, eps)
+                ctx.save_for_backward(out, rstd)
+                ctx.bw = bw
+                return out
+
+            @staticmethod
+            def backward(ctx, g):
+                return ctx.bw(g.contiguous(), *ctx.saved_tensors), None, None, None, None
+
+        self.regelu2 = lambda x: _Act.apply(x, C.regelu2_fw, C.regelu2_bw)
+        self.resilu2 = lambda x: _Act.apply(x, C.resilu2_fw, C.resilu2_bw)
+        self.layer_norm = lambda x, shape, eps: _Norm.apply(x, list(shape), eps, C.layer_norm_fw, C.layer_norm_bw)
+        self.rms_norm = lambda x, shape, eps: _Norm.apply(x, list(shape), eps, C.rms_norm_fw, C.rms_norm_bw)
+
+
+def _their_python(root: Path, C):
+    """Their ``lomem`` package imported from the copy, with ``C`` as ``lomem._C``; their functional module."""
+    for name in [n for n in sys.modules if n == "lomem" or n.startswith("lomem.")]:
+        del sys.modules[name]
+    sys.modules["lomem._C"] = C
+    spec = importlib.util.spec_from_file_location("lomem", root / "__init__.py", submodule_search_locations=[str(root)])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules["lomem"] = pkg
+    pkg._C = C
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.cuda.amp.custom_fwd is deprecated (FutureWarning)
+        spec.loader.exec_module(pkg)
+    return pkg.functional
+
+
+class Official:
+    """Their ReGELU2, ReSiLU2, MS-LayerNorm, MS-RMSNorm (no affine), each ``x -> y`` with autograd.
+
+    ``source``: what computes them (their kernels built here, or the CPU stand-in); ``python``: whose autograd
+    wrapper calls them (theirs from the copy, or :class:`_AdapterFns`); ``build_s``: seconds the build/load took."""
+
+    def __init__(self, C, source: str, root: Path | None, build_s: float = 0.0):
+        self.C, self.source, self.build_s = C, source, build_s
+        self.python, fns = "adapter's autograd wrapper (their Python package not importable)", None
+        if root is not None and (root / "functional.py").is_file():
+            try:
+                fns = _their_python(root, C)
+                self.python = f"their lomem Python package ({root})"
+            except Exception as e:
+                self.python += f": {type(e).__name__}: {e}"
+        if fns is None:
+            fns = _AdapterFns(C)
+        self._f = fns
+
+    @property
+    def is_stand_in(self) -> bool:
+        return self.source.startswith("stand-in")
+
+    def regelu2(self, x):
+        return self._f.regelu2(x)
+
+    def resilu2(self, x):
+        return self._f.resilu2(x)
+
+    def layer_norm(self, x, eps: float = 1e-5):
+        return self._f.layer_norm(x, list(x.shape[-1:]), eps)
+
+    def rms_norm(self, x, eps: float = 1e-6):
+        return self._f.rms_norm(x, list(x.shape[-1:]), eps)
+
+
+def load_official(src: str | Path, build_dir: str | Path, stand_in: bool = False) -> Official:
+    """Their ops: built from ``src`` on a CUDA machine, or (``stand_in=True``, CPU) the reference stand-in.
+
+    The stand-in still imports their Python package from ``src`` when the copy is there. Raises
+    :class:`OfficialUnavailable` (with the reason) when neither is possible."""
+    root = None
+    try:
+        root = find_sources(src)["root"]
+    except OfficialUnavailable:
+        if not stand_in:
+            raise
+    if stand_in:
+        return Official(stand_in_c(), "stand-in: lowmembp's PyTorch reference (CPU dry run, not their kernels)", root)
+    t = time.perf_counter()
+    C = build(src, build_dir)
+    missing = [f for f in C_FUNCTIONS if not hasattr(C, f)]
+    if missing:
+        raise OfficialUnavailable(f"the built module lacks {missing}: their csrc/module.cpp changed; update "
+                                  "benchmarks/official_lomem.py")
+    return Official(C, f"their CUDA kernels, built here from {src}", root, time.perf_counter() - t)
+
+
+def main(argv=None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(description="build the official LowMemoryBP CUDA ops (JIT, ninja)")
+    p.add_argument("command", choices=["build"])
+    p.add_argument("--src", default="third_party/lomem", help="the copied lomem folder (default third_party/lomem)")
+    p.add_argument("--build-dir", required=True, help="where ninja builds (reused by a later load)")
+    p.add_argument("--arch", default=None, help="compute capability, e.g. 9.0 (default: the current GPU's)")
+    a = p.parse_args(argv)
+    t = time.perf_counter()
+    try:
+        build(a.src, a.build_dir, capability=a.arch, verbose=True)
+    except OfficialUnavailable as e:
+        print(f"official_lomem: {e}", file=sys.stderr, flush=True)
+        return 1
+    print(f"official_lomem: built in {time.perf_counter() - t:.0f} s into {a.build_dir}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Fill the git-ignored third_party/ with what benchmarks/gpu_run.py needs on a GPU machine that has no network:
+#   third_party/lomem/        the official LowMemoryBP package (github yyyyychen/LowMemoryBP: lomem/, setup.py, LICENSE)
+#   third_party/wheels/       the liger-kernel 0.8.x wheel (pure Python; the GPU image lacks it)
+#   third_party/PREPARED.txt  where each came from
+#
+#   bash benchmarks/prepare_gpu_run.sh                    # lomem from the local mirror /work/.mirror/yyyyychen+LowMemoryBP/repo
+#   bash benchmarks/prepare_gpu_run.sh /path/to/LowMemoryBP          # ... or from a checkout / a git mirror
+#   bash benchmarks/prepare_gpu_run.sh https://github.com/yyyyychen/LowMemoryBP   # ... or cloned from a URL
+#
+# Nothing here is committed (third_party/ is in .gitignore). Take it along with the device tool's carry: ["third_party"].
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DEST="$ROOT/third_party"
+SRC="${1:-${LOWMEMBP_OFFICIAL_SRC:-/work/.mirror/yyyyychen+LowMemoryBP/repo}}"
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+LIGER_SPEC="${LIGER_SPEC:-liger-kernel>=0.8,<0.9}"
+
+mkdir -p "$DEST/wheels"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+
+# --- the official lomem sources -------------------------------------------------------------------------------------
+fetched_from=""
+case "$SRC" in
+  http://*|https://*|git@*)
+    git clone --depth 1 --quiet "$SRC" "$tmp/repo"
+    mkdir -p "$tmp/export"
+    git -C "$tmp/repo" archive HEAD lomem setup.py LICENSE | tar -x -C "$tmp/export"
+    fetched_from="$SRC @ $(git -C "$tmp/repo" rev-parse HEAD)";;
+  *)
+    [ -e "$SRC" ] || { echo "prepare_gpu_run: no LowMemoryBP sources at $SRC; pass a checkout, a git mirror or a URL" >&2; exit 2; }
+    mkdir -p "$tmp/export"
+    if [ -d "$SRC/lomem/csrc" ]; then                     # a work tree
+      cp -r "$SRC/lomem" "$tmp/export/"; cp "$SRC/setup.py" "$SRC/LICENSE" "$tmp/export/" 2>/dev/null || true
+      fetched_from="$SRC (work tree$(git -C "$SRC" rev-parse --short HEAD 2>/dev/null | sed 's/^/ @ /'))"
+    else                                                  # a bare repository / mirror
+      git -C "$SRC" archive HEAD lomem setup.py LICENSE | tar -x -C "$tmp/export"
+      fetched_from="$SRC @ $(git -C "$SRC" rev-parse HEAD)"
+    fi;;
+esac
+[ -d "$tmp/export/lomem/csrc" ] || { echo "prepare_gpu_run: $SRC has no lomem/csrc" >&2; exit 2; }
+rm -rf "$DEST/lomem" "$DEST/setup.py" "$DEST/LICENSE"
+cp -r "$tmp/export/." "$DEST/"
+echo "lomem: $(ls "$DEST/lomem/csrc" | wc -l) files in csrc from $fetched_from"
+
+# --- the liger-kernel wheel (the newest 0.8.x pip finds; py3-none-any, so any Python 3.10+ takes it) ---------------
+rm -f "$DEST"/wheels/liger_kernel-*.whl
+"$PY" -m pip download --quiet --no-deps --only-binary=:all: "$LIGER_SPEC" -d "$DEST/wheels"
+whl="$(ls "$DEST"/wheels/liger_kernel-*.whl)"
+case "$(basename "$whl")" in
+  *-py3-none-any.whl) ;;
+  *) echo "prepare_gpu_run: $(basename "$whl") is not a pure-Python wheel; the GPU machine runs Python 3.12" >&2; exit 2;;
+esac
+echo "liger: $(basename "$whl")"
+
+{ echo "prepared $(date -u '+%Y-%m-%d %H:%M:%S UTC') by benchmarks/prepare_gpu_run.sh"
+  echo "lomem: $fetched_from"
+  echo "wheels: $(cd "$DEST/wheels" && ls)"; } > "$DEST/PREPARED.txt"
+du -sh "$DEST" | awk '{print "third_party/: " $1 " (the device tool carries up to 64 MiB with the working tree)"}'
