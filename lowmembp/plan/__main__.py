@@ -1,0 +1,74 @@
+"""``python -m lowmembp.plan``: the planner on the command line (a ranked table; ``--json`` / ``--csv FILE``).
+
+    python -m lowmembp.plan --model llama_7b --gpu-memory 24GiB --batch-size 4 --seq-len 2048
+    python -m lowmembp.plan --model vit_base_patch16_224 --gpu-memory 12GiB --batch-size 64 --option lora.rank=4,16
+    python -m lowmembp.plan --model path/to/config.json --gpu-memory 80GiB --batch-size 8 --seq-len 4096 --json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from lowmembp.estimate import DTYPES
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lowmembp.plan", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True,
+                    help="a paper model (llama_7b, vit_b16, ...), a timm model name, or a transformers config.json")
+    ap.add_argument("--gpu-memory", default="24GiB", help="memory of one GPU, e.g. 24GiB, 40GB (default 24GiB)")
+    ap.add_argument("--batch-size", type=int, required=True, help="the batch size you want to train with")
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (text models)")
+    ap.add_argument("--image-size", type=int, default=None, help="image side in pixels (timm models)")
+    ap.add_argument("--dtype", choices=list(DTYPES), default=None, help="autocast dtype (default: the model's)")
+    ap.add_argument("--world-size", type=int, default=1, help="GPUs sharing the model (FSDP; 1 until supported)")
+    ap.add_argument("--methods", default=None, help="only combinations of these methods (comma-separated)")
+    ap.add_argument("--exclude", default=None, help="leave these methods out (comma-separated)")
+    ap.add_argument("--max-methods", type=int, default=None, help="at most this many methods per combination")
+    ap.add_argument("--option", action="append", default=[], metavar="METHOD.OPTION=V1[,V2]",
+                    help="set or sweep a method option, e.g. tokentune.k=16,256 or lora.rank=64 (repeatable)")
+    ap.add_argument("--margin", type=float, default=None,
+                    help="allocator margin as a fraction of the tensor bytes (default: results/gpu/margin.json, "
+                         "else 0.10)")
+    ap.add_argument("--reserved", default=None, help="fixed reserve for CUDA context and workspaces (default 1GiB)")
+    ap.add_argument("--runs", default=None, help="runs.csv with measured step times (default: results/runs.csv, "
+                                                 "else results/reference/runs.csv)")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes (default 2)")
+    ap.add_argument("--also-gpu", default=None, metavar="SIZES",
+                    help="other GPU sizes for the max-batch column, e.g. 40GiB,80GiB (the same estimates reused)")
+    ap.add_argument("--progress", action="store_true", help="print each finished combination to stderr")
+    ap.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of the table")
+    ap.add_argument("--csv", default=None, metavar="FILE", help="also write the rows as CSV to FILE")
+    a = ap.parse_args(argv)
+
+    from lowmembp.plan import plan
+    from lowmembp.plan.combos import parse_option_sweeps
+
+    def names(text):
+        return [n.strip() for n in text.split(",") if n.strip()] if text else None
+
+    try:
+        p = plan(a.model, batch_size=a.batch_size, gpu_memory=a.gpu_memory, seq_len=a.seq_len, dtype=a.dtype,
+                 world_size=a.world_size, methods=names(a.methods), exclude=names(a.exclude),
+                 max_methods=a.max_methods, options=parse_option_sweeps(a.option), margin=a.margin,
+                 reserved=a.reserved, runs=a.runs, jobs=a.jobs, image_size=a.image_size,
+                 more_gpus=names(a.also_gpu), progress=_progress if a.progress else None)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(p.to_json() if a.json else p.table())
+    if a.csv:
+        p.to_csv(a.csv)
+    return 0
+
+
+def _progress(row: dict) -> None:
+    what = (f"peak {row['peak_bytes'] / 2**30:.1f} GiB, max batch {row['largest_batch']}" if row["status"] == "ok"
+            else row["reason"])
+    print(f"  {row['label']}: {what} ({row.get('seconds', 0):.1f} s)", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Every valid combination of the registry's methods, with the option values a plan sweeps.
+
+The registry is read when the plan runs (methods added later appear by themselves); a combination is valid when
+:func:`lowmembp.methods.registry.parse` accepts it (composition rules, exclusions). ``baseline`` is the empty
+combination. Options take the registry's defaults unless the caller sweeps them (``{"tokentune": {"k": [16, 256]}}``
+gives one row per value). A few methods cannot be estimated on fake tensors at all; they are skipped up front with
+the reason below, and any other method whose estimate fails is skipped with its error.
+"""
+from __future__ import annotations
+
+import itertools
+
+from lowmembp.methods.registry import methods, parse
+
+__all__ = ["NOT_ESTIMATED", "combinations", "option_grid", "key_of", "parse_option_sweeps"]
+
+# method -> why the fake-tensor estimate cannot say what it does
+NOT_ESTIMATED = {
+    "compile": "not estimated on fake tensors: torch.compile's memory is what inductor generates, which the "
+               "dispatch-mode tracker does not see (measure it on the device)",
+    "liger": "needs a GPU: Liger-Kernel's Triton kernels run on CUDA only",
+}
+
+
+def key_of(method: str) -> str:
+    """An order-free key of a method combination (``"lowmembp+lora"`` and ``"lora+lowmembp"`` alike)."""
+    return "+".join(sorted(n.strip() for n in method.split("+")))
+
+
+def combinations(include: list[str] | None = None, exclude: list[str] | None = None,
+                 max_methods: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """``(combinations, skipped)``: every valid combination in application order (``"baseline"`` first), and the
+    registry's methods left out with the reason. ``include``: only these methods; ``exclude``: not these;
+    ``max_methods``: at most that many methods in one combination."""
+    names = sorted(n for n in methods() if n != "baseline")
+    for n in (include or []) + (exclude or []):
+        if n not in names and n != "baseline":
+            raise ValueError(f"unknown method {n!r}; known: {', '.join(names)}")
+    skipped = {n: NOT_ESTIMATED[n] for n in names if n in NOT_ESTIMATED}
+    if include is not None:
+        skipped.update({n: "not asked for (--methods)" for n in names if n not in include and n not in skipped})
+    skipped.update({n: "left out (--exclude)" for n in exclude or [] if n not in skipped})
+    usable = [n for n in names if n not in skipped]
+    top = len(usable) if max_methods is None else max_methods
+    out = ["baseline"]
+    for r in range(1, top + 1):
+        for combo in itertools.combinations(usable, r):
+            try:
+                chosen = parse("+".join(combo))
+            except ValueError:
+                continue
+            out.append("+".join(m.name for m in chosen))
+    return out, skipped
+
+
+def option_grid(method: str, sweeps: dict[str, dict[str, list]] | None) -> list[dict]:
+    """The option settings of one combination: the product of the sweeps of its methods (``[{}]``: defaults)."""
+    axes = []
+    for m in parse(method):
+        for opt, values in (sweeps or {}).get(m.name, {}).items():
+            if opt not in m.options:
+                raise ValueError(f"method {m.name!r} has no option {opt!r}; its options: "
+                                 f"{', '.join(m.options) or 'none'}")
+            axes.append([(opt, v) for v in values])
+    return [dict(c) for c in itertools.product(*axes)] if axes else [{}]
+
+
+def parse_option_sweeps(items: list[str]) -> dict[str, dict[str, list]]:
+    """``["tokentune.k=16,256", "lora.rank=8"]`` -> ``{"tokentune": {"k": [16, 256]}, "lora": {"rank": [8]}}``."""
+    out: dict[str, dict[str, list]] = {}
+    for item in items or []:
+        head, sep, values = item.partition("=")
+        method, dot, opt = head.partition(".")
+        if not sep or not dot or not values:
+            raise ValueError(f"--option {item!r}: write METHOD.OPTION=V1[,V2,...], e.g. tokentune.k=16,256")
+        out.setdefault(method.strip(), {})[opt.strip()] = [_value(v) for v in values.split(",")]
+    return out
+
+
+def _value(text: str):
+    t = text.strip()
+    for cast in (int, float):
+        try:
+            return cast(t)
+        except ValueError:
+            pass
+    return {"none": None, "true": True, "false": False}.get(t.lower(), t)

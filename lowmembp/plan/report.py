@@ -1,0 +1,93 @@
+"""A plan for reading and for tools: the ranked terminal table, JSON (everything), CSV (one row per combination)."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from lowmembp.plan.sources import GiB
+
+__all__ = ["text_table", "to_json", "write_csv", "CSV_COLUMNS"]
+
+CSV_COLUMNS = ["rank", "label", "method", "status", "peak_bytes", "need_bytes", "fits", "largest_batch",
+               "largest_batch_how", "largest_batch_by_gpu", "flops", "flops_ratio", "measured_ratio", "measured_where", "estimates",
+               "seconds", "reason"]
+
+
+def _gib(b) -> str:
+    return "-" if b is None else f"{b / GiB:.1f}" if b >= 10 * GiB else f"{b / GiB:.3g}"
+
+
+def _size(b) -> str:
+    return f"{b / GiB:.1f} GiB" if b >= GiB else f"{b / 2**20:.1f} MiB"
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def text_table(p) -> str:
+    s = p.settings
+    head = (f"What fits: {s['model_source']}, batch {s['batch_size']}, "
+            + (f"{s['seq_len']} tokens, " if s.get("seq_len") else "") + f"{s['dtype']}, "
+            f"{_size(s['gpu_memory_bytes'])} GPU (tensors up to {_size(s['capacity_bytes'])} after the margin), "
+            f"{s['world_size']} GPU")
+    more = next((list(r.get("largest_batch_by_gpu", {})) for r in p.rows if r["status"] == "ok"), [])
+    cols = ["#", "method", "peak GiB", "+margin", "fits", "max batch"] + [f"@{g}" for g in more] + \
+        ["FLOPs x", "measured x"]
+    body = []
+    for r in p.rows:
+        if r["status"] != "ok":
+            continue
+        meas = "-" if r.get("measured_ratio") is None else f"{r['measured_ratio']:.2f} ({len(r['measured'])})"
+        best = str(r["largest_batch"]) + ("+" if r["largest_batch_how"].startswith("at least") else "")
+        body.append([str(r["rank"]), r["label"], _gib(r["peak_bytes"]), _gib(r["need_bytes"]),
+                     "yes" if r["fits"] else "no", best] + [str(r["largest_batch_by_gpu"][g]) for g in more]
+                    + [_x(r.get("flops_ratio")), meas])
+    widths = [max(len(c), *(len(row[i]) for row in body)) if body else len(c) for i, c in enumerate(cols)]
+    right = {i for i, c in enumerate(cols) if c not in ("method", "fits")}
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [head, "", line(cols), line(["-" * w for w in widths])] + [line(b) for b in body]
+    bad = [r for r in p.rows if r["status"] != "ok"]
+    if bad:
+        out += ["", "Not estimated:"] + [f"  {r['label']}: {r['reason']}" for r in bad]
+    if p.skipped:
+        by_reason: dict[str, list[str]] = {}
+        for m, why in sorted(p.skipped.items()):
+            by_reason.setdefault(why, []).append(m)
+        out += ["", "Methods left out:"] + [f"  {', '.join(ms)}: {why}" for why, ms in by_reason.items()]
+    src = p.sources
+    out += ["", "Where the figures come from:",
+            f"  peak: {src['peak']}",
+            f"  +margin: {src['margin']}",
+            f"  max batch: {src['largest_batch']}",
+            f"  FLOPs x: {src['flops']}, over the baseline's",
+            f"  measured x: {src['measured']} (median over the (task, model, batch) groups; count in brackets)",
+            f"{len(body)} combinations in {p.elapsed_s:.1f} s ({s['jobs']} job(s)"
+            + (f", load average {p.load[0]:.2f}" if p.load else "") + ")"]
+    return "\n".join(out)
+
+
+def to_json(p) -> str:
+    return json.dumps({"settings": p.settings, "rows": p.rows, "skipped": p.skipped, "sources": p.sources,
+                       "elapsed_s": p.elapsed_s, "load_average": list(p.load)}, indent=1, default=str)
+
+
+def write_csv(p, path) -> None:
+    """The rows as CSV, written atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in p.rows:
+            w.writerow(dict(r, largest_batch_by_gpu=json.dumps(r.get("largest_batch_by_gpu", {})),
+                            measured_where="; ".join(f"{m['where']} {m['ratio']:.2f}"
+                                                       for m in r.get("measured", []))))
+    os.replace(tmp, path)
