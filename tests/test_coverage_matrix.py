@@ -1,6 +1,7 @@
 """The README's coverage matrix (architecture × method) is generated here from the live code, on the tiny random
 models of tests/tiny_models.py (γ/β perturbed). Every cell either converts with the eval forward unchanged
-(relative error ≤ 1e-5) or is refused with a clear error — never another exception.
+(relative error ≤ 1e-5) and a training step (forward + backward) that runs, or is refused with a clear error —
+never another exception.
 
 Regenerate the README block after a change: ``LOWMEMBP_WRITE_MATRIX=1 pytest tests/test_coverage_matrix.py``.
 """
@@ -45,6 +46,8 @@ def _cell(name: str, method: str, refusals: dict) -> str:
         out = logits(out_model, batch)
     err = float((out - ref).norm() / ref.norm())
     assert err <= 1e-5, (name, method, err)
+    out_model.train()  # and a training step runs
+    logits(out_model, batch).float().pow(2).mean().backward()
     if method.startswith("lowmembp"):
         rep = get_layout(out_model).base.lowmembp_report
         parts = []

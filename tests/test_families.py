@@ -90,6 +90,24 @@ def test_lora_then_lowmembp_exact(name):
         assert _rel(logits(conv, batch), ref) <= 1e-5
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_mesa_eager_attention_exact_in_eval_and_trains(name):
+    """Mesa with every reachable attention switched to the eager path: eval forward unchanged, a training step runs
+    (attention that is not reachable — layout.attention_style None — is left as it is)."""
+    model, inputs = build(name)
+    model.eval()
+    batch = inputs()
+    with torch.no_grad():
+        ref = logits(model, batch)
+    conv = lowmembp.apply(copy.deepcopy(model), "mesa", mesa_attention="eager")
+    conv.eval()
+    with torch.no_grad():
+        assert _rel(logits(conv, batch), ref) <= 1e-5
+    conv.train()
+    _loss(conv, batch).backward()
+    assert any(p.grad is not None for p in conv.parameters())
+
+
 def test_float64_models_run_or_are_refused():
     model, inputs = build("gpt2")
     batch = inputs()

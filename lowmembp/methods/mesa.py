@@ -120,8 +120,12 @@ def convert(model: nn.Module, *, linears: bool, acts: bool, norms: bool, attenti
             done["norm"] += 1
     if linears:
         for parent in list(layout.model.modules()):
-            for name, child in list(parent.named_children()):
+            kids = list(parent.named_children())
+            for i, (name, child) in enumerate(kids):
                 if type(child) is nn.Linear:
+                    nxt = kids[i + 1][1] if isinstance(parent, nn.Sequential) and i + 1 < len(kids) else None
+                    if getattr(nxt, "inplace", False) is True:  # e.g. Linear -> ReLU(inplace=True) (Swin v2
+                        continue  # cpb_mlp): a custom Function's output may not be modified in place; kept
                     setattr(parent, name, MesaLinear.from_linear(child, groups))
                     done["linear"] += 1
     for q in model.modules():

@@ -385,7 +385,8 @@ def _attention_style(attn: nn.Module | None) -> str | None:
         except (TypeError, ValueError):
             return None
         return "hf" if params <= _MESA_HF_PARAMS and hasattr(cfg, "num_attention_heads") else None
-    if type(attn).__name__ == "Attention" and type(attn).__module__.startswith("timm") and hasattr(attn, "qkv"):
+    if type(attn).__name__ == "Attention" and hasattr(attn, "qkv") \
+            and type(attn).__module__ in ("timm.models.vision_transformer", "timm.layers.attention"):
         return "timm"
     return None
 
