@@ -14,9 +14,9 @@ its depth is per stage or too shallow):
   ``need_bytes`` within the GPU's memory.
 - ``largest_batch``: found from the line through two estimates and checked directly — it fits and the next batch
   does not, both by the same estimate (:mod:`lowmembp.plan.search`).
-- ``flops_ratio``: FLOPs of the step (forward, backward, recomputation; ``torch.utils.flop_counter``) over the
-  baseline's, counted on the same fake step; ``measured_ratio``: step time over the baseline's where the pipeline's
-  records have that method (CPU today), with the runs it comes from.
+- ``flops_ratio``: FLOPs of the step (forward, backward, recomputation; torch's formulas, :mod:`lowmembp.flops`)
+  over the baseline's, counted on the same fake step; ``measured_ratio``: step time over the baseline's where the
+  pipeline's records have that method (CPU today), with the runs it comes from.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ __all__ = ["plan", "Plan", "evaluate"]
 
 PEAK_SOURCE = ("fake-tensor step of lowmembp.estimate (exact tensor bytes: forward, backward, AdamW step with its "
                "state), {depth}")
-FLOPS_SOURCE = "torch.utils.flop_counter.FlopCounterMode on the same fake step (matmuls, attention; pointwise = 0)"
+FLOPS_SOURCE = ("torch.utils.flop_counter formulas summed over the same fake step (lowmembp.flops: matmuls, "
+                "attention incl. recomputation; pointwise ops = 0)")
 _STATIC = ("parameters", "gradients", "optimizer_state")
 
 

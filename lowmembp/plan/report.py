@@ -12,8 +12,8 @@ from lowmembp.plan.sources import GiB
 __all__ = ["text_table", "to_json", "write_csv", "CSV_COLUMNS"]
 
 CSV_COLUMNS = ["rank", "label", "method", "status", "peak_bytes", "need_bytes", "fits", "largest_batch",
-               "largest_batch_how", "largest_batch_by_gpu", "flops", "flops_ratio", "measured_ratio", "measured_where", "estimates",
-               "seconds", "reason"]
+               "largest_batch_how", "largest_batch_by_gpu", "flops", "flops_ratio", "measured_ratio",
+               "measured_where", "estimates", "seconds", "reason"]
 
 
 def _gib(b) -> str:
