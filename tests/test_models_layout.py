@@ -101,3 +101,18 @@ def test_layout_on_meta_device():
         model, _ = build("qwen2")
     lay = get_layout(model)
     assert lay.family == "llama" and lay.norms[0].consumers[0].get().weight.is_meta
+
+
+def test_layout_module_imports_no_adapter():
+    """detect.py is a leaf, layout.py imports no adapter module (no import cycle); adapters register by priority."""
+    import pathlib
+    import re
+
+    import lowmembp.models.layout as layout_mod
+    from lowmembp.models.layout import _ADAPTERS
+    src = pathlib.Path(layout_mod.__file__).read_text()
+    assert not re.search(r"import.*(hf_models|timm_models|dataflow)", src)
+    detect_src = (pathlib.Path(layout_mod.__file__).parent / "detect.py").read_text()
+    assert not re.search(r"^\s*(from lowmembp|import lowmembp)", detect_src, re.M)
+    prios = [a[0] for a in _ADAPTERS]
+    assert prios == sorted(prios, reverse=True) and _ADAPTERS[-1][2] == "dataflow"
