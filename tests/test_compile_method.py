@@ -80,8 +80,14 @@ def test_inductor_lowmembp_gradients():
     _assert_close(eager, compiled, rtol=1e-3)
 
 
-def _compiled_saved(spec, **options):
-    model, batch = _bert1()
+def _llama_batch():
+    model, inputs = build("llama")
+    batch = inputs()
+    return model, dict(batch, labels=batch["input_ids"])
+
+
+def _compiled_saved(spec, make=_bert1, **options):
+    model, batch = make()
     model = lowmembp.apply(model, spec, **options)
     model.train()
     model(**batch).loss.backward()  # compile (forward and backward) outside the count
@@ -97,19 +103,26 @@ def test_memory_budget_is_in_force_when_partitioning():
     assert again == full
 
 
-def test_compiled_lowmembp_keeps_90_percent_of_the_eager_saving():
+@pytest.mark.parametrize("make", [
+    _bert1,
+    pytest.param(_llama_batch, marks=pytest.mark.xfail(strict=True, reason=(
+        "measured (benchmarks/compiled_saving.py, L=64): the min-cut partitioner already recomputes SiLU and the "
+        "RMSNorm product for the compiled baseline (1425 -> 1086 KiB) while lowmembp's custom ops stay opaque "
+        "(944 -> 937 KiB): compiled LLaMA keeps ~41 % of the eager saving"))),
+], ids=["bert", "llama"])
+def test_compiled_lowmembp_keeps_90_percent_of_the_eager_saving(make):
     """Saving = 1 - saved bytes / the baseline's in the same mode (eager vs eager, compiled vs compiled)."""
     torch._dynamo.reset()
 
     def eager(spec):
-        model, batch = _bert1()
+        model, batch = make()
         model = lowmembp.apply(model, spec)
         model.train()
         return saved_bytes(model, lambda: model(**batch).loss)["total"]
 
     eager_saving = 1 - eager("lowmembp") / eager("baseline")
-    compiled_saving = 1 - _compiled_saved("lowmembp+compile", compile_backend=FAST) / _compiled_saved(
-        "compile", compile_backend=FAST)
+    compiled_saving = 1 - _compiled_saved("lowmembp+compile", make, compile_backend=FAST) / _compiled_saved(
+        "compile", make, compile_backend=FAST)
     assert eager_saving > 0.2
     assert compiled_saving >= 0.9 * eager_saving, (compiled_saving, eager_saving)
 
