@@ -89,3 +89,12 @@ def test_accelerate(spec, options):
     assert torch.isfinite(loss)
     after = _trainable(accelerator.unwrap_model(model))
     assert sum(not torch.equal(before[n], after[n]) for n in before) >= len(before) // 2
+
+
+@pytest.mark.parametrize("spec", ["tokentune", "checkpointing", "sac", "chunked-ce", "tokentune+checkpointing"])
+def test_patched_forwards_keep_the_signature(spec):
+    model, _ = build("llama")
+    top, block = inspect.signature(model.forward), inspect.signature(model.model.layers[0].forward)
+    model = lowmembp.apply(model, spec, **({"k": 3} if "tokentune" in spec else {}))
+    assert inspect.signature(model.forward) == top
+    assert inspect.signature(model.model.layers[0].forward) == block

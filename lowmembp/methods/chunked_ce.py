@@ -68,6 +68,11 @@ class _ChunkedCEForward:
     def __init__(self, base, head, chunk, inner):
         self.base, self.head, self.chunk, self.inner = base, head, chunk, inner
 
+    @property
+    def __signature__(self):  # what inspect.signature (the HF Trainer) reads: the replaced forward's parameters
+        from lowmembp.methods._signature import original_signature
+        return original_signature(self.base, "forward", self.inner)
+
     def __call__(self, *args, labels=None, **kwargs):
         base = self.base
         plain = self.inner or (lambda *a, **k: type(base).forward(base, *a, **k))

@@ -91,6 +91,11 @@ class _SACForward:
     def __init__(self, block: nn.Module, policy: str, inner):
         self.block, self.policy, self.inner = block, policy, inner
 
+    @property
+    def __signature__(self):  # what inspect.signature reads: the wrapped forward's parameters
+        from lowmembp.methods._signature import original_signature
+        return original_signature(self.block, "forward", self.inner)
+
     def __call__(self, *args, **kwargs):
         fn = self.inner or functools.partial(type(self.block).forward, self.block)
         if not (self.block.training and torch.is_grad_enabled()):
