@@ -51,8 +51,9 @@ def check_float_input(x: torch.Tensor, op: str) -> None:
 def is_shape_only(x: torch.Tensor) -> bool:
     """True for tensors without data — the meta device or a FakeTensor (memory estimates run ops on these).
 
-    Ops take their PyTorch reference on such tensors (a Triton kernel cannot run on them) and allocate only what
-    the kernel would.
+    The ops no longer need it (they are ``torch.library`` custom ops whose fake implementations serve such tensors);
+    it remains for eager-only code paths (e.g. a check that must not read a fake value). Never call it on a traced
+    path: under ``torch.compile`` it is a graph break.
     """
     if x.device.type == "meta":
         return True
