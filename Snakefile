@@ -28,6 +28,7 @@ include: "workflow/rules/repro.smk"
 include: "workflow/rules/tables.smk"
 include: "workflow/rules/plots.smk"
 include: "workflow/rules/pareto.smk"
+include: "workflow/rules/capacity.smk"
 include: "workflow/rules/notebooks.smk"
 include: "workflow/rules/reference.smk"
 

@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
 sys.path.insert(0, str(ROOT / "notebooks"))
 
 
-def test_the_four_notebooks_are_there():
-    assert {p.stem for p in NOTEBOOKS} == {"memory", "speed", "accuracy", "paper_comparison"}
+def test_the_notebooks_are_there():
+    assert {p.stem for p in NOTEBOOKS} == {"memory", "speed", "accuracy", "paper_comparison", "planner"}
 
 
 def test_reference_set_is_real_and_labelled():

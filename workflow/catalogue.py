@@ -62,7 +62,7 @@ REPRO_SCRIPT = "repro.py"  # reproduction -> repro/<name>.csv
 REPRO_TABLE_SCRIPT = "tables.py"
 REPRO_FIGURE_SCRIPT = "plots_repro.py"
 TABLE_HTML_SCRIPT = "table_html.py"
-NOTEBOOKS = ("memory", "speed", "accuracy", "paper_comparison")  # notebooks/<name>.ipynb, executed per run
+NOTEBOOKS = ("memory", "speed", "accuracy", "paper_comparison", "planner")  # notebooks/<name>.ipynb, executed per run
 
 RUN_TABLE = {t.name: t for t in RUN_TABLES}
 RUN_FIGURE = {f.name: f for f in RUN_FIGURES}

@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import tempfile
-from pathlib import Path
 
 from lowmembp.plan.sources import GiB
 
@@ -80,14 +77,12 @@ def to_json(p) -> str:
 
 def write_csv(p, path) -> None:
     """The rows as CSV, written atomically (temp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w", newline="") as f:
+    from lowmembp.atomic import atomic_open
+
+    with atomic_open(path, "w") as f:
         w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         w.writeheader()
         for r in p.rows:
             w.writerow(dict(r, largest_batch_by_gpu=json.dumps(r.get("largest_batch_by_gpu", {})),
                             measured_where="; ".join(f"{m['where']} {m['ratio']:.2f}"
                                                        for m in r.get("measured", []))))
-    os.replace(tmp, path)

@@ -1,0 +1,44 @@
+# The planner's capacity table and figure: the largest batch that fits in 24 / 40 / 80 GiB per paper model and
+# method (lowmembp.plan on fake tensors; no GPU). Settings: config `capacity:` (schema defaults; `models: {}` turns
+# it off, as config/tiny.yaml does).
+
+CAPACITY = config.setdefault("capacity", {})
+CAPACITY.setdefault("models", {"vit_b16": {}, "bert_large": {}, "llama_7b": {"seq_len": 512}})
+CAPACITY.setdefault("methods", ["baseline", "lora", "checkpointing", "tokentune", "lora+tokentune"])
+CAPACITY.setdefault("gpus", ["24GiB", "40GiB", "80GiB"])
+
+
+def capacity_targets(wc=None):
+    if not CAPACITY["models"]:
+        return []
+    return [f"{R}/tables/capacity.md", f"{R}/tables/capacity.csv", f"{R}/figures/capacity.png"]
+
+
+rule capacity:
+    output:
+        csv=f"{R}/tables/capacity.csv",
+        md=f"{R}/tables/capacity.md",
+        png=report(f"{R}/figures/capacity.png", caption="../report/capacity.rst", category="Planner",
+                   labels={"figure": "capacity"}),
+    log:
+        f"{R}/logs/capacity.log",
+    benchmark:
+        f"{R}/benchmarks/capacity.tsv"
+    params:
+        models=CAPACITY["models"],
+        methods=CAPACITY["methods"],
+        gpus=CAPACITY["gpus"],
+    threads: 1
+    conda:
+        "../envs/lowmembp.yaml"
+    script:
+        "../scripts/capacity.py"
+
+
+# Part of the default targets: all_targets() (common.smk) is extended here, as this file is included before
+# `rule all` (as pareto.smk does).
+_targets_before_capacity = all_targets
+
+
+def all_targets(wc=None):
+    return _targets_before_capacity(wc) + capacity_targets()
