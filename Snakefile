@@ -29,6 +29,7 @@ include: "workflow/rules/tables.smk"
 include: "workflow/rules/plots.smk"
 include: "workflow/rules/pareto.smk"
 include: "workflow/rules/capacity.smk"
+include: "workflow/rules/report.smk"
 include: "workflow/rules/notebooks.smk"
 include: "workflow/rules/reference.smk"
 
@@ -36,4 +37,5 @@ include: "workflow/rules/reference.smk"
 rule all:
     input:
         all_targets,
+        CAPACITY_TARGETS,
     default_target: True

@@ -63,7 +63,7 @@ def test_tables_and_figures_leave_invalid_rows_out_and_count_them(tmp_path):
            for name in tables.RUN_TABLES}
     tables.run_tables(runs_csv, out)
     acc = pd.read_csv(out["accuracy"]["csv"]).set_index("method")
-    assert acc.loc["baseline", "seeds"] == 1 and acc.loc["baseline", "metric_mean"] == pytest.approx(0.5)
+    assert acc.loc["baseline", "seeds"] == 1 and acc.loc["baseline", "metric_mean"] == pytest.approx(50)
     assert acc.loc["baseline", "status"] == "ok"  # the damaged seed is not a status of the cell
     for name in tables.RUN_TABLES:
         md = Path(out[name]["md"]).read_text()

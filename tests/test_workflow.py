@@ -158,16 +158,16 @@ def test_tiny_pipeline_end_to_end(tmp_path):
         assert (res / "tables" / f"{name}.html").read_text().startswith("<html>")
         t = pd.read_csv(res / "tables" / f"{name}.csv")
         prefix = {"memory": "peak", "speed": "time", "accuracy": "metric"}[name]
-        assert {f"{prefix}_paper", f"{prefix}_ours", f"{prefix}_ours/paper"} <= set(t.columns)
+        assert {f"{prefix}_ratio_paper", f"{prefix}_ratio_ours", f"{prefix}_ratio_ours/paper"} <= set(t.columns)
         assert (res / "tables" / f"{name}.md").read_text().startswith("# ")
     mem = pd.read_csv(res / "tables" / "memory.csv")
     low = mem[mem["method"] == "lowmembp"]
-    assert (low["peak_paper"] == 0.73).all()  # vit-mnist plays ViT
+    assert (low["peak_ratio_paper"] == 0.73).all()  # vit-mnist plays ViT
     for png in res.glob("figures/*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from catalogue import RUN_FIGURES
 
-    assert len(list(res.glob("figures/*.png"))) == len(RUN_FIGURES) + len(cfg["repro"]["names"])
+    assert len(list(res.glob("figures/*.png"))) == len(RUN_FIGURES) + len(cfg["repro"]["names"]) + 1  # + headline
     from catalogue import NOTEBOOKS
 
     assert len(list(res.glob("notebooks/*.ipynb"))) == len(NOTEBOOKS)
@@ -233,21 +233,21 @@ def test_tables_put_paper_ours_and_ratio_side_by_side(tmp_path):
     runs = pd.DataFrame(rows)
     claims = tables.load_claims()
     mem = tables.memory_table(runs, claims).set_index("method")
-    assert mem.loc["lowmembp", "peak_ours"] == pytest.approx(0.8)
-    assert mem.loc["lowmembp", "peak_paper"] == pytest.approx(0.73)
-    assert mem.loc["lowmembp", "peak_ours/paper"] == pytest.approx(0.8 / 0.73)
-    assert mem.loc["lora+lowmembp", "peak_ours"] == pytest.approx(0.7)  # against lora, not baseline
-    assert mem.loc["lora+lowmembp", "act_ours"] == pytest.approx(0.5)
+    assert mem.loc["lowmembp", "peak_ratio_ours"] == pytest.approx(0.8)
+    assert mem.loc["lowmembp", "peak_ratio_paper"] == pytest.approx(0.73)
+    assert mem.loc["lowmembp", "peak_ratio_ours/paper"] == pytest.approx(0.8 / 0.73)
+    assert mem.loc["lora+lowmembp", "peak_ratio_ours"] == pytest.approx(0.7)  # against lora, not baseline
+    assert mem.loc["lora+lowmembp", "act_ratio_ours"] == pytest.approx(0.5)
     assert mem.loc["baseline", "status"] == "ok/oom" and mem.loc["baseline", "peak_MiB"] == pytest.approx(100)
-    assert pd.isna(mem.loc["tokentune", "peak_paper"])
+    assert pd.isna(mem.loc["tokentune", "peak_ratio_paper"])
     acc = tables.accuracy_table(runs, claims).set_index("method")
-    assert acc.loc["lowmembp", "metric_std"] == pytest.approx(0.0707, abs=1e-3)
-    assert acc.loc["lowmembp", "metric_ours"] == pytest.approx(1.0) and acc.loc["lowmembp", "seeds"] == 2
+    assert acc.loc["lowmembp", "metric_std"] == pytest.approx(7.07, abs=0.1)  # accuracy in %
+    assert acc.loc["lowmembp", "metric_ratio_ours"] == pytest.approx(1.0) and acc.loc["lowmembp", "seeds"] == 2
     spd = tables.speed_table(runs, claims).set_index("method")
-    assert spd.loc["lowmembp", "time_ours"] == pytest.approx(1.05)
+    assert spd.loc["lowmembp", "time_ratio_ours"] == pytest.approx(1.05)
     tables.write(tables.memory_table(runs, claims), tmp_path / "m.md", tmp_path / "m.csv", "t")
     md = (tmp_path / "m.md").read_text()
-    assert "| lowmembp" in md and "peak_ours/paper" in md and "LowMemoryBP headline" in md
+    assert "| lowmembp" in md and "peak_ratio_ours/paper" in md and "LowMemoryBP headline" in md
 
 
 def test_stopping_the_wrapper_stops_the_job(tmp_path):

@@ -33,16 +33,20 @@ class Reproduction:
 
 
 RUN_TABLES = (
-    Output("memory", "Peak and activation memory per method (ratio to the reference run; paper values as ratios)",
-           "tables.py"),
-    Output("speed", "Step time per method (p50 over seeds; ratio to the reference run)", "tables.py"),
-    Output("accuracy", "Evaluation metric per method: mean, spread over seeds, ratio to the reference run",
-           "tables.py"),
+    Output("memory", "Memory per method: peak and activations in MiB, and as ratios to the compared method "
+           "(ours beside the papers')", "tables.py"),
+    Output("speed", "Step time per method in ms (p50, p20–p80), ratio to the compared method with its spread "
+           "(ours beside the papers')", "tables.py"),
+    Output("accuracy", "Accuracy (%) / perplexity per method after training: mean and spread over seeds, change "
+           "against the compared method", "tables.py"),
+    Output("accuracy_short", "Metric of the short memory/speed cells (too few steps to learn: not an accuracy "
+           "comparison)", "tables.py"),
 )
 RUN_FIGURES = (
-    Output("memory_vs_batch", "Peak and activation memory against batch size", "plots.py"),
-    Output("step_time_ratio", "Step time as a ratio to the reference run (p50), paper's ratio beside", "plots.py"),
-    Output("accuracy", "Evaluation metric per method, every seed and the mean", "plots.py"),
+    Output("memory_vs_batch", "Peak and activation memory (MiB) against batch size, per method", "plots.py"),
+    Output("step_time_ratio", "Step time / compared method's step time (p50, p20–p80 spread), paper's ratio beside",
+           "plots.py"),
+    Output("accuracy", "Accuracy (%) / perplexity per method after training, every seed and the mean", "plots.py"),
     Output("pareto", "Peak memory against step time per method, per task, with the front", "plots_pareto.py"),
 )
 REPRODUCTIONS = (
@@ -61,6 +65,10 @@ REPRODUCTIONS = (
 REPRO_SCRIPT = "repro.py"  # reproduction -> repro/<name>.csv
 REPRO_TABLE_SCRIPT = "tables.py"
 REPRO_FIGURE_SCRIPT = "plots_repro.py"
+# What the report opens with (workflow/rules/report.smk): per method, memory saved, step-time cost and metric change
+# against the compared method, ours beside the papers'; tables/headline.{md,csv,html} and figures/headline.png.
+HEADLINE = Output("headline", "Headline: what each method saves in memory, costs in step time and changes in "
+                  "accuracy, ours beside the papers'", "headline.py")
 TABLE_HTML_SCRIPT = "table_html.py"
 NOTEBOOKS = ("memory", "speed", "accuracy", "paper_comparison", "planner")  # notebooks/<name>.ipynb, executed per run
 

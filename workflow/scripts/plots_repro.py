@@ -12,12 +12,9 @@ import re
 import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
 HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
 sys.path.insert(0, str(HERE.parent))
@@ -31,23 +28,33 @@ def _numeric(df, prefix):
             and not c.endswith("%")]
 
 
+def _unit(col: str) -> str:
+    """'paper_MiB' -> 'MiB', 'paper_MB' -> 'MB' (the unit is the column name's last part)."""
+    tail = col.rsplit("_", 1)[-1]
+    return tail if tail in ("MiB", "MB", "GiB", "GB", "ms", "%") else ""
+
+
 def side_by_side(df: pd.DataFrame, ax, title: str) -> None:
-    """Bars of the first numeric paper* column against the first numeric ours* column, one pair per row."""
+    """Bars of the first numeric paper* column against the first numeric ours* column, one pair per row; the
+    ratio ours / paper written on top of each pair."""
     p, o = (_numeric(df, "paper") or [None])[0], (_numeric(df, "ours") or [None])[0]
     if p is None or o is None:
         raise SystemExit(f"{title}: no numeric paper/ours columns in {list(df.columns)}")
     text = [c for c in df.columns if not pd.api.types.is_numeric_dtype(df[c])
             and c not in ("note", "spec", "paper", "check")]
     labels = [" / ".join(str(v) for v in row) for row in df[text].itertuples(index=False)]
+    up, uo = _unit(p), _unit(o)
     x = np.arange(len(df))
-    ax.bar(x - 0.2, df[p], 0.4, label=f"paper ({p})", color="0.65")
-    ax.bar(x + 0.2, df[o], 0.4, label=f"ours ({o})", color="C0")
+    ax.bar(x - 0.2, df[p], 0.4, label=f"paper, as published ({up or p})", color="0.65")
+    ax.bar(x + 0.2, df[o], 0.4, label=f"ours, estimated on fake tensors on the CPU ({uo or o})", color="C0")
     for xi, (pv, ov) in enumerate(zip(df[p], df[o])):
         if pd.notna(pv) and pd.notna(ov) and pv:
-            ax.text(xi + 0.2, ov, f"{ov / pv:.2f}x", ha="center", va="bottom", fontsize=7)
+            ax.text(xi, max(pv, ov), f"ours / paper\n{ov / pv:.2f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("memory")
-    ax.legend(fontsize=8)
+    unit = up if up == uo else " / ".join(u for u in (up, uo) if u)
+    ax.set_ylabel(f"peak training memory ({unit or 'as in the columns'})")
+    ax.set_ylim(0, np.nanmax(np.r_[df[p].to_numpy(dtype=float), df[o].to_numpy(dtype=float)]) * 1.18)
+    ax.legend(fontsize=8, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
 
 
@@ -62,18 +69,21 @@ def block_breakdown(df: pd.DataFrame, fig) -> None:
         bottom = np.zeros(len(bars))
         for i, row in enumerate(slices.itertuples(index=False)):
             vals = np.array([getattr(row, c) for c, _ in bars], dtype=float)
-            ax.bar(range(len(bars)), vals, bottom=bottom, color=plt.get_cmap("tab10")(i), label=row.slice)
+            ax.bar(range(len(bars)), vals, bottom=bottom, color=plt.get_cmap("tab10")(i), label=str(row.slice))
             bottom += np.nan_to_num(vals)
         for j in (1, 3):
             if bottom[j - 1]:
-                ax.text(j, bottom[j], f"-{100 * (1 - bottom[j] / bottom[j - 1]):.1f}%", ha="center",
+                ax.text(j, bottom[j], f"saves {100 * (1 - bottom[j] / bottom[j - 1]):.1f} %", ha="center",
                         va="bottom", fontsize=8)
         ax.set_xticks(range(len(bars)), [b for _, b in bars], fontsize=7)
         ax.set_title(model, fontsize=10)
-        ax.set_ylabel("units of b·s·d (16-bit)")
+        ax.set_ylabel("activation memory of one block\n(16-bit units of b·s·d: batch × tokens × width)")
         ax.grid(axis="y", alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    seen = {}
+    for ax in axes:  # every op kind of every panel (ViT has no elementwise product, LLaMA has)
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=len(seen), fontsize=8, frameon=False)
 
 
 def tokentune_memory(df: pd.DataFrame, ax) -> None:
@@ -85,29 +95,39 @@ def tokentune_memory(df: pd.DataFrame, ax) -> None:
     ax.set_xlabel("batch size")
     ax.set_ylabel("peak memory of a training step (MiB)")
     ax.set_xticks(bs, [str(b) for b in bs])
+    ax.set_ylim(bottom=0)
+    ax.set_title("BERT-large, estimated on fake tensors on the CPU: the slope is the memory per sequence",
+                 fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
 
 
-def main(name: str, csv: str, out: str, title: str | None = None) -> None:
-    df = pd.read_csv(csv)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
+def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
+    """The figure of reproduction ``name`` (a table stem) from its rows."""
     if name == "block_breakdown":
-        fig = plt.figure(figsize=(4.2 * df["model"].nunique(), 4.6))
+        fig = plt.figure(figsize=(4.6 * df["model"].nunique(), 4.8))
         block_breakdown(df, fig)
     else:
-        fig, ax = plt.subplots(figsize=(max(6.5, 0.8 * len(df) + 2), 4.4))
+        fig, ax = plt.subplots(figsize=(max(6.5, 0.8 * len(df) + 2), 4.6))
         if name == "tokentune_memory" and any(re.fullmatch(r"peak_MiB_b\d+", c) for c in df.columns):
             tokentune_memory(df, ax)
         else:
             side_by_side(df, ax, name)
     fig.suptitle(title or TITLES.get(name, name), fontsize=10)
     fig.tight_layout(rect=(0, 0.06, 1, 1) if name == "block_breakdown" else None)
+    return fig
+
+
+def main(name: str, csv: str, out: str, title: str | None = None) -> None:
+    fig = figure(name, pd.read_csv(csv), title)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
 
 if "snakemake" in globals():
+    plt.switch_backend("Agg")
     main(snakemake.wildcards.rfig, snakemake.input[0], snakemake.output[0], snakemake.params.title)  # noqa: F821
 elif __name__ == "__main__":
+    plt.switch_backend("Agg")
     main(*sys.argv[1:4])

@@ -1,16 +1,27 @@
-"""runs.csv (and the reproductions' CSVs) -> results/tables/<name>.md and .csv.
+"""runs.csv (and the reproductions' CSVs) -> results/tables/<name>.md, .csv and .html.
 
-Every table puts the paper's value, ours, and the ratio ours/paper side by side. For the sweep's runs the paper's
-values are ratios to a reference run (``lora+X`` against ``lora``, every other method against ``baseline``, same
-task, model and batch size), taken from workflow/resources/paper_claims.yaml; for the reproductions they come with
-the reproduction's own rows (lowmembp.repro).
+Every table of the sweep puts ours beside the paper's value: ratios to the method a row is compared with
+(``compared_with``: ``lora+X`` against ``lora``, every other method against ``baseline``, same task, model and batch
+size), the papers' ratios from workflow/resources/paper_claims.yaml, and ``ours/paper``. Column names say what a
+number is: ``*_MiB`` / ``*_ms`` / ``*_%`` carry their unit, ``*_ratio_ours`` and ``*_ratio_paper`` are ratios of
+this method to ``compared_with`` (below 1: less memory, less time), ``*_ours/paper`` is our ratio over the paper's.
 
-Each table is written as Markdown, CSV and HTML (table_html.py) by the same call, atomically (``lowmembp.atomic``),
-to the paths Snakemake gives (rule outputs); the titles come from workflow/catalogue.py. Rows of runs.csv with status
-``invalid`` (a damaged record) are left out and counted in the table's note.
+- memory: peak and activation memory per cell;
+- speed: step time p50 with its p20–p80 spread; the ratio's spread (p20 / compared p80 … p80 / compared p20) and
+  ``within_noise`` (yes when that spread contains 1: on this machine the two cannot be told apart);
+- accuracy: the evaluation metric of the cells long enough to learn (per task the batch size with the most seeds,
+  then the longest training: :func:`accuracy_batch_size`, the rule the accuracy figure uses), accuracy in %;
+- accuracy_short: the same for the other cells (the few-step memory/speed cells): near chance, not a comparison;
+- headline (:func:`headline_table`, rule ``headline``): per method what it saves, what it costs in step time and
+  what it changes in the metric, ours beside the papers'.
 
-Run by Snakemake (rules run_tables, repro_table), or by hand:
-``python tables.py runs RUNS.csv OUTDIR`` / ``python tables.py repro NAME REPRO.csv OUTDIR``.
+Each table is written as Markdown (title, caption, notes), CSV and HTML (table_html.py) by the same call, atomically
+(``lowmembp.atomic``), to the paths Snakemake gives (rule outputs); the titles come from workflow/catalogue.py. Rows of
+runs.csv with status ``invalid`` (a damaged record) are left out and counted in the table's note.
+
+Run by Snakemake (rules run_tables, repro_table, headline), or by hand:
+``python tables.py runs RUNS.csv OUTDIR`` / ``python tables.py repro NAME REPRO.csv OUTDIR`` /
+``python tables.py headline RUNS.csv OUTDIR``.
 """
 
 import sys
@@ -31,9 +42,12 @@ from table_html import page  # noqa: E402
 CLAIMS = HERE.parent / "resources" / "paper_claims.yaml"
 MiB = 2**20
 KEYS = ["task", "model", "method", "batch_size"]
+COMPARED = "compared_with"
+PERCENT_METRICS = {"accuracy"}  # metrics stored as fractions, shown in %
 
 
 def reference_method(method: str) -> str | None:
+    """The method a row is compared with: lora+X -> lora, every other method -> baseline (baseline: none)."""
     if method == "baseline":
         return None
     return "lora" if method.startswith("lora+") else "baseline"
@@ -56,6 +70,11 @@ def _status(s: pd.Series) -> str:
     return vals[0] if len(vals) == 1 else "/".join(vals)
 
 
+def _first(s: pd.Series):
+    s = s.dropna()
+    return s.iloc[0] if len(s) else np.nan
+
+
 def per_cell(runs: pd.DataFrame, value: str, how: str = "mean") -> pd.DataFrame:
     """One row per (task, model, method, batch size): the value over ok seeds, and the cell's status."""
     ok = runs[runs["status"] == "ok"]
@@ -64,76 +83,251 @@ def per_cell(runs: pd.DataFrame, value: str, how: str = "mean") -> pd.DataFrame:
     return pd.concat([status, agg], axis=1).reset_index()
 
 
-def with_reference(df: pd.DataFrame, value: str) -> pd.Series:
-    """value / value of the reference method in the same task, model and batch size."""
-    idx = df.set_index(["task", "model", "method", "batch_size"])[value]
-    ref = [idx.get((t, m, reference_method(x), b), np.nan) if reference_method(x) else np.nan
-           for t, m, x, b in zip(df["task"], df["model"], df["method"], df["batch_size"])]
-    return df[value] / np.asarray(ref, dtype=float)
+OPTIONAL = ("steps", "step_time_p20", "step_time_p80", "samples_per_s", "message", "dtype")
+
+
+def _complete(runs: pd.DataFrame) -> pd.DataFrame:
+    """runs with the optional columns a hand-made or older runs.csv may lack (as NaN)."""
+    return runs.assign(**{c: np.nan for c in OPTIONAL if c not in runs})
+
+
+def _ref_values(df: pd.DataFrame, value: str) -> np.ndarray:
+    idx = df.set_index(KEYS)[value]
+    return np.asarray([idx.get((t, m, reference_method(x), b), np.nan) if reference_method(x) else np.nan
+                       for t, m, x, b in zip(df["task"], df["model"], df["method"], df["batch_size"])], dtype=float)
+
+
+def with_reference(df: pd.DataFrame, value: str, ref_value: str | None = None) -> pd.Series:
+    """df[value] / df[ref_value or value] of the compared method in the same task, model and batch size."""
+    return df[value] / _ref_values(df, ref_value or value)
+
+
+def _notes(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per cell: the messages of seeds that did not finish (oom / error), shortened."""
+    bad = runs[runs["status"] != "ok"]
+    msg = bad.assign(m=bad["status"].astype(str) + ": " + bad.get("message", pd.Series("", index=bad.index))
+                     .fillna("").astype(str).str.slice(0, 80))
+    notes = msg.groupby(KEYS, dropna=False)["m"].agg(lambda s: "; ".join(dict.fromkeys(s))).rename("notes")
+    return notes.reset_index()
+
+
+def _with_notes(df: pd.DataFrame, runs: pd.DataFrame, extra: pd.Series | None = None) -> pd.DataFrame:
+    df = df.merge(_notes(runs), on=KEYS, how="left")
+    df["notes"] = df["notes"].fillna("")
+    if extra is not None:
+        df["notes"] = [("; ".join(x for x in (a, b) if x)) for a, b in zip(extra.fillna(""), df["notes"])]
+    return df
 
 
 def add_paper(df: pd.DataFrame, ours: str, table: str, claims: dict, prefix: str) -> pd.DataFrame:
+    """``<prefix>_ratio_ours`` (= df[ours]), ``<prefix>_ratio_paper``, ``<prefix>_ratio_ours/paper``, source."""
     vals = [claim(claims, table, x, m) for x, m in zip(df["method"], df["model"])]
-    df[f"{prefix}_paper"] = [v for v, _ in vals]
-    df[f"{prefix}_ours"] = df[ours]
-    df[f"{prefix}_ours/paper"] = df[f"{prefix}_ours"] / df[f"{prefix}_paper"]
+    df[f"{prefix}_ratio_ours"] = df[ours]
+    df[f"{prefix}_ratio_paper"] = [v for v, _ in vals]
+    df[f"{prefix}_ratio_ours/paper"] = df[f"{prefix}_ratio_ours"] / df[f"{prefix}_ratio_paper"]
     df[f"{prefix}_source"] = [s for _, s in vals]
     return df
 
 
 def memory_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
+    runs = _complete(runs)
     peak = per_cell(runs, "peak_bytes")
     act = per_cell(runs, "activation_bytes")[KEYS + ["activation_bytes"]]
-    df = peak.merge(act, on=KEYS, how="left")
+    steps = per_cell(runs, "steps", "max")[KEYS + ["steps"]]
+    df = peak.merge(act, on=KEYS, how="left").merge(steps, on=KEYS, how="left")
+    df[COMPARED] = df["method"].map(lambda x: reference_method(x) or "")
     df["peak_MiB"] = df["peak_bytes"] / MiB
     df["activation_MiB"] = df["activation_bytes"] / MiB
-    df["reference"] = df["method"].map(lambda x: reference_method(x) or "")
-    df["peak_ratio"] = with_reference(df, "peak_bytes")
-    df["act_ratio"] = with_reference(df, "activation_bytes")
-    df = add_paper(df, "peak_ratio", "peak_ratio", claims, "peak")
-    df = add_paper(df, "act_ratio", "activation_ratio", claims, "act")
-    cols = KEYS + ["status", "reference", "peak_MiB", "peak_paper", "peak_ours", "peak_ours/paper",
-                   "activation_MiB", "act_paper", "act_ours", "act_ours/paper", "peak_source", "act_source"]
+    df["_peak"] = with_reference(df, "peak_bytes")
+    df["_act"] = with_reference(df, "activation_bytes")
+    df = add_paper(df, "_peak", "peak_ratio", claims, "peak")
+    df = add_paper(df, "_act", "activation_ratio", claims, "act")
+    df = _with_notes(df, runs)
+    cols = KEYS + ["status", "steps", COMPARED, "peak_MiB", "peak_ratio_ours", "peak_ratio_paper",
+                   "peak_ratio_ours/paper", "activation_MiB", "act_ratio_ours", "act_ratio_paper",
+                   "act_ratio_ours/paper", "notes", "peak_source", "act_source"]
     return df[cols]
 
 
 def speed_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
+    runs = _complete(runs)
     df = per_cell(runs, "step_time_p50", "median")
-    sps = per_cell(runs, "samples_per_s", "median")[KEYS + ["samples_per_s"]]
-    df = df.merge(sps, on=KEYS, how="left")
-    df["step_ms"] = df["step_time_p50"] * 1e3
-    df["reference"] = df["method"].map(lambda x: reference_method(x) or "")
-    df["time_ratio"] = with_reference(df, "step_time_p50")
-    df = add_paper(df, "time_ratio", "step_time_ratio", claims, "time")
-    cols = KEYS + ["status", "reference", "step_ms", "samples_per_s", "time_paper", "time_ours", "time_ours/paper",
-                   "time_source"]
+    for extra, how in [("step_time_p20", "median"), ("step_time_p80", "median"), ("samples_per_s", "median"),
+                       ("steps", "max")]:
+        df = df.merge(per_cell(runs, extra, how)[KEYS + [extra]], on=KEYS, how="left")
+    df[COMPARED] = df["method"].map(lambda x: reference_method(x) or "")
+    for p in ("p20", "p50", "p80"):
+        df[f"step_ms_{p}"] = df[f"step_time_{p}"] * 1e3
+    df["_time"] = with_reference(df, "step_time_p50")
+    df = add_paper(df, "_time", "step_time_ratio", claims, "time")
+    df["time_ratio_ours_p20/p80"] = with_reference(df, "step_time_p20", "step_time_p80")  # lowest the ratio can be
+    df["time_ratio_ours_p80/p20"] = with_reference(df, "step_time_p80", "step_time_p20")  # highest
+    lo, hi = df["time_ratio_ours_p20/p80"], df["time_ratio_ours_p80/p20"]
+    df["within_noise"] = np.where(lo.isna() | hi.isna(), "", np.where((lo <= 1) & (hi >= 1), "yes", "no"))
+    extra = pd.Series(np.where(df["within_noise"] == "yes", "p20–p80 spread of the ratio contains 1", ""))
+    df = _with_notes(df, runs, extra)
+    cols = KEYS + ["status", "steps", COMPARED, "step_ms_p50", "step_ms_p20", "step_ms_p80", "samples_per_s",
+                   "time_ratio_ours", "time_ratio_ours_p20/p80", "time_ratio_ours_p80/p20", "within_noise",
+                   "time_ratio_paper", "time_ratio_ours/paper", "notes", "time_source"]
     return df[cols]
 
 
-def accuracy_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
+def accuracy_batch_size(sub: pd.DataFrame) -> int:
+    """The batch size whose cells carry the accuracy comparison: the most seeds, then the longest training
+    (steps × batch size), so short memory/speed cells never stand in for trained ones."""
+    per_bs = sub.assign(samples=sub["steps"] * sub["batch_size"]).groupby("batch_size").agg(
+        seeds=("seed", "nunique"), samples=("samples", "max"))
+    return int(per_bs.sort_values(["seeds", "samples"], ascending=False).index[0])
+
+
+def learning_batch_sizes(runs: pd.DataFrame) -> dict[tuple, int]:
+    """(task, model) -> the batch size of the cells long enough to learn (:func:`accuracy_batch_size` over the
+    finished cells with a metric)."""
+    ok = _complete(runs)[runs["status"] == "ok"]
+    if "metric_value" in ok:
+        ok = ok.dropna(subset=["metric_value"])
+    return {(t, m): accuracy_batch_size(sub) for (t, m), sub in ok.groupby(["task", "model"]) if len(sub)}
+
+
+def is_learning_cell(df: pd.DataFrame, runs: pd.DataFrame) -> pd.Series:
+    best = learning_batch_sizes(runs)
+    return pd.Series([best.get((t, m)) == b for t, m, b in zip(df["task"], df["model"], df["batch_size"])],
+                     index=df.index)
+
+
+def metric_unit(name) -> str:
+    return "%" if name in PERCENT_METRICS else str(name) if isinstance(name, str) else ""
+
+
+def _metric_before(ok: pd.DataFrame) -> pd.Series:
+    for col in ("base_metric_before", "opt_init_metric_before"):  # the latter: runs.csv of schema before base.*
+        if col in ok and ok[col].notna().any():
+            return pd.to_numeric(ok[col], errors="coerce")
+    return pd.Series(np.nan, index=ok.index)
+
+
+def _accuracy_cells(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
+    runs = _complete(runs)
     ok = runs[runs["status"] == "ok"]
     g = ok.groupby(KEYS, dropna=False)["metric_value"]
     df = pd.concat([g.mean().rename("metric_mean"), g.std(ddof=1).rename("metric_std"),
                     g.min().rename("metric_min"), g.max().rename("metric_max"), g.count().rename("seeds")],
                    axis=1).reset_index()
-    names = ok.groupby(KEYS, dropna=False)["metric_name"].first().reset_index()
+    names = ok.groupby(KEYS, dropna=False).agg(metric=("metric_name", _first), steps=("steps", "max")).reset_index()
     # runs that start from a pre-trained base (--init) record the base's metric before fine-tuning
-    before = ok["base_metric_before"] if "base_metric_before" in ok else pd.Series(np.nan, index=ok.index)
-    before = pd.to_numeric(before, errors="coerce").groupby([ok[k] for k in KEYS], dropna=False).mean()
+    before = _metric_before(ok).groupby([ok[k] for k in KEYS], dropna=False).mean()
     names = names.merge(before.rename("metric_before").reset_index(), on=KEYS, how="left")
     status = runs.groupby(KEYS, dropna=False)["status"].agg(_status).reset_index()
     df = status.merge(df, on=KEYS, how="left").merge(names, on=KEYS, how="left")
-    df["reference"] = df["method"].map(lambda x: reference_method(x) or "")
-    df["metric_ratio"] = with_reference(df, "metric_mean")
-    df = add_paper(df, "metric_ratio", "metric_ratio", claims, "metric")
-    cols = KEYS + ["status", "reference", "metric_name", "seeds", "metric_before", "metric_mean", "metric_std",
-                   "metric_min", "metric_max", "metric_paper", "metric_ours", "metric_ours/paper", "metric_source"]
-    return df[cols]
+    df[COMPARED] = df["method"].map(lambda x: reference_method(x) or "")
+    df["_ratio"] = with_reference(df, "metric_mean")
+    pct = df["metric"].isin(PERCENT_METRICS)
+    for c in ("metric_mean", "metric_std", "metric_min", "metric_max", "metric_before"):
+        df[c] = df[c].where(~pct, df[c] * 100)
+    df["unit"] = df["metric"].map(metric_unit)
+    df["change_vs_compared"] = df["metric_mean"] - _ref_values(df, "metric_mean")
+    df = add_paper(df, "_ratio", "metric_ratio", claims, "metric")
+    return _with_notes(df, runs)
 
 
-RUN_TABLES = {"memory": memory_table, "speed": speed_table, "accuracy": accuracy_table}
+ACCURACY_COLS = KEYS + ["status", "steps", "seeds", COMPARED, "metric", "unit", "metric_before", "metric_mean",
+                        "metric_std", "metric_min", "metric_max", "change_vs_compared", "metric_ratio_ours",
+                        "metric_ratio_paper", "metric_ratio_ours/paper", "notes", "metric_source"]
+
+
+def accuracy_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
+    """The cells long enough to learn (per task: :func:`learning_batch_sizes`)."""
+    df = _accuracy_cells(runs, claims)
+    return df[is_learning_cell(df, runs)][ACCURACY_COLS].reset_index(drop=True)
+
+
+def accuracy_short_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
+    """Every other cell: too short to learn (the memory/speed cells); their metric is near chance."""
+    df = _accuracy_cells(runs, claims)
+    df = df[~is_learning_cell(df, runs)]
+    return df[[c for c in ACCURACY_COLS if not c.startswith("metric_ratio") and c != "metric_source"]] \
+        .reset_index(drop=True)
+
+
+def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
+    """One row per task, model and method (baseline left out): memory saved, step-time change and metric change
+    against ``compared_with``, ours beside the paper's. Memory and speed come from the largest batch size where
+    the method and the one it is compared with both finished; the metric from the cells long enough to learn."""
+    mem, spd, acc = memory_table(runs, claims), speed_table(runs, claims), accuracy_table(runs, claims)
+    rows = []
+    for (task, model, method), sub in mem[mem[COMPARED] != ""].groupby(["task", "model", "method"], sort=False):
+        both = sub.dropna(subset=["peak_ratio_ours"])
+        m = both.sort_values("batch_size").iloc[-1] if len(both) else sub.sort_values("batch_size").iloc[-1]
+        s = spd[(spd["task"] == task) & (spd["model"] == model) & (spd["method"] == method)
+                & (spd["batch_size"] == m["batch_size"])]
+        s = s.iloc[0] if len(s) else None
+        a = acc[(acc["task"] == task) & (acc["model"] == model) & (acc["method"] == method)]
+        a = a.iloc[0] if len(a) else None
+        ref_mean = (a["metric_mean"] - a["change_vs_compared"]) if a is not None else np.nan
+
+        def pct_saved(r):
+            return 100 * (1 - r)
+
+        def pct_more(r):
+            return 100 * (r - 1)
+
+        rows.append({
+            "task": task, "model": model, "method": method, COMPARED: m[COMPARED],
+            "memory_batch": int(m["batch_size"]),
+            "peak_saved_%_ours": pct_saved(m["peak_ratio_ours"]),
+            "peak_saved_%_paper": pct_saved(m["peak_ratio_paper"]),
+            "activations_saved_%_ours": pct_saved(m["act_ratio_ours"]),
+            "activations_saved_%_paper": pct_saved(m["act_ratio_paper"]),
+            "step_time_change_%_ours": pct_more(s["time_ratio_ours"]) if s is not None else np.nan,
+            "step_time_change_%_p20/p80": pct_more(s["time_ratio_ours_p20/p80"]) if s is not None else np.nan,
+            "step_time_change_%_p80/p20": pct_more(s["time_ratio_ours_p80/p20"]) if s is not None else np.nan,
+            "within_noise": s["within_noise"] if s is not None else "",
+            "step_time_change_%_paper": pct_more(s["time_ratio_paper"]) if s is not None else np.nan,
+            "metric": a["metric"] if a is not None else "",
+            "accuracy_batch": int(a["batch_size"]) if a is not None else np.nan,
+            "seeds": a["seeds"] if a is not None else np.nan,
+            "metric_compared": ref_mean,
+            "metric_ours": a["metric_mean"] if a is not None else np.nan,
+            "metric_change_ours": a["change_vs_compared"] if a is not None else np.nan,
+            "metric_change_paper": ((a["metric_ratio_paper"] - 1) * ref_mean) if a is not None else np.nan,
+            "unit": a["unit"] if a is not None else "",
+            "sources": " | ".join(dict.fromkeys(x for x in [m["peak_source"], m["act_source"],
+                                                           s["time_source"] if s is not None else "",
+                                                           a["metric_source"] if a is not None else ""] if x)),
+        })
+    cols = ["task", "model", "method", COMPARED, "memory_batch", "peak_saved_%_ours", "peak_saved_%_paper",
+            "activations_saved_%_ours", "activations_saved_%_paper", "step_time_change_%_ours",
+            "step_time_change_%_p20/p80", "step_time_change_%_p80/p20", "within_noise", "step_time_change_%_paper",
+            "accuracy_batch", "seeds", "metric", "unit", "metric_compared", "metric_ours", "metric_change_ours",
+            "metric_change_paper", "sources"]
+    return pd.DataFrame(rows, columns=cols)
+
+
+RUN_TABLES = {"memory": memory_table, "speed": speed_table, "accuracy": accuracy_table,
+              "accuracy_short": accuracy_short_table}
 TITLES = {name: catalogue.RUN_TABLE[name].title for name in RUN_TABLES}
-INVALID = "invalid"
+RATIO_NOTE = ("`compared_with`: the method a ratio divides by (same task, model, batch size). `*_ratio_ours` = this "
+              "method / compared_with in our runs, `*_ratio_paper` the same ratio as published, `*_ours/paper` ours "
+              "over the paper's (1 = we reproduce it); '-' = no number.")
+CAPTIONS = {
+    "memory": "Peak device memory of one training step and the activation bytes saved for backward, in MiB "
+              "(mean over seeds), and as ratios to `compared_with` (below 1 = the method saves memory). " + RATIO_NOTE,
+    "speed": "Step time in ms (p50 over the timed steps after warm-up, median over seeds; p20 and p80 beside it) and "
+             "the ratio to `compared_with` (above 1 = slower), with its spread p20/p80 … p80/p20; `within_noise` = "
+             "yes when that spread contains 1 (the two cannot be told apart on this machine). " + RATIO_NOTE,
+    "accuracy": "Evaluation metric of the cells long enough to learn (per task the batch size with the most seeds, "
+                "then the longest training): accuracy in % (higher is better), perplexity per byte (lower is "
+                "better); mean, sample std, min and max over seeds; `change_vs_compared` = mean minus the compared "
+                "method's mean, in the metric's unit (points of % for accuracy). " + RATIO_NOTE,
+    "accuracy_short": "The metric of the short cells (a few steps, run for memory and step time): too short to "
+                      "learn, so near chance (10 % on mnist5k) — not an accuracy comparison; accuracy in %. The "
+                      "comparison is the accuracy table.",
+    "headline": "Per method against `compared_with` (lora+X: lora; others: baseline): peak and activation memory "
+                "saved in % (at `memory_batch`, the largest batch where both ran), step time change in % (+ = "
+                "slower; p20/p80 … p80/p20 its spread, `within_noise` = yes when the spread contains 0) and the "
+                "metric change at `accuracy_batch` (points of % for accuracy, perplexity per byte for the LM; "
+                "paper: 0 where it claims no change); ours beside the paper's, '-' = the paper gives no number.",
+}
 
 
 def read_runs(runs_csv: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -143,6 +337,9 @@ def read_runs(runs_csv: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return runs[~bad].reset_index(drop=True), runs[bad].reset_index(drop=True)
 
 
+INVALID = "invalid"
+
+
 def invalid_note(invalid: pd.DataFrame) -> list[str]:
     if not len(invalid):
         return []
@@ -150,35 +347,54 @@ def invalid_note(invalid: pd.DataFrame) -> list[str]:
             f"remakes them): {', '.join(map(str, invalid['record'].head(5)))}{' ...' if len(invalid) > 5 else ''}"]
 
 
+def _fmt_value(col: str, v) -> str:
+    if pd.isna(v):
+        return "-"
+    if "%" in col or col.endswith("MiB") or col.startswith("metric_") and not col.startswith("metric_ratio") \
+            or col == "change_vs_compared":
+        return f"{v:+.1f}" if "change" in col else f"{v:.1f}"
+    if "_ms_" in col or col.endswith("_ms"):
+        return f"{v:.2f}" if abs(v) < 100 else f"{v:.1f}"
+    return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+
+
 def _fmt(df: pd.DataFrame) -> pd.DataFrame:
     out = df.copy()
     for c in out.columns:
         if pd.api.types.is_float_dtype(out[c]):
-            out[c] = out[c].map(lambda v: "-" if pd.isna(v) else (f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"))
+            if c in ("seeds", "steps", "memory_batch", "accuracy_batch"):
+                out[c] = out[c].map(lambda v: "-" if pd.isna(v) else str(int(v)))
+            else:
+                out[c] = out[c].map(lambda v, c=c: _fmt_value(c, v))
         else:
             out[c] = out[c].map(lambda v: "-" if v is None or (isinstance(v, float) and np.isnan(v)) else v)
     return out
 
 
-def write(df: pd.DataFrame, md: Path, csv: Path, title: str, notes: list[str] = (), html: Path | None = None) -> None:
-    """One table as CSV, Markdown and (given ``html``) HTML, each written atomically."""
-    src_cols = [c for c in df.columns if c.endswith("source")]
-    sources = sorted({s for c in src_cols for s in df[c].dropna().astype(str) if s})
-    shown = _fmt(df.drop(columns=src_cols))
+def write(df: pd.DataFrame, md: Path, csv: Path, title: str, notes: list[str] = (), html: Path | None = None,
+          caption: str = "", shown: pd.DataFrame | None = None) -> None:
+    """One table as CSV, Markdown and (given ``html``) HTML, each written atomically: title, caption, notes, the
+    table, then the sources of the paper values. ``shown``: what Markdown and HTML show instead of ``df`` rounded
+    (the CSV always holds ``df``)."""
+    src_cols = [c for c in df.columns if c.endswith("source") or c == "sources"]
+    sources = sorted({part for c in src_cols for s in df[c].dropna().astype(str) for part in s.split(" | ") if part})
+    shown = _fmt(df.drop(columns=src_cols)) if shown is None else shown
     atomic_write(csv, df.to_csv(index=False))
-    body = shown.to_markdown(index=False) if len(df) else "(no rows)"
-    lines = [f"# {title}", "", *notes, "", body, ""]
+    body = shown.to_markdown(index=False, disable_numparse=True) if len(df) else "(no rows)"
+    lines = [f"# {title}", "", *([caption, ""] if caption else []), *notes, "", body, ""]
     if sources:
-        lines += ["Notes and sources:", "", *[f"- {s}" for s in sources], ""]
+        lines += ["Sources of the paper values:", "", *[f"- {s}" for s in sources], ""]
     if html is not None:
-        atomic_write(html, page(shown, title, [*notes, *sources]))
+        atomic_write(html, page(shown, title, [caption, *notes, *(["Sources of the paper values:"] if sources else []),
+                                               *sources]))
     atomic_write(md, "\n".join(lines))
 
 
 def machine_note(runs: pd.DataFrame) -> list[str]:
     devs = sorted(set(runs["device"].dropna().astype(str))) if "device" in runs else []
+    dtypes = sorted(set(runs["dtype"].dropna().astype(str))) if "dtype" in runs else []
     counts = runs["status"].value_counts().to_dict() if len(runs) else {}
-    return [f"Measured on: {', '.join(devs) or 'unknown'}. Cells: "
+    return [f"Measured on: {', '.join(devs) or 'unknown'}; dtype {', '.join(dtypes) or 'unknown'}. Cells: "
             + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))]
 
 
@@ -188,22 +404,89 @@ def run_tables(runs_csv: str | Path, outputs: dict[str, dict[str, str]]) -> None
     claims = load_claims()
     for name, out in outputs.items():
         df = RUN_TABLES[name](runs, claims)
-        write(df, out["md"], out["csv"], TITLES[name], machine_note(runs) + invalid_note(invalid), out.get("html"))
+        write(df, out["md"], out["csv"], TITLES[name], machine_note(runs) + invalid_note(invalid), out.get("html"),
+              CAPTIONS[name])
+
+
+def headline(runs_csv: str | Path, out: dict[str, str]) -> pd.DataFrame:
+    """The headline table (rule headline) to ``out`` = {"md", "csv", "html"}; returns it."""
+    runs, invalid = read_runs(runs_csv)
+    df = headline_table(runs, load_claims())
+    write(df, out["md"], out["csv"], catalogue.HEADLINE.title, machine_note(runs) + invalid_note(invalid),
+          out.get("html"), CAPTIONS["headline"], headline_display(df))
+    return df
+
+
+def _pct(v, signed=False) -> str:
+    return "-" if pd.isna(v) else (f"{v:+.0f} %" if signed else f"{v:.0f} %")
+
+
+def _change(v, unit) -> str:
+    if pd.isna(v):
+        return "-"
+    return f"{v:+.1f} pt" if unit == "%" else f"{v:+.2f}"
+
+
+def headline_display(df: pd.DataFrame) -> pd.DataFrame:
+    """The headline table as a person reads it: one phrase per cell, ours / paper."""
+    rows = []
+    for d in df.to_dict("records"):
+        unit = d["unit"]
+        before = "-" if pd.isna(d["metric_compared"]) else (
+            f"{d['metric_compared']:.1f} → {d['metric_ours']:.1f} %" if unit == "%"
+            else f"{d['metric_compared']:.2f} → {d['metric_ours']:.2f}")
+        noise = " (within noise)" if d["within_noise"] == "yes" else ""
+        spread = ("" if pd.isna(d["step_time_change_%_p20/p80"]) else
+                  f" [{d['step_time_change_%_p20/p80']:+.0f} … {d['step_time_change_%_p80/p20']:+.0f}]")
+        rows.append({
+            "task / model": f"{d['task']} / {d['model']}",
+            "method (compared with)": f"{d['method']} (vs {d[COMPARED]})",
+            "peak memory saved: ours / paper": f"{_pct(d['peak_saved_%_ours'])} / {_pct(d['peak_saved_%_paper'])}",
+            "activations saved: ours / paper": (f"{_pct(d['activations_saved_%_ours'])} / "
+                                                f"{_pct(d['activations_saved_%_paper'])}"),
+            "step time (+ = slower): ours [p20–p80] / paper": (f"{_pct(d['step_time_change_%_ours'], True)}{spread}"
+                                                               f"{noise} / "
+                                                               f"{_pct(d['step_time_change_%_paper'], True)}"),
+            "metric change: ours / paper": (f"{_change(d['metric_change_ours'], unit)} / "
+                                            f"{_change(d['metric_change_paper'], unit)}"),
+            "metric (compared → method)": (f"{d['metric']} {before}" if d["metric"] else "-"),
+            "batch (memory, metric)": (f"{d['memory_batch']}, " + ("-" if pd.isna(d["accuracy_batch"]) else
+                                                                 f"{int(d['accuracy_batch'])} ({int(d['seeds'])} "
+                                                                 f"seed{'s' if d['seeds'] > 1 else ''})")),
+        })
+    return pd.DataFrame(rows)
+
+
+REPRO_CAPTIONS = {
+    "block_breakdown": "Unit: activation bytes of one block in 16-bit units of b·s·d (batch × sequence length × "
+                       "width; 1 unit = 2·b·s·d bytes), by op kind; `paper_*` the paper's idealised accounting, "
+                       "`real_*` the real timm / transformers code measured on fake tensors.",
+    "fig1": "Peak memory in MiB (paper: CUDA allocator on a GPU; ours: estimated on fake tensors on the CPU); "
+            "`ratio` = ours / paper.",
+    "mesa_table": "Training memory in MB as the Mesa README gives it, ours estimated on fake tensors; `ratio` = "
+                  "ours / paper.",
+    "tokentune_memory": "Peak memory of a training step in MiB per batch size (fake tensors on the CPU).",
+    "stacked": "Each row adds one technique to the row before; memory estimated on fake tensors on the CPU.",
+}
 
 
 def repro_table(name: str, repro_csv: str | Path, out: dict[str, str], title: str | None = None) -> None:
     """A reproduction's rows (lowmembp.repro: paper value, ours, ratio and a note already side by side) -> table.
 
-    A table without a ``ratio`` column gets one from its first numeric ``paper...`` / ``ours...`` pair."""
+    A table without a ``ratio`` column gets one (ours / paper) from its first numeric ``paper...`` / ``ours...``
+    pair."""
     df = pd.read_csv(repro_csv)
+    caption = REPRO_CAPTIONS.get(name, "")
     if "ratio" not in df.columns:
         num = [c for c in df.columns if pd.api.types.is_numeric_dtype(df[c])]
         p = next((c for c in num if c.startswith("paper")), None)
         o = next((c for c in num if c.startswith("ours")), None)
         if p and o:
             df.insert(df.columns.get_loc(o) + 1, "ratio", df[o] / df[p])
+            caption = caption or f"`ratio` = {o} / {p}."
     write(df, out["md"], out["csv"], title or name.replace("_", " "),
-          [f"From `python -m lowmembp.repro {name.replace('_', '-')}` (fake tensors on the CPU)."], out.get("html"))
+          [f"From `python -m lowmembp.repro {name.replace('_', '-')}` (fake tensors on the CPU)."], out.get("html"),
+          caption)
 
 
 def _in(outdir: str, stem: str) -> dict[str, str]:
@@ -222,6 +505,8 @@ if "snakemake" in globals():
 elif __name__ == "__main__":
     if sys.argv[1] == "runs":
         run_tables(sys.argv[2], {name: _in(sys.argv[3], name) for name in RUN_TABLES})
+    elif sys.argv[1] == "headline":
+        headline(sys.argv[2], _in(sys.argv[3], catalogue.HEADLINE.name))
     else:
         stem = sys.argv[2].replace("-", "_")
         repro_table(stem, sys.argv[3], _in(sys.argv[4], stem), catalogue.REPRO_BY_STEM[stem].title
