@@ -444,6 +444,11 @@ def main(argv=None) -> int:
     dtypes = [torch.float32, torch.bfloat16]
     # the offset checks: just over 2**31 elements on the GPU; the same code at a small size in the smoke test
     large = 0 if args.skip_large else (3 * 4096 if smoke else 2 ** 31)
+    def run_meta():
+        return dict(device=("CPU smoke, " + platform.processor()) if smoke else torch.cuda.get_device_name(),
+                    torch=torch.__version__, triton=triton.__version__, commit=_git_commit(),
+                    when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), seconds=time.time() - t0, smoke=smoke)
+
     for op in [o.strip() for o in args.ops.split(",") if o.strip()]:
         if op not in CHECKS:
             r.fail(op, f"unknown op {op!r}: choose from {sorted(CHECKS)}")
@@ -465,9 +470,8 @@ def main(argv=None) -> int:
             r.fail(op, f"API mismatch, update benchmarks/gpu_check.py: {e}", traceback.format_exc())
         except Exception as e:
             r.fail(op, f"{type(e).__name__}: {e}", traceback.format_exc())
-    meta = dict(device=("CPU smoke, " + platform.processor()) if smoke else torch.cuda.get_device_name(),
-                torch=torch.__version__, triton=triton.__version__, commit=_git_commit(),
-                when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), seconds=time.time() - t0, smoke=smoke)
+        write_report(Path(args.out), run_meta(), r.rows)  # after each op: a run stopped by a time limit keeps it
+    meta = run_meta()
     out = Path(args.out)
     write_report(out, meta, r.rows)
     failed = [x for x in r.rows if not x["ok"]]

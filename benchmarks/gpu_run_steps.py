@@ -22,6 +22,7 @@ parts by benchmarks/gpu_run.py).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -79,6 +80,27 @@ def missing_methods(method: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------- one model
+@contextlib.contextmanager
+def module_globals_kept(model):
+    """Restore, after the block, every module-level name that the block rebinds in the modules defining the model's
+    classes. Liger-Kernel 0.8.5 patches a model instance *and* module globals (``apply_rotary_pos_emb``, the norm and
+    MLP classes of ``modeling_llama``); left in place, those would reach every other configuration built or run in
+    this process. Yields the list of restored names (the liger row then runs without Liger's RoPE: noted)."""
+    import sys
+    mods = {type(m).__module__ for m in model.modules()}
+    snap = {name: dict(vars(sys.modules[name])) for name in mods if name in sys.modules}
+    restored = []
+    try:
+        yield restored
+    finally:
+        for name, before in snap.items():
+            mod = sys.modules[name]
+            for k, v in before.items():
+                if vars(mod).get(k, None) is not v:
+                    setattr(mod, k, v)
+                    restored.append(f"{name.rsplit('.', 1)[-1]}.{k}")
+
+
 class StepRun:
     """One configuration: model, optimizer, batch and its step, built on ``device``."""
 
@@ -95,7 +117,8 @@ class StepRun:
             torch.cuda.synchronize()
         self.before = torch.cuda.memory_allocated() if cuda else 0
         model = build(spec, layers=cfg.layers, overrides=cfg.overrides, device=device)
-        model = lowmembp.apply(model, cfg.method, **cfg.options)
+        with module_globals_kept(model) as self.restored:
+            model = lowmembp.apply(model, cfg.method, **cfg.options)
         model.train()
         self.model = model
         params = [p for p in model.parameters() if p.requires_grad]
@@ -157,11 +180,13 @@ class StepRun:
         peak = int(statistics.median(self.peaks))
         r.update(status="ok", steps=len(ts), peak_bytes=peak, peak_mib=f"{peak / 2 ** 20:.0f}",
                  resident_bytes=self.resident, measured_how=self.how)
+        if self.restored:
+            r["note"] = "module globals the method rebound were restored (not used here): " + ", ".join(self.restored)
         if not smoke:
             r.update(step_ms_p20=f"{q(0.2):.2f}", step_ms_p50=f"{p50 * 1e3:.2f}", step_ms_p80=f"{q(0.8):.2f}",
                      throughput=f"{units / p50:.1f}", throughput_unit="img/s" if cfg.part == "fig1" else "tokens/s")
         else:
-            r["note"] = "CPU dry run: no timing"
+            r["note"] = "; ".join(x for x in ("CPU dry run: no timing", r.get("note")) if x)
         return r
 
 

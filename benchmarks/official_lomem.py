@@ -83,13 +83,30 @@ def build_env(capability, cpus: int | None = None) -> dict:
     return {"TORCH_CUDA_ARCH_LIST": arch_of(capability), "MAX_JOBS": str(max(1, min(8, cpus // 2)))}
 
 
-def build_kwargs(src: str | Path, build_dir: str | Path, nvcc_threads: int = 4, verbose: bool = False) -> dict:
-    """Keyword arguments of ``torch.utils.cpp_extension.load`` that build their ``_C`` (flags of their setup.py).
+def cxx_standard(aten_header: str | Path | None = None) -> str:
+    """``-std=c++17`` as their setup.py has it, or ``-std=c++20`` where the installed torch's headers refuse C++17
+    (``ATen/ATen.h``: "C++20 or later compatible compiler is required", torch 2.14 here)."""
+    if aten_header is None:
+        import torch
+        aten_header = Path(torch.__file__).parent / "include" / "ATen" / "ATen.h"
+    try:
+        text = Path(aten_header).read_text(errors="ignore")
+    except OSError:
+        return "-std=c++17"
+    return "-std=c++20" if "C++20 or later" in text else "-std=c++17"
+
+
+def build_kwargs(src: str | Path, build_dir: str | Path, nvcc_threads: int = 4, verbose: bool = False,
+                 std: str | None = None) -> dict:
+    """Keyword arguments of ``torch.utils.cpp_extension.load`` that build their ``_C`` (flags of their setup.py;
+    ``std``: the C++ standard flag, default :func:`cxx_standard`).
 
     Identical arguments and environment give the same build: a second ``load`` reuses the first one's output."""
     found = find_sources(src)
+    std = std or cxx_standard()
+    fix = lambda flags: [std if f.startswith("-std=") else f for f in flags]  # noqa: E731
     return dict(name=EXTENSION_NAME, sources=found["sources"], extra_include_paths=[found["include"]],
-                extra_cflags=list(CXX_FLAGS), extra_cuda_cflags=NVCC_FLAGS + ["--threads", str(int(nvcc_threads))],
+                extra_cflags=fix(CXX_FLAGS), extra_cuda_cflags=fix(NVCC_FLAGS) + ["--threads", str(int(nvcc_threads))],
                 build_directory=str(Path(build_dir).resolve()), verbose=verbose)
 
 

@@ -118,8 +118,8 @@ def _fake_lomem(root: Path, with_python: bool) -> Path:
 
 def test_build_command_of_the_official_ops(tmp_path):
     pkg = _fake_lomem(tmp_path / "repo", with_python=False)
-    kw = official.build_kwargs(tmp_path / "repo", tmp_path / "build")  # the repo root or the package folder
-    assert kw == official.build_kwargs(pkg, tmp_path / "build")
+    kw = official.build_kwargs(tmp_path / "repo", tmp_path / "build", std="-std=c++17")  # repo root or package
+    assert kw == official.build_kwargs(pkg, tmp_path / "build", std="-std=c++17")
     names = [Path(s).name for s in kw["sources"]]
     assert names == ["module.cpp", "regelu2.cpp", "layer_norm_cuda.cu", "regelu2_cuda.cu"]
     assert all(Path(s).is_absolute() for s in kw["sources"])
@@ -128,6 +128,13 @@ def test_build_command_of_the_official_ops(tmp_path):
     for flag in ("-O3", "-std=c++17", "--use_fast_math", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "--expt-extended-lambda"):
         assert flag in kw["extra_cuda_cflags"]
     assert kw["extra_cflags"] == ["-O3", "-std=c++17"]
+    kw20 = official.build_kwargs(pkg, tmp_path / "build", std="-std=c++20")
+    assert kw20["extra_cflags"] == ["-O3", "-std=c++20"] and "-std=c++17" not in kw20["extra_cuda_cflags"]
+    header = tmp_path / "ATen.h"
+    header.write_text("#error C++20 or later compatible compiler is required to use ATen.\n")
+    assert official.cxx_standard(header) == "-std=c++20"
+    header.write_text("#pragma once\n")
+    assert official.cxx_standard(header) == "-std=c++17"
     assert official.build_env((9, 0), cpus=16) == {"TORCH_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": "8"}
     assert official.build_env("8.6", cpus=2)["TORCH_CUDA_ARCH_LIST"] == "8.6"
     with pytest.raises(ValueError, match="compute capability"):
