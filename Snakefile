@@ -38,4 +38,5 @@ rule all:
     input:
         all_targets,
         CAPACITY_TARGETS,
+        CAPACITY_TARGETS,
     default_target: True

@@ -8,10 +8,9 @@ CAPACITY.setdefault("methods", ["baseline", "lora", "checkpointing", "tokentune"
 CAPACITY.setdefault("gpus", ["24GiB", "40GiB", "80GiB"])
 
 
-def capacity_targets(wc=None):
-    if not CAPACITY["models"]:
-        return []
-    return [f"{R}/tables/capacity.md", f"{R}/tables/capacity.csv", f"{R}/figures/capacity.png"]
+# in `rule all` (Snakefile)
+CAPACITY_TARGETS = ([f"{R}/tables/capacity.md", f"{R}/tables/capacity.csv", f"{R}/figures/capacity.png"]
+                    if CAPACITY["models"] else [])
 
 
 rule capacity:
@@ -34,11 +33,3 @@ rule capacity:
     script:
         "../scripts/capacity.py"
 
-
-# Part of the default targets: all_targets() (common.smk) is extended here, as this file is included before
-# `rule all` (as pareto.smk does).
-_targets_before_capacity = all_targets
-
-
-def all_targets(wc=None):
-    return _targets_before_capacity(wc) + capacity_targets()
