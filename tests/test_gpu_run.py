@@ -200,3 +200,58 @@ def test_estimator_error_and_margin():
     mg = steps.margin_from(err, alloc, smoke=False, where="test")
     assert mg["fraction"] == pytest.approx(round(1.1 * 1.2 - 1 + 0.005, 2)) and mg["reserved_bytes"] == 500 << 20
     assert steps.margin_from(err[1:], alloc, smoke=False, where="test") is None
+
+
+def _ctx(tmp_path, smoke=False):
+    return gpu_run.Ctx(gpu_run.parse_args(["--out", str(tmp_path / "o"), "--third-party", str(tmp_path / "tp")]
+                                          + (["--cpu-smoke"] if smoke else [])))
+
+
+def test_part_commands_on_the_gpu(tmp_path):
+    ctx = _ctx(tmp_path)
+    gc = gpu_run.part_command("gpu_check", ctx, 0.0)
+    assert gc[1].endswith("gpu_check.py") and "--cpu-smoke" not in gc and gc[gc.index("--out") + 1].endswith("gpu_check")
+    pt = gpu_run.part_command("pytest", ctx, 0.0)
+    assert pt[1:5] == ["-m", "pytest", "-m", "gpu"] and "--collect-only" not in pt
+    files = gpu_run.gpu_test_files()
+    assert "tests/test_ms_norm.py" in files and "tests/test_gpu_run.py" not in files and pt[-len(files):] == files
+    for part in ("kernels", "fig1", "llama", "estimates"):
+        cmd = gpu_run.part_command(part, ctx, 123.0)
+        assert cmd[cmd.index("--part") + 1] == part and cmd[cmd.index("--deadline") + 1] == "123.0"
+        assert "--cpu-smoke" not in cmd and cmd[cmd.index("--third-party") + 1] == str(tmp_path / "tp")
+    assert "--cpu-smoke" in gpu_run.part_command("fig1", _ctx(tmp_path, smoke=True), 0.0)
+    with pytest.raises(SystemExit):
+        gpu_run.parse_args(["--parts", "fig1,nope"])
+
+
+def test_a_part_past_its_limit_is_killed_and_keeps_its_output(tmp_path):
+    code = "import time; print('started', flush=True); time.sleep(60)"
+    proc = gpu_run.Proc("t", [sys.executable, "-c", code], tmp_path / "t.log", dict(os.environ))
+    rc = proc.wait(3)
+    assert proc.timed_out and rc != 0 and proc.seconds < 30
+    assert "started" in (tmp_path / "t.log").read_text()
+
+
+def test_liger_is_installed_from_the_carried_wheel(tmp_path, monkeypatch):
+    import importlib.util
+    import zipfile
+    if importlib.util.find_spec("liger_kernel") is not None:
+        pytest.skip("liger_kernel is installed here")
+    wheels = tmp_path / "tp" / "wheels"
+    wheels.mkdir(parents=True)
+    name = "liger_kernel-0.8.99"
+    with zipfile.ZipFile(wheels / f"{name}-py3-none-any.whl", "w") as z:  # a stand-in wheel: pip installs it offline
+        z.writestr("liger_kernel/__init__.py", "STAND_IN = True\n")
+        z.writestr(f"{name}.dist-info/METADATA", "Metadata-Version: 2.1\nName: liger-kernel\nVersion: 0.8.99\n")
+        z.writestr(f"{name}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                              "Tag: py3-none-any\n")
+        z.writestr(f"{name}.dist-info/RECORD", "")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    line = gpu_run.ensure_liger(_ctx(tmp_path))
+    assert line.startswith("liger: installed") and "0.8.99" in line, line
+    site = tmp_path / "lowmembp_liger_site"
+    assert (site / "liger_kernel" / "__init__.py").is_file() and str(site) == sys.path[0]
+    assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(site)
+    assert gpu_run.ensure_liger(_ctx(tmp_path, smoke=True)).startswith("liger_kernel importable")
