@@ -39,7 +39,8 @@ from lowmembp.memory import SavedTensorAccountant
 from lowmembp.memory_kinds import KINDS
 from lowmembp.peak import measure_step_peak, prime_optimizer
 
-__all__ = ["MODELS", "ModelSpec", "estimate", "estimate_by_depth", "full_depth", "build", "block_names", "DTYPES"]
+__all__ = ["MODELS", "ModelSpec", "estimate", "estimate_by_depth", "full_depth", "build", "block_names", "DTYPES",
+           "nf4_weight_bytes", "fsdp_peak"]
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PEFT_METHODS = ("lora", "lora-fa")  # peft wraps the model on the meta device, before to_empty (DESIGN §6)
@@ -142,7 +143,7 @@ def block_names(model: nn.Module) -> list[str]:
 def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: int | None = None,
              seq_len: int | None = None, dtype: str | None = None, layers: int | None = None,
              overrides: dict | None = None, device: str = "fake", peak: bool = True, seed: int = 0,
-             attention: str = "sdpa", flops: bool = False, **method_options) -> dict:
+             attention: str = "sdpa", flops: bool = False, world_size: int = 1, **method_options) -> dict:
     """Saved-for-backward bytes (whole model and one middle block) and the peak of one training step.
 
     ``model``: a key of :data:`MODELS` or a :class:`ModelSpec`; ``batch_size``/``seq_len``/``dtype`` default to the
@@ -152,6 +153,10 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     of the measured step (forward, backward with any recomputation) with :func:`lowmembp.flops.step_flop_counter`
     (result key ``"flops"``; ``None`` otherwise). A :class:`ModelSpec` of family ``"hf"`` is a transformers
     config.json on disk (:func:`lowmembp.hf_config.hf_spec`).
+
+    ``world_size=N`` (> 1): the peak of one rank of FSDP2 training (``fully_shard`` per block, then the root; see
+    :func:`fsdp_peak`) with ``batch_size`` samples *per rank* (activations stay per rank; the training job's
+    ``--batch-size`` is the global batch, N times this).
     """
     import lowmembp
     from lowmembp.methods.registry import method_options as options_of
@@ -161,6 +166,8 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     spec = MODELS[model] if isinstance(model, str) else model
     if device not in ("fake", "cpu"):
         raise ValueError(f"device must be 'fake' or 'cpu', got {device!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer (processes sharing the model), got {world_size!r}")
     dtype = dtype or spec.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
@@ -216,6 +223,8 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
                 _loss(spec, model_, batch)
             pk = None
     blocks = block_names(model_)
+    if pk is not None and world_size > 1:
+        pk = fsdp_peak(pk, model_, opt, blocks, world_size)
     per_block = dict.fromkeys(KINDS, 0)
     if blocks:
         mid = blocks[len(blocks) // 2] + "."
@@ -226,6 +235,58 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     return {"model": spec.arch, "method": method, "batch_size": bs, "seq_len": tokens, "dtype": dtype,
             "layers": len(blocks), "saved": acc.report(), "per_block": per_block, "peak": pk,
             "flops": int(counter.get_total_flops()) if counter is not None else None}
+
+
+def _shard_bytes(t: torch.Tensor, n: int = 1) -> int:
+    """Bytes of one rank's FSDP2 shard of ``t``: dim 0 split in n, padded to equal chunks (0-d tensors whole)."""
+    if n == 1 or t.dim() == 0:
+        return t.numel() * t.element_size()
+    rest = t.numel() // t.shape[0] if t.shape[0] else 0
+    return -(-t.shape[0] // n) * rest * t.element_size()
+
+
+def fsdp_peak(pk: dict, model: nn.Module, optimizer, blocks: list[str], n: int) -> dict:
+    """One rank's peak under FSDP2 (``fully_shard`` on each of ``blocks``, then the root) from the one-process
+    peak ``pk`` of the same per-rank batch, by category:
+
+    - parameters: every parameter sharded (dim 0 in n padded chunks), plus the root's own parameters (outside the
+      blocks: embeddings, final norm, head) whole — FSDP2 keeps the root's group gathered from its forward to the end
+      of its backward — plus the largest block's parameters whole (the block being computed); buffers stay whole;
+    - gradients: those alive at the peak, sharded, plus the largest block's trainable gradients whole (a block's
+      gradients are reduce-scattered when its backward ends) when the peak falls in the backward;
+    - optimizer state: sharded like its parameters (0-d ``step`` counters whole);
+    - activations and temporaries: unchanged (per rank).
+
+    Not modelled: the all-gather / reduce-scatter staging buffers (about one block's parameters or gradients more,
+    briefly) and prefetching of the next block on a GPU. Checked against a two-process CPU run's per-rank peak
+    (``tests/test_estimate_fsdp.py``)."""
+    prefixes = tuple(b + "." for b in blocks)
+    named = list(model.named_parameters())
+    whole = sum(_shard_bytes(p) for _, p in named)
+    shard = sum(_shard_bytes(p, n) for _, p in named)
+    root = [p for name, p in named if not name.startswith(prefixes)]
+    root_gathered = sum(_shard_bytes(p) - _shard_bytes(p, n) for p in root)
+    per_block = [[p for name, p in named if name.startswith(b + ".")] for b in blocks]
+    block_params = max((sum(_shard_bytes(p) for p in ps) for ps in per_block), default=0)
+    block_grads = max((sum(_shard_bytes(p) for p in ps if p.requires_grad) for ps in per_block), default=0)
+    trainable = [p for _, p in named if p.requires_grad]
+    g_whole = sum(_shard_bytes(p) for p in trainable)
+    g_shard = sum(_shard_bytes(p, n) for p in trainable)
+    state = [v for s in (optimizer.state.values() if optimizer is not None else ()) for v in s.values()
+             if isinstance(v, torch.Tensor)]
+    cats = dict(pk["by_category"])
+    old = {k: cats.get(k, 0) for k in ("parameters", "gradients", "optimizer_state")}
+    grads = old["gradients"]
+    new = {"parameters": old["parameters"] - whole + shard + root_gathered + block_params,
+           "gradients": (grads * g_shard // g_whole if g_whole else 0) + (block_grads if grads else 0),
+           "optimizer_state": (sum(_shard_bytes(v, n) for v in state) if old["optimizer_state"] else 0)}
+    cats.update(new)
+    out = dict(pk, by_category=cats)
+    out["bytes"] = int(pk["bytes"] - sum(old.values()) + sum(new.values()))
+    out["how"] = (f"{pk['how']}; one rank of {n} under FSDP2 (parameters, gradients and optimizer state sharded, "
+                  f"the root's parameters and one block's whole; lowmembp.estimate.fsdp_peak)")
+    out["world_size"] = n
+    return out
 
 
 def full_depth(model: str | ModelSpec, overrides: dict | None = None) -> int:
@@ -274,6 +335,20 @@ def estimate_by_depth(model: str | ModelSpec, method: str = "baseline", *, layer
     if out.get("peak") is not None:
         out["peak"]["how"] += f" (extrapolated to {depth} blocks from {a} and {b})"
     return out
+
+
+def nf4_weight_bytes(numel: int, *, blocksize: int = 64, double_quant: bool = True) -> int:
+    """Bytes bitsandbytes' ``Linear4bit`` (NF4) keeps for a weight of ``numel`` values: the packed 4-bit weight
+    (``numel / 2`` uint8) plus one absmax per ``blocksize`` values — fp32, or with ``double_quant`` 8-bit codes plus
+    one fp32 scale (and offset) per 256 absmax values. The bf16 dequantised weight of forward/backward is a temporary,
+    not counted here."""
+    if numel < 0 or blocksize < 1:
+        raise ValueError(f"nf4_weight_bytes: numel >= 0 and blocksize >= 1, got {numel}, {blocksize}")
+    packed = (numel + 1) // 2
+    blocks = -(-numel // blocksize)
+    if not double_quant:
+        return packed + 4 * blocks
+    return packed + blocks + 4 * -(-blocks // 256) + 4
 
 
 def _autocast(dtype: str):

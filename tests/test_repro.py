@@ -7,7 +7,7 @@ from lowmembp.repro.block_breakdown import theory
 
 
 def test_registry_names():
-    assert set(REPROS) == {"block-breakdown", "fig1", "mesa-table", "tokentune-memory", "stacked"}
+    assert set(REPROS) == {"block-breakdown", "fig1", "mesa-table", "tokentune-memory", "stacked", "headline"}
     with pytest.raises(ValueError, match="unknown reproduction"):
         run("fig2")
 
@@ -43,12 +43,53 @@ def test_block_breakdown_small():
 
 def test_fig1_small():
     df = run("fig1", small=True)
-    assert list(df["spec"]) == ["lora", "lora+checkpointing", "lora+mesa-gelu-ln", "lora+lowmembp"]
-    assert list(df["paper_MiB"]) == [3827, 1252, 2853, 2717]
+    specs = ["lora", "lora+checkpointing", "lora+mesa-gelu-ln", "lora+lowmembp"]
+    assert list(df["spec"]) == specs * 2
+    assert list(df["setting"]) == ["lora_qv (default)"] * 4 + ["lora_all"] * 4
+    assert list(df["paper_MiB"]) == [3827, 1252, 2853, 2717] * 2
     assert (df["ratio"] == df["ours_MiB"] / df["paper_MiB"]).all()
-    saved = df.set_index("spec")["saved_for_backward_MiB"]
-    # at this tiny scale fixed costs (Mesa's ranges) can dominate the peak; what is saved for backward still shrinks
-    assert saved["lora+checkpointing"] < saved["lora"] and saved["lora+lowmembp"] < saved["lora"]
+    for setting, rows in df.groupby("setting"):
+        saved = rows.set_index("spec")["saved_for_backward_MiB"]
+        # at this tiny scale fixed costs (Mesa's ranges) can dominate the peak; what is saved for backward shrinks
+        assert saved["lora+checkpointing"] < saved["lora"] and saved["lora+lowmembp"] < saved["lora"]
+        assert rows["note"].str.contains("vit_exp/configs/cifar100/lora_").all()  # every row cites its setting
+    # LoRA on qkv only saves less than LoRA on every linear (proj, fc1, fc2 inputs are not kept for frozen linears)
+    qv, all_ = (df[df.setting.str.startswith(s)].set_index("spec") for s in ("lora_qv", "lora_all"))
+    assert qv.loc["lora", "saved_for_backward_MiB"] < all_.loc["lora", "saved_for_backward_MiB"]
+
+
+def test_fig1_official_differences_are_the_counted_bytes():
+    """official_code_MiB = ours + b·s·d·2 bytes per counted unit and block (ViT-B: 197 tokens, d 768)."""
+    from lowmembp.repro.fig1 import differences
+    unit = 64 * 197 * 768 * 2 / 2 ** 20
+    assert sum(m for _, m in differences("lora_qv", "lora")) == pytest.approx(12 * unit)
+    assert sum(m for _, m in differences("lora_qv", "lora+lowmembp")) == pytest.approx(24 * unit)
+    assert sum(m for _, m in differences("lora_all", "lora", batch_size=32)) == pytest.approx(12 * unit)
+    df = run("fig1", small=True, settings=("lora_qv",))
+    extra = df["official_code_MiB"] - df["ours_MiB"]
+    unit2 = 2 * 197 * 768 * 2 / 2 ** 20
+    assert extra.iloc[0] == pytest.approx(2 * unit2) and extra.iloc[3] == pytest.approx(4 * unit2)
+
+
+def test_headline_small():
+    df = run("headline", small=True, rows=("vit_b_lora", "llama_7b", "roberta_base"))
+    assert list(df.columns[:3]) == ["model", "paper_saving_pct", "ours_saving_pct"]
+    assert list(df["paper_saving_pct"]) == [27.0, 29.0, 21.0]
+    assert (df["lowmembp_MiB"] < df["baseline_MiB"]).all()
+    assert df["ours_saving_pct"].tolist() == pytest.approx((100 * (1 - df["lowmembp_MiB"] / df["baseline_MiB"])).tolist())
+    assert df["spec"].str.contains("QLoRA").tolist() == [False, True, False]
+    assert df["note"].str.len().gt(20).all()
+
+
+def test_nf4_weight_bytes():
+    from lowmembp.estimate import nf4_weight_bytes
+    # 4096 x 4096: packed 8 MiB; absmax per 64 -> 262144 fp32 (1 MiB) or 8-bit codes (256 KiB) + 1024 fp32 scales
+    n = 4096 * 4096
+    assert nf4_weight_bytes(n, double_quant=False) == n // 2 + 4 * (n // 64)
+    assert nf4_weight_bytes(n) == n // 2 + n // 64 + 4 * (n // 64 // 256) + 4
+    assert nf4_weight_bytes(n) / n == pytest.approx(0.5 + 1 / 64, rel=1e-3)
+    with pytest.raises(ValueError):
+        nf4_weight_bytes(-1)
 
 
 def test_mesa_table_small():

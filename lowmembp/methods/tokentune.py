@@ -13,7 +13,11 @@ and returned (a peft wrapper stays the object you use).
 for decoders (LLaMA) also the last real token (when k ≥ 2); the rest uniformly at random among the real (non-padding,
 ``attention_mask`` = 1) tokens. The same positions in every block. A sequence with fewer than k real tokens selects
 all of them (and fills up with padding positions that are flagged ``valid=False`` and never used); k ≥ L selects
-every position, which is plain full fine-tuning. Randomness: the global torch RNG by default (so ``torch.manual_seed``
+every position, which is plain full fine-tuning. ``k`` may also be a fraction ``0 < k < 1`` of the real tokens, as the
+official scripts' ``--prefix_length 0.3`` (facebookresearch/tokentune ``tokentune/llama_tokentune.py:108-125``): the
+forced tokens (first; decoders: first and last) plus ``int(k · (n − forced))`` of the others, with ``n`` the real
+tokens of the batch's longest sequence (one count per batch: positions are a B×k tensor; rows of equal length, the
+usual case after padding to length, get exactly the official count). Randomness: the global torch RNG by default (so ``torch.manual_seed``
 reproduces it); with option ``seed=<int>`` a private ``torch.Generator`` per device, seeded once at conversion.
 ``tokentune_state(model).selector`` may be set to ``fn(valid: BoolTensor[B, L], k: int, decoder: bool,
 generator) -> LongTensor[B, k]`` to choose positions yourself (tests use it to replay a selection).
@@ -68,7 +72,7 @@ class Selection:
 @dataclass
 class TokenTuneState:
     """Per-model TokenTune settings; find it with :func:`tokentune_state`."""
-    k: int
+    k: int | float  # a count, or a fraction 0 < k < 1 of the real tokens (see count)
     family: str
     task: str  # "classification" | "causal_lm"
     seed: int | None = None
@@ -87,12 +91,22 @@ class TokenTuneState:
             self._generators[key] = torch.Generator(device=device).manual_seed(int(self.seed))
         return self._generators[key]
 
+    def count(self, valid: torch.Tensor, decoder: bool) -> int:
+        """Tokens per sequence of this batch: ``k`` itself, or for a fraction ``k`` the forced tokens plus
+        ``int(k · (n − forced))`` of the rest (``n``: real tokens of the longest row)."""
+        if isinstance(self.k, int):
+            return self.k
+        n = int(valid.sum(1).max()) if valid.numel() else 0
+        forced = min(n, 2 if decoder else 1)
+        return max(1, forced + int(self.k * (n - forced)))
+
     def select(self, valid: torch.Tensor, decoder: bool) -> Selection:
         gen = self.generator(valid.device)
+        k = self.count(valid, decoder)
         if self.selector is not None:
-            positions = _check_positions(self.selector(valid, self.k, decoder, gen), valid, self.k)
+            positions = _check_positions(self.selector(valid, k, decoder, gen), valid, k)
         else:
-            positions = select_positions(valid, self.k, decoder=decoder, generator=gen)
+            positions = select_positions(valid, k, decoder=decoder, generator=gen)
         L = valid.shape[1]
         chosen = torch.zeros_like(valid).scatter_(1, positions, True)
         order = torch.sort(chosen.to(torch.uint8), dim=1, stable=True).indices  # unselected first, both ascending
@@ -153,9 +167,12 @@ def tokentune_state(model: nn.Module) -> TokenTuneState:
 # ------------------------------------------------------------------------------------------------------ conversion
 @register("tokentune", "selective-token fine-tuning: gradients through k tokens per sequence (TokenTune)",
           options={"k": 16, "seed": None}, order=40)
-def apply_tokentune(model: nn.Module, k: int = 16, seed: int | None = None) -> nn.Module:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"tokentune: k must be an integer >= 1 (tokens per sequence that get gradients), got {k!r}")
+def apply_tokentune(model: nn.Module, k: int | float = 16, seed: int | None = None) -> nn.Module:
+    if isinstance(k, float) and k.is_integer() and k >= 1:
+        k = int(k)
+    if isinstance(k, bool) or not (isinstance(k, int) and k >= 1 or isinstance(k, float) and 0 < k < 1):
+        raise ValueError(f"tokentune: k must be an integer >= 1 (tokens per sequence that get gradients) or a "
+                         f"fraction 0 < k < 1 of the real tokens (e.g. 0.3), got {k!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"tokentune: seed must be None (global RNG) or an int, got {seed!r}")
     from lowmembp.models import get_layout

@@ -6,7 +6,8 @@
 
 Names: ``block-breakdown`` (LowMemoryBP's per-block activation memory by op kind), ``fig1`` (LowMemoryBP Fig. 1 peak
 memory), ``mesa-table`` (the Mesa README's memory column), ``tokentune-memory`` (TokenTune memory vs batch size),
-``stacked`` (a torchtune-style stacked table of the peer techniques for LLaMA-7B and ViT-B/16).
+``stacked`` (a torchtune-style stacked table of the peer techniques for LLaMA-7B and ViT-B/16), ``headline``
+(LowMemoryBP's headline savings per model at the paper's settings, LLaMA as QLoRA).
 All run the real timm / transformers code on fake tensors (:mod:`lowmembp.estimate`): no GPU, nothing large allocated.
 Every table puts the paper's value (where there is one), ours and their ratio side by side, and a ``note`` says why
 where they differ by more than 5 %.
@@ -20,6 +21,7 @@ import pandas as pd
 from lowmembp.repro._common import MiB, ratio, to_markdown
 from lowmembp.repro.block_breakdown import block_breakdown
 from lowmembp.repro.fig1 import fig1
+from lowmembp.repro.headline import headline
 from lowmembp.repro.mesa_table import mesa_table
 from lowmembp.repro.stacked import stacked
 from lowmembp.repro.tokentune_memory import tokentune_memory
@@ -28,7 +30,7 @@ __all__ = ["REPROS", "run", "to_markdown", "MiB", "ratio"]
 
 REPROS: dict[str, Callable[..., pd.DataFrame]] = {
     "block-breakdown": block_breakdown, "fig1": fig1, "mesa-table": mesa_table,
-    "tokentune-memory": tokentune_memory, "stacked": stacked}
+    "tokentune-memory": tokentune_memory, "stacked": stacked, "headline": headline}
 
 
 def run(name: str, **kwargs) -> pd.DataFrame:
