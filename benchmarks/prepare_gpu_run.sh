@@ -11,7 +11,7 @@
 # Nothing here is committed (third_party/ is in .gitignore). Take it along with the device tool's carry: ["third_party"].
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DEST="$ROOT/third_party"
+DEST="${GPU_RUN_THIRD_PARTY:-$ROOT/third_party}"   # (another folder: pass --third-party to gpu_run.py too)
 SRC="${1:-${LOWMEMBP_OFFICIAL_SRC:-/work/.mirror/yyyyychen+LowMemoryBP/repo}}"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
@@ -27,16 +27,20 @@ case "$SRC" in
   http://*|https://*|git@*)
     git clone --depth 1 --quiet "$SRC" "$tmp/repo"
     mkdir -p "$tmp/export"
-    git -C "$tmp/repo" archive HEAD lomem setup.py LICENSE | tar -x -C "$tmp/export"
+    git -C "$tmp/repo" archive HEAD lomem setup.py LICENSE 2>"$tmp/archive.err" | tar -x -C "$tmp/export" \
+      || { cat "$tmp/archive.err" >&2; exit 2; }
     fetched_from="$SRC @ $(git -C "$tmp/repo" rev-parse HEAD)";;
   *)
     [ -e "$SRC" ] || { echo "prepare_gpu_run: no LowMemoryBP sources at $SRC; pass a checkout, a git mirror or a URL" >&2; exit 2; }
     mkdir -p "$tmp/export"
     if [ -d "$SRC/lomem/csrc" ]; then                     # a work tree
       cp -r "$SRC/lomem" "$tmp/export/"; cp "$SRC/setup.py" "$SRC/LICENSE" "$tmp/export/" 2>/dev/null || true
-      fetched_from="$SRC (work tree$(git -C "$SRC" rev-parse --short HEAD 2>/dev/null | sed 's/^/ @ /'))"
+      rev="$(git -C "$SRC" rev-parse --short HEAD 2>/dev/null || true)"
+      fetched_from="$SRC (work tree${rev:+ @ $rev})"
     else                                                  # a bare repository / mirror
-      git -C "$SRC" archive HEAD lomem setup.py LICENSE | tar -x -C "$tmp/export"
+      # (a partial mirror may lack blobs outside these paths; git archive says so on stderr: shown only on failure)
+      git -C "$SRC" archive HEAD lomem setup.py LICENSE 2>"$tmp/archive.err" | tar -x -C "$tmp/export" \
+        || { cat "$tmp/archive.err" >&2; exit 2; }
       fetched_from="$SRC @ $(git -C "$SRC" rev-parse HEAD)"
     fi;;
 esac

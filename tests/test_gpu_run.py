@@ -255,3 +255,32 @@ def test_liger_is_installed_from_the_carried_wheel(tmp_path, monkeypatch):
     assert (site / "liger_kernel" / "__init__.py").is_file() and str(site) == sys.path[0]
     assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(site)
     assert gpu_run.ensure_liger(_ctx(tmp_path, smoke=True)).startswith("liger_kernel importable")
+
+
+def test_prepare_copies_the_sources_and_the_wheel(tmp_path):
+    import zipfile
+    src = tmp_path / "LowMemoryBP"
+    _fake_lomem(src, with_python=True)
+    (src / "setup.py").write_text("# theirs\n")
+    (src / "LICENSE").write_text("MIT\n")
+    index = tmp_path / "index"
+    index.mkdir()
+    name = "liger_kernel-0.8.7"
+    with zipfile.ZipFile(index / f"{name}-py3-none-any.whl", "w") as z:  # pip "downloads" it from a local folder
+        z.writestr("liger_kernel/__init__.py", "")
+        z.writestr(f"{name}.dist-info/METADATA", "Metadata-Version: 2.1\nName: liger-kernel\nVersion: 0.8.7\n")
+        z.writestr(f"{name}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{name}.dist-info/RECORD", "")
+    dest = tmp_path / "tp"
+    env = dict(os.environ, GPU_RUN_THIRD_PARTY=str(dest), PIP_NO_INDEX="1", PIP_FIND_LINKS=str(index),
+               PYTHON=sys.executable)
+    r = subprocess.run(["bash", str(BENCH / "prepare_gpu_run.sh"), str(src)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (dest / "lomem" / "csrc" / "regelu2_cuda.cu").is_file() and (dest / "lomem" / "functional.py").is_file()
+    assert (dest / "setup.py").is_file() and (dest / "wheels" / f"{name}-py3-none-any.whl").is_file()
+    assert "work tree" in (dest / "PREPARED.txt").read_text()
+    assert official.find_sources(dest / "lomem")["sources"]
+    r = subprocess.run(["bash", str(BENCH / "prepare_gpu_run.sh"), str(tmp_path / "absent")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no LowMemoryBP sources" in r.stderr
