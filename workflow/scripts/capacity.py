@@ -15,7 +15,7 @@ import time
 from lowmembp.atomic import atomic_open, atomic_write
 
 DEFAULTS = {
-    "models": {"vit_b16": {}, "bert_large": {}, "llama_7b": {"seq_len": 512}},
+    "models": {"bert_large": {}, "llama_7b": {"seq_len": 512}},
     "methods": ["baseline", "lora", "checkpointing", "tokentune", "lora+tokentune"],
     "gpus": ["24GiB", "40GiB", "80GiB"],
 }
@@ -45,7 +45,10 @@ def capacity(models: dict, methods: list[str], gpus: list[str]):
                                  round(r["peak_bytes"] / 2**30, 2) if ok else None,
                              "note": (r["largest_batch_how"] if gpu == gpus[0] else "") if ok else r["reason"],
                              "margin": p.sources["margin"]})
-    return pd.DataFrame(rows)
+    df = pd.DataFrame(rows)
+    order = {m: i for i, m in enumerate(methods)}
+    return df.sort_values(["model", "method"], key=lambda c: c.map(order) if c.name == "method" else
+                          c.map(list(models).index), kind="stable").reset_index(drop=True)
 
 
 def write(df, out_csv: str, out_md: str, out_png: str, gpus: list[str]) -> None:
