@@ -64,3 +64,23 @@ def test_ratio_to_reference_pairs_lora_with_lora():
                        "method": ["baseline", "lowmembp", "lora", "lora+lowmembp"], "v": [10.0, 7.0, 8.0, 6.0]})
     r = resultset.ratio_to_reference(df, "v")
     assert r.isna()[0] and r[1] == pytest.approx(0.7) and r[2] == pytest.approx(0.8) and r[3] == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("nb", [p for p in NOTEBOOKS if p.stem in ("memory", "speed", "accuracy", "paper_comparison")],
+                         ids=lambda p: p.stem)
+def test_executed_notebook_shows_its_plots_and_says_what_it_answers(nb, tmp_path):
+    """The executed copy holds the figures as image/png outputs (inline backend, no Agg), and the notebook opens
+    with a title and two sentences on what it answers."""
+    import nbformat
+    from run_notebook import execute
+
+    source = nbformat.read(nb, as_version=4)
+    assert not any('matplotlib.use("Agg")' in c.source for c in source.cells)
+    first = source.cells[0]
+    assert first.cell_type == "markdown" and first.source.startswith("# ")
+    body = first.source.split("\n", 1)[1]
+    assert body.count(". ") + body.strip().endswith(".") >= 2, body
+    executed = execute(nb, REFERENCE, tmp_path / nb.name, timeout=300)
+    images = [o for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert images, f"{nb.name}: no image/png output"

@@ -19,7 +19,7 @@ def execute(nb_path: str | Path, results: str | Path | None, out: str | Path | N
     old = os.environ.get("LOWMEMBP_RESULTS")
     if results is not None:
         os.environ["LOWMEMBP_RESULTS"] = str(Path(results).resolve())
-    os.environ.setdefault("MPLBACKEND", "Agg")
+    os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"  # figures kept as image/png outputs
     try:
         NotebookClient(nb, timeout=timeout, kernel_name="python3",
                        resources={"metadata": {"path": str(nb_path.parent)}}).execute()
