@@ -1,6 +1,7 @@
 """The planner (lowmembp.plan): its peaks are estimate()'s, its largest batch is checked by estimate, its cost order
 agrees with measured step times, its combinations are the registry's, and the command prints its table."""
 import csv
+import inspect
 import json
 from pathlib import Path
 
@@ -116,7 +117,7 @@ def test_models_and_errors():
     with pytest.raises(ValueError, match="paper model"):
         resolve_model("no_such_model_anywhere")
     with pytest.raises(ValueError, match="world_size"):
-        plan("bert_large", batch_size=2, world_size=2, **BERT)
+        plan("bert_large", batch_size=2, world_size=0, **BERT)
     assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("40GB") == 40 * 10**9 and parse_bytes(2) == 2
     with pytest.raises(ValueError, match="24GiB"):
         parse_bytes("24 gigs")
@@ -168,5 +169,13 @@ def test_cli_prints_table_json_and_csv(tiny_config, tmp_path, capsys):
     assert main(args + ["--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert len(doc["rows"]) == 2 and doc["settings"]["batch_size"] == 2
-    assert main(args + ["--world-size", "2"]) == 2
-    assert "world_size" in capsys.readouterr().err
+    if "world_size" in inspect.signature(estimate).parameters:  # FSDP sharding: passed through to estimate
+        assert main(args + ["--world-size", "2", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        spec = hf_spec(tiny_config, seq_len=16)
+        for r in doc["rows"]:
+            assert r["peak_bytes"] == estimate(spec, r["method"], batch_size=2, dtype="bf16",
+                                               world_size=2)["peak"]["bytes"]
+    else:
+        assert main(args + ["--world-size", "2"]) == 2
+        assert "world_size" in capsys.readouterr().err
