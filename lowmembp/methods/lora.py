@@ -16,6 +16,13 @@ every block, fused or not, as the architecture adapter (or the data-flow adapter
 
 ``targets`` given as a single string without commas is one module name (peft: a name suffix), e.g. ``"qkv"``.
 
+QLoRA: ``quantize="nf4"`` stores the frozen weight of every targeted linear as bitsandbytes 4-bit NormalFloat
+(``bitsandbytes.nn.Linear4bit``, block size 64; ``double_quant=True``, the default, also quantises the absmax
+statistics, as QLoRA's ``--double_quant``) before the adapters are placed; compute runs in the weight's original dtype
+(bf16 for a bf16 model), dequantising per matmul. Needs real weights on the CPU or a GPU (not the meta device: the
+fake-tensor estimate models NF4 storage with :func:`lowmembp.estimate.nf4_weight_bytes`) and the ``qlora`` extra
+(``pip install bitsandbytes``). ``quantize=None`` (default): plain LoRA.
+
 The classification head stays fully trainable (peft ``modules_to_save``): timm ``head``, transformers ``classifier``
 (BERT/RoBERTa) or ``score`` (LLaMA sequence classification). A causal LM's ``lm_head`` stays frozen. LoRA dropout is 0.
 """
@@ -29,8 +36,9 @@ _HEAD_NAMES = ("head", "classifier", "score")
 
 
 @register("lora", "LoRA adapters through peft (rank, alpha, targets; classifier head trainable)",
-          options={"rank": 4, "alpha": None, "targets": None}, order=10)
-def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targets=None) -> nn.Module:
+          options={"rank": 4, "alpha": None, "targets": None, "quantize": None, "double_quant": True}, order=10)
+def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targets=None,
+               quantize: str | None = None, double_quant: bool = True) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     from lowmembp.models import get_layout
@@ -41,8 +49,15 @@ def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targ
         raise ValueError(f"lora: alpha must be a positive number or None (None: alpha = rank), got {alpha!r}")
     if (type(model).__module__ or "").startswith("peft"):
         raise ValueError("lora: the model is already a peft model; apply 'lora' to the plain timm/transformers model")
+    if quantize not in (None, "nf4"):
+        raise ValueError(f"lora: quantize must be None or 'nf4' (QLoRA), got {quantize!r}")
+    if not isinstance(double_quant, bool):
+        raise ValueError(f"lora: double_quant must be True or False, got {double_quant!r}")
     layout = get_layout(model)
     targets = resolve_targets(layout, targets)
+    if quantize == "nf4":
+        from lowmembp.methods.qlora import quantize_nf4
+        quantize_nf4(model, targets, double_quant=double_quant)
     config = LoraConfig(r=rank, lora_alpha=rank if alpha is None else alpha, target_modules=targets,
                         lora_dropout=0.0, bias="none", modules_to_save=head_modules(layout.base) or None)
     try:
