@@ -350,8 +350,9 @@ def invalid_note(invalid: pd.DataFrame) -> list[str]:
 def _fmt_value(col: str, v) -> str:
     if pd.isna(v):
         return "-"
-    if "%" in col or col.endswith("MiB") or col.startswith("metric_") and not col.startswith("metric_ratio") \
-            or col == "change_vs_compared":
+    if (col.startswith("metric_") and not col.startswith("metric_ratio")) or col == "change_vs_compared":
+        return f"{v:+.2f}" if "change" in col else f"{v:.2f}"  # accuracy in % and perplexity alike
+    if "%" in col or col.endswith("MiB"):
         return f"{v:+.1f}" if "change" in col else f"{v:.1f}"
     if "_ms_" in col or col.endswith("_ms"):
         return f"{v:.2f}" if abs(v) < 100 else f"{v:.1f}"
