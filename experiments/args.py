@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-memory-mb", type=float,
       help="memory budget: on CUDA the allocator is capped (torch.cuda.set_per_process_memory_fraction), so a "
            "bigger need raises a real OOM; on CPU a run whose measured peak exceeds it is recorded as 'oom'")
+    a("--distributed", choices=("ddp", "fsdp"),
+      help="under torchrun (`torchrun --nproc-per-node N -m experiments.train ...`): DistributedDataParallel or "
+           "FSDP2 (fully_shard per block, then the root), the methods applied before wrapping; --batch-size is the "
+           "global batch, split evenly over the N processes; rank 0 writes the record (experiments.distributed)")
     a("--no-progress", action="store_true", default=None, help="no progress bar")
     a("--out", help="where to write the JSON record")
     a("--list", action="store_true", help="print the models, tasks, methods and method options, then exit")
@@ -75,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 FIXED_DEFAULTS = dict(seed=0, grad_accum=1, dtype="fp32", timing_warmup=2, weight_decay=0.0, download=False,
                       no_progress=False, max_len=None, limit=None, eval_limit=None, warmup_steps=0,
-                      train_split="train", init=None, save_model=None)
+                      train_split="train", init=None, save_model=None, distributed=None)
 """Settings no task overrides; a task's own (``DEFAULTS``, ``METHOD_DEFAULTS``: ``tasks.base.defaults_for``) go
 over these, a config file over those, the command line over everything."""
 MAX_SEED = 2**32 - 1  # numpy's generators take seeds in [0, 2**32)
@@ -365,6 +369,11 @@ def parse_args(argv: list[str] | None = None):
         raise ArgError(f"--limit {merged['limit']} is smaller than one batch ({merged['batch_size']}): give a "
                        "larger --limit or a smaller --batch-size")
     check_device(merged["device"])
+    from experiments.distributed import check as check_distributed
+
+    why = check_distributed(merged["distributed"], merged["batch_size"])
+    if why:
+        raise ArgError(why)
     for key in ("out", "save_model"):
         check_destination(key, merged[key])
     if merged["save_model"] is not None and Path(merged["save_model"]).resolve() == Path(merged["out"]).resolve():

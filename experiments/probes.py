@@ -113,10 +113,13 @@ class PeakProbe:
     """Peak memory of one whole steady training step on the model's device (``lowmembp.peak.measure_step_peak``:
     the CUDA allocator's peak, on CPU the storage tracker) → ``peak.device``. A failure of the tracker itself is
     not a failure of the run: the step is run again untracked and the failure becomes a note. Over ``budget_bytes``
-    raises :class:`MemoryBudgetExceeded`."""
+    raises :class:`MemoryBudgetExceeded`. ``measure``: another ``measure_step_peak(model, optimizer, step,
+    warmup=0)`` (a sharded model's: ``experiments.distributed.peak_measure``)."""
 
-    def __init__(self, model, optimizer, at: int | None, budget_bytes: float | None = None, is_fatal=None):
+    def __init__(self, model, optimizer, at: int | None, budget_bytes: float | None = None, is_fatal=None,
+                 measure=None):
         self.model, self.optimizer, self.at, self.budget = model, optimizer, at, budget_bytes
+        self.measure = measure
         self.is_fatal = is_fatal or (lambda err: False)
         self.result, self.notes = None, []
 
@@ -126,10 +129,12 @@ class PeakProbe:
     def wrap(self, step_fn: StepFn) -> StepFn:
         from lowmembp.peak import measure_step_peak
 
+        measure = self.measure or measure_step_peak
+
         def step(forward):
             box = {}
             try:
-                peak = measure_step_peak(self.model, self.optimizer,
+                peak = measure(self.model, self.optimizer,
                                          lambda: box.setdefault("out", step_fn(forward)), warmup=0)
             except Exception as err:  # the tracker failed, not necessarily the training: train on, say so
                 if self.is_fatal(err):

@@ -10,7 +10,8 @@ Sections: ``run`` (identity: task, model, method, batch size, seq len, dtype, se
 (what the method spec takes, e.g. ``k``, ``rank``), ``hyperparameters`` (lr, weight decay, warm-up, ...),
 ``task_facts`` (what the task reported: pool sizes, ...), ``base`` (the ``--init`` weights), measurements
 (``saved_bytes`` by kind, ``peak`` by category for the device and the host, ``step_time_s`` quantiles,
-``throughput``), the result (``final_loss``, ``metric``, ``status`` ok/oom/error with its ``message``),
+``throughput``), ``distributed`` (a torchrun run: mode, world size, every rank's peak), the result
+(``final_loss``, ``metric``, ``status`` ok/oom/error with its ``message``),
 ``environment`` and ``notes`` (warnings of the run, e.g. a failed measurement).
 
 ``record.schema.json`` is generated from these dataclasses (:func:`json_schema`; ``python -m experiments.record``
@@ -133,6 +134,20 @@ class Throughput:
 
 
 @dataclass
+class DataParallel:
+    """A multi-process run (torchrun, ``--distributed``; ``experiments.distributed``): how the global batch was
+    split and every rank's peak (``peak.device`` is rank 0's)."""
+    mode: Literal["ddp", "fsdp"]
+    world_size: int
+    backend: str
+    batch_per_rank: int  # --batch-size is the global batch
+    peak_bytes_max: int | None = None  # over ranks
+    peak_bytes_mean: float | None = None
+    peak_bytes_by_rank: list[int] = field(default_factory=list)
+    peak_how: str = ""
+
+
+@dataclass
 class Metric:
     name: str
     value: float
@@ -169,7 +184,8 @@ class Record:
     saved_bytes: SavedBytes | None = None
     peak: Peak = field(default_factory=Peak)
     step_time_s: StepTime | None = None
-    throughput: Throughput | None = None
+    throughput: Throughput | None = None  # global: every rank's samples (distributed runs)
+    distributed: DataParallel | None = None
     final_loss: float | None = None
     metric: Metric | None = None
     notes: list[str] = field(default_factory=list)
@@ -378,6 +394,7 @@ def from_v1(d: dict) -> dict:
 COLUMNS = ["task", "model", "method", "batch_size", "seed", "status", "message", "steps", "steps_planned", "epochs",
            "dtype", "seq_len", "peak_bytes", "peak_how", "host_peak_bytes", "host_peak_how", "activation_bytes",
            "step_time_p20", "step_time_p50", "step_time_p80", "step_time_n", "samples_per_s", "tokens_per_s",
+           "distributed", "world_size", "peak_bytes_rank_max", "peak_bytes_rank_mean",
            "final_loss", "metric_name", "metric_value", "metric_split", "base_path", "base_sha256",
            "base_metric_before", "device", "torch", "triton", "timm", "transformers", "git_commit", "git_dirty",
            "git_diff_sha256", "hostname",
@@ -412,6 +429,9 @@ def flatten(d: dict | Record) -> dict:
         row[f"step_time_{k}"] = r.step_time_s and getattr(r.step_time_s, k)
     row["samples_per_s"] = r.throughput and r.throughput.samples_per_s
     row["tokens_per_s"] = r.throughput and r.throughput.tokens_per_s
+    dp = r.distributed
+    row.update(distributed=dp and dp.mode, world_size=dp.world_size if dp else 1,
+               peak_bytes_rank_max=dp and dp.peak_bytes_max, peak_bytes_rank_mean=dp and dp.peak_bytes_mean)
     for k in ("name", "value", "split"):
         row[f"metric_{k}"] = r.metric and getattr(r.metric, k)
     for f in dataclasses.fields(Environment):

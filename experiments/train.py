@@ -93,7 +93,12 @@ def make_deterministic(seed: int, threads: int) -> None:
 def resolve_device(cfg):
     import torch
 
-    return torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if getattr(cfg, "distributed", None) and device.type == "cuda":  # torchrun: one GPU per local rank
+        from experiments.distributed import env_world
+
+        device = torch.device("cuda", env_world()[2])
+    return device
 
 
 def planned_steps(cfg, pool: int) -> tuple[int, int]:
@@ -110,12 +115,14 @@ class Run:
     """One run's parts, built from the configuration: the task's setup, the converted model on its device, the
     optimizer with its schedule, the batches; :meth:`step` is one optimizer step, :meth:`evaluate` the metric."""
 
-    def __init__(self, cfg, task, out: dict):
+    def __init__(self, cfg, task, out: dict, ctx=None):
         import torch
 
         import lowmembp
+        from experiments.distributed import Context, block_modules
 
         self.cfg = cfg
+        self.dist = ctx = ctx or Context()
         self.device = device = resolve_device(cfg)
         if device.type == "cuda" and cfg.max_memory_mb:
             total = torch.cuda.get_device_properties(device).total_memory
@@ -130,7 +137,9 @@ class Run:
 
             out["base"] = load_weights(setup.model, cfg.init)
             out["base"]["metric_before"] = self.evaluate(setup.model.to(device))  # the base, on this test split
+        blocks = block_modules(setup.model) if ctx.mode == "fsdp" else []
         self.model = lowmembp.apply(setup.model, cfg.method, **cfg.method_options).to(device)
+        self.model = ctx.wrap(self.model, blocks, device)  # DDP / FSDP2 (experiments.distributed); else itself
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise RuntimeError(f"method {cfg.method!r} left no trainable parameter")
@@ -166,7 +175,7 @@ class Run:
         self.model.train()
         total_loss, n_tok = 0.0, 0
         for micro in range(cfg.grad_accum):
-            batch = _to(next(self.batches), self.device)
+            batch = _to(self.dist.rows(next(self.batches), cfg.batch_size), self.device)  # a rank's rows
             t = setup.tokens(batch)
             n_tok = None if t is None or n_tok is None else n_tok + t
             with self.autocast(), (forward if micro == 0 else contextlib.nullcontext()):
@@ -181,6 +190,7 @@ class Run:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        total_loss, n_tok = self.dist.reduce_step(total_loss, n_tok)  # over ranks: the global batch's
         return StepResult(loss=total_loss, samples=cfg.batch_size * cfg.grad_accum, tokens=n_tok)
 
     def probes(self):
@@ -190,35 +200,45 @@ class Run:
         cfg = self.cfg
         schedule = Schedule(saved_bytes_at=0, peak_at=1, time_from=cfg.timing_warmup)
         budget = None if cfg.max_memory_mb is None else cfg.max_memory_mb * 2**20
+        from experiments.distributed import peak_measure
+
         return [SavedBytesProbe(self.model, schedule.saved_bytes_at),
                 PeakProbe(self.model, self.optimizer, schedule.peak_at, budget,
-                          is_fatal=lambda e: is_oom(e) or isinstance(e, FloatingPointError)),
+                          is_fatal=lambda e: is_oom(e) or isinstance(e, FloatingPointError),
+                          measure=peak_measure(self.dist, self.device)),
                 StepTimer(self.device, schedule)]
 
     def save(self, path: str, out: dict) -> None:
+        from experiments.distributed import weights_of
         from experiments.weights import save_weights
 
         cfg = self.cfg
-        save_weights(self.model, path, {
+        model = weights_of(self.model, self.dist)  # FSDP: gathered on every rank; only rank 0 writes
+        if not self.dist.writes:
+            return
+        save_weights(model, path, {
             "task": cfg.task, "model": cfg.model, "method": cfg.method, "train_split": cfg.train_split,
             "steps": self.steps, "batch_size": cfg.batch_size, "seed": cfg.seed, "lr": cfg.lr,
             "final_loss": out["final_loss"], "metric": f"{out['metric']['name']} {out['metric']['value']:.6g}",
             "metric_split": out["metric"]["split"]})
 
 
-def train(cfg, task, out: dict) -> None:
-    """Train and evaluate; fills ``out`` (record sections) as it goes, so a failure still reports what was reached."""
+def train(cfg, task, out: dict, ctx=None) -> None:
+    """Train and evaluate; fills ``out`` (record sections) as it goes, so a failure still reports what was reached.
+    ``ctx``: this process's place in a torchrun job (``experiments.distributed.Context``; None: one process)."""
     import numpy as np
     from tqdm import tqdm
 
-    from experiments.probes import StepTimer, run_step
+    from experiments.distributed import Context, section
+    from experiments.probes import PeakProbe, StepTimer, run_step
 
-    run = Run(cfg, task, out)
+    ctx = ctx or Context()
+    run = Run(cfg, task, out, ctx)
     probes = run.probes()
     timer = next(p for p in probes if isinstance(p, StepTimer))
     losses = []
-    bar = tqdm(range(run.steps), desc=f"{cfg.model}/{cfg.task}/{cfg.method}", disable=cfg.no_progress,
-               file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(range(run.steps), desc=f"{cfg.model}/{cfg.task}/{cfg.method}",
+               disable=cfg.no_progress or not ctx.writes, file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
     try:
         for step in bar:
             result = run_step(step, lambda forward: run.step(step, forward), probes)
@@ -231,6 +251,9 @@ def train(cfg, task, out: dict) -> None:
         bar.close()
         for probe in probes:  # what was measured counts also when a later step fails
             probe.report(out)
+    peak = next(p for p in probes if isinstance(p, PeakProbe)).result
+    if ctx.active:  # every rank's peak (a collective: after the loop, which every rank finished)
+        out["distributed"] = section(ctx, cfg.batch_size, peak and peak["bytes"], peak["how"] if peak else "")
     tail = losses[-10:]
     out["final_loss"] = float(np.mean(tail)) if tail else None
     out["metric"] = {"name": run.setup.metric, "value": run.evaluate(), "split": f"test ({len(run.setup.test)})"}
@@ -311,11 +334,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from experiments.record import now, write
 
+    from experiments.distributed import start, stop
+
     started = now()
     sections = new_sections(cfg)
     status, message = "ok", None
+    ctx = start(cfg.distributed, resolve_device(cfg).type)  # torchrun: join the group; else one process
     try:
-        train(cfg, task, sections)
+        train(cfg, task, sections, *([ctx] if ctx.active else []))
     except KeyboardInterrupt:
         raise
     except Exception as err:  # every training failure becomes a record
@@ -327,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
             import torch
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+    if ctx.active and status != "ok" and not ctx.writes:
+        print(f"error: rank {ctx.rank} of {ctx.world}: {message}", file=sys.stderr)
+        return 1  # torchrun stops the group; rank 0 cannot report a failure it does not know
+    stop(ctx)
+    if not ctx.writes:
+        return 0
     rec = finish(cfg, sections, status, message, started)
     write(rec, cfg.out)
     print(summary(rec, cfg.out))

@@ -125,13 +125,14 @@ def sdpa(module: nn.Module, q, k, v, mask, dropout_p: float, scale: float | None
                                                                   scale=scale, enable_gqa=gqa))
 
 
-def call_as(module: nn.Module, fn):
-    """``fn()`` called through ``module.__call__`` (its hooks run around it), ``module.forward`` restored after."""
+def call_as(module: nn.Module, fn, *args):
+    """``fn(*args)`` called through ``module.__call__`` (its hooks run around it), ``module.forward`` restored
+    after."""
     had = "forward" in module.__dict__
     old = module.__dict__.get("forward")
     object.__setattr__(module, "forward", fn)
     try:
-        return module()
+        return module(*args)
     finally:
         if had:
             object.__setattr__(module, "forward", old)
@@ -142,10 +143,23 @@ def call_as(module: nn.Module, fn):
 # ------------------------------------------------------------------------------------------------------ the driver
 def run_blocks(family: "Family", blocks: list[nn.Module], h: torch.Tensor, ctx: Context,
                use_checkpoint: list[bool]) -> torch.Tensor:
-    """All blocks; ``h`` carries a graph only on the selected rows, and so does the result."""
+    """All blocks; ``h`` carries a graph only on the selected rows, and so does the result. A block sharded by
+    FSDP2 (``fully_shard``) runs through its ``__call__``, so that its hooks gather its parameters before and
+    release them after (and again around its backward), as they would around the block's own forward."""
     for block, ckpt in zip(blocks, use_checkpoint):
-        h = block_step(family, block, h, ctx, ckpt)
+        if _is_sharded(block):
+            h = call_as(block, lambda h_, block=block, ckpt=ckpt: block_step(family, block, h_, ctx, ckpt), h)
+        else:
+            h = block_step(family, block, h, ctx, ckpt)
     return h
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    """Whether FSDP2 ``fully_shard`` wrapped ``module`` (without importing torch.distributed when nothing did)."""
+    import sys
+
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def block_step(family: "Family", block: nn.Module, h: torch.Tensor, ctx: Context, ckpt: bool) -> torch.Tensor:

@@ -104,6 +104,20 @@ def group_min_max(x: torch.Tensor, inner: int, groups: int) -> tuple[torch.Tenso
     return x3.amin(dim=(0, 2)).float(), x3.amax(dim=(0, 2)).float()
 
 
+def reduce_over_ranks(mn: torch.Tensor, mx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data parallel (``torch.distributed`` initialised, more than one process): the minimum and maximum over every
+    rank's batch (one all-reduce), so that every rank's EMA follows the statistics of the whole global batch, as one
+    process with that batch would (DDP's broadcast of rank 0's buffers then changes nothing). Otherwise unchanged.
+    Every rank must quantise the same sites in the same order, as data-parallel training does."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or is_shape_only(mn):
+        return mn, mx
+    both = torch.cat([-mn, mx])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return -both[:mn.numel()], both[mn.numel():]
+
+
 def ema_update(alpha: torch.Tensor, beta: torch.Tensor, count: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor,
                momentum: float = MOMENTUM) -> torch.Tensor:
     """In place: the first call sets α = max − min, β = min; later ``α ← λα + (1−λ)(max−min)``, same for β.
@@ -408,6 +422,7 @@ class EMAQuantizer(nn.Module):
         with torch.no_grad():
             mn, mx = group_min_max(x, inner, groups)
             if self.training:
+                mn, mx = reduce_over_ranks(mn, mx)  # torchrun/DDP: the global batch's statistics
                 ok = ema_update(self.alpha, self.beta, self.count, mn, mx, self.momentum)
                 self.skipped.add_((~ok).to(self.skipped.dtype))
                 self._updated = True
