@@ -7,7 +7,8 @@ from lowmembp.repro.block_breakdown import theory
 
 
 def test_registry_names():
-    assert set(REPROS) == {"block-breakdown", "fig1", "mesa-table", "tokentune-memory", "stacked", "headline"}
+    assert set(REPROS) == {"block-breakdown", "fig1", "mesa-table", "tokentune-memory", "stacked", "headline",
+                           "mesa-attribution"}
     with pytest.raises(ValueError, match="unknown reproduction"):
         run("fig2")
 
@@ -116,3 +117,14 @@ def test_tokentune_memory_small():
     assert slope["tokentune"] < slope["baseline"]
     assert df.set_index("spec").loc["baseline", "slope_vs_full_ft"] == 1.0
     assert isinstance(df, pd.DataFrame)
+
+
+def test_mesa_attribution_small():
+    df = run("mesa-attribution", small=True, models=("deit_ti",))
+    row = df.iloc[0]
+    # counted: CUDA autocast's fp32 softmax output + its fp16 copy vs one fp16 output = 4 bytes x B·H·N² per block
+    assert row["cuda_amp_fp32_softmax_MiB"] == pytest.approx(4 * 2 * 3 * 197 ** 2 * 2 / 2 ** 20)
+    assert row["sdpa_to_eager_MiB"] > 0 and abs(row["drop_path_MiB"]) < 0.05 and row["dropout_if_p_gt_0_MiB"] > 0
+    explained = row["ours_sdpa_MiB"] + row["sdpa_to_eager_MiB"] + row["drop_path_MiB"] + row["cuda_amp_fp32_softmax_MiB"]
+    assert row["ours_explained_MiB"] == pytest.approx(explained)
+    assert row["unexplained_MiB"] == pytest.approx(row["paper_MB"] - explained)
