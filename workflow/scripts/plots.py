@@ -111,9 +111,10 @@ def memory_vs_batch(runs: pd.DataFrame) -> plt.Figure:
                          f"{'peak' if col == 0 else 'activations'} ({long} steps)", fontsize=9)
             ax.grid(alpha=0.3)
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    handles += [Line2D([], [], marker="o", color="0.3", ls="", label="training cell (filled)"),
-                Line2D([], [], marker="o", color="0.3", mfc="white", ls="", label="short memory cell (hollow)"),
-                Line2D([], [], marker="x", color="0.3", ls="", label="ran out of memory / failed")]
+    if (~peak["learning"]).any():
+        handles += [Line2D([], [], marker="o", color="0.3", ls="", label="training cell (filled)"),
+                    Line2D([], [], marker="o", color="0.3", mfc="white", ls="", label="short memory cell (hollow)")]
+    handles += [Line2D([], [], marker="x", color="0.3", ls="", label="ran out of memory / failed")]
     labels = [h.get_label() for h in handles]
     fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 6), fontsize=8, frameon=False,
                bbox_to_anchor=(0.5, 0.985))
