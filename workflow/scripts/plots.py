@@ -259,9 +259,11 @@ def headline_figure(runs: pd.DataFrame, table: pd.DataFrame | None = None) -> pl
             if np.isfinite(pv).any():
                 ax.scatter(pv, y, marker="D", color="k", s=22, zorder=4, label="paper")
             for yi, v, e in zip(y, vals, ends):
-                if np.isfinite(v):
-                    ax.annotate(f"{v:+.1f}" if col else f"{v:.0f}", (max(e, 0), yi), xytext=(3, -3),
-                                textcoords="offset points", fontsize=7)
+                if np.isfinite(v):  # beyond the bar's end (and its spread), left of a negative bar
+                    neg = v < 0 and col == 2
+                    ax.annotate(f"{v:+.1f}" if col else f"{v:.0f}", (v if neg else max(e, 0), yi),
+                                xytext=(-3 if neg else 3, -3), textcoords="offset points", fontsize=7,
+                                ha="right" if neg else "left")
             if col == 2 and len(sub):  # a range that keeps a small change small: ±10 points / ±10 % of the metric
                 ref = sub["metric_compared"].abs().max()
                 unit_pct = (sub["unit"] == "%").any()
@@ -282,7 +284,8 @@ def headline_figure(runs: pd.DataFrame, table: pd.DataFrame | None = None) -> pl
                      f"batch {int(sub['accuracy_batch'].dropna().max())}, "
                      f"{seeds_text(int(sub['seeds'].max()))}" if col == 2 and len(sub)
                      and sub["accuracy_batch"].notna().any() else "")
-            ax.set_title(f"{_task_label(task, model)}: {xlabel.split(' (')[0]}, {where}", fontsize=9)
+            ax.set_title(f"{_task_label(task, model) if col == 0 else task}: {xlabel.split(' (')[0]}, {where}",
+                         fontsize=9)
             ax.grid(axis="x", alpha=0.3)
             if row == 0:
                 ax.legend(fontsize=7, loc="lower right")
