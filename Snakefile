@@ -38,5 +38,5 @@ rule all:
     input:
         all_targets,
         CAPACITY_TARGETS,
-        CAPACITY_TARGETS,
+        HEADLINE_TARGETS,
     default_target: True

@@ -4,6 +4,8 @@
 
 HEADLINE_TABLE = cat.table_paths(R, cat.HEADLINE.name)
 HEADLINE_FIGURE = cat.figure_path(R, cat.HEADLINE.name)
+# in `rule all` (Snakefile); only for a config with a sweep (runs.csv)
+HEADLINE_TARGETS = [HEADLINE_FIGURE, *HEADLINE_TABLE.values()] if CELLS else []
 
 
 rule headline:
@@ -23,12 +25,3 @@ rule headline:
         "../envs/lowmembp.yaml"
     script:
         "../scripts/headline.py"
-
-
-# all_targets() (common.smk) is extended here, as this file is included before `rule all` (as pareto.smk does).
-_targets_before_headline = all_targets
-
-
-def all_targets(wc=None):
-    extra = [HEADLINE_FIGURE, *HEADLINE_TABLE.values()] if CELLS else []
-    return _targets_before_headline(wc) + extra
