@@ -83,8 +83,15 @@ def pareto(runs: pd.DataFrame, out: Path) -> None:
         ax.set_title(f"{task} / {model}, batch {int(sub['batch_size'].iloc[0])}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.margins(x=0.18, y=0.12)  # room for the labels of the outermost points
+        ax.set_ylim(0, ((sub["peak"] + sub["host"].fillna(0)) / MiB).max() * 1.12)  # from 0: a small saving looks small
         ax.legend(fontsize=7, loc="best")
-    fig.suptitle("Peak memory against step time; hollow marker: device + host (offloading)", fontsize=9)
+    devs = ", ".join(sorted(set(runs["device"].dropna().astype(str)))) if "device" in runs else ""
+    dtypes = ", ".join(sorted(set(runs["dtype"].dropna().astype(str)))) if "dtype" in runs else ""
+    steps = "/".join(str(int(v)) for v in sorted(set(runs.merge(pts[["task", "model", "batch_size"]].drop_duplicates())
+                                                     ["steps"].dropna()))) if "steps" in runs and len(pts) else "?"
+    fig.suptitle("Peak device memory against step time per method (mean over seeds; lower left is better); hollow "
+                 f"marker: device + host (offloading)\n{devs or 'device unknown'}, {dtypes or 'dtype unknown'}; "
+                 f"{steps}-step cells", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
