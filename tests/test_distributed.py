@@ -124,3 +124,22 @@ def test_arguments(tmp_path, monkeypatch, capsys):
                       ["--method", "baseline", "--distributed", "fsdp", "--out", str(out)]) == 2
     assert "must divide by the 2 processes" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_run_rule_starts_torchrun_for_several_gpus(tmp_path):
+    """A sweep cell's ``resources: {gpu: N}`` reaches run_cell.py as ``--nproc N``: N > 1 → torchrun."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "workflow" / "scripts" / "run_cell.py"
+    spec = importlib.util.spec_from_file_location("run_cell", path)
+    run_cell = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_cell)
+    out = tmp_path / "r.json"
+    args = ["--task", "mnist5k", "--method", "baseline", "--batch-size", "8"]
+    for n in (0, 1):
+        assert run_cell.job_command("py", args, out, n) == ["py", "-m", "experiments.train", *args, "--out", str(out)]
+    assert run_cell.job_command("py", args, out, 4) == [
+        "py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m", "experiments.train", *args,
+        "--out", str(out), "--distributed", "ddp"]
+    fsdp = run_cell.job_command("py", args + ["--distributed", "fsdp"], out, 2)
+    assert fsdp[-4:] == ["--distributed", "fsdp", "--out", str(out)] and fsdp.count("--distributed") == 1

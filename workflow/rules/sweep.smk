@@ -48,4 +48,4 @@ rule train:
         "../envs/lowmembp.yaml"
     shell:
         "OMP_NUM_THREADS={threads} MKL_NUM_THREADS={threads} "
-        "{params.py} {params.runner} --log {log} --out {output} -- {params.args}"
+        "{params.py} {params.runner} --nproc {resources.gpu} --log {log} --out {output} -- {params.args}"

@@ -8,6 +8,11 @@ atomically (``experiments.record.error_record`` and ``write``), with the end of 
 goes on and the table shows the failure. It does not write a record when the job was stopped by a signal from the
 user (SIGINT/SIGTERM: an interrupted run leaves nothing) or when the job rejected its arguments (exit 2: a config
 mistake that must be fixed, not recorded).
+
+``--nproc N`` (the rule passes the cell's ``resources: {gpu: N}``): N > 1 runs the job under torchrun with N
+processes on this node (``python -m torch.distributed.run --standalone --nproc-per-node N``), adding
+``--distributed ddp`` unless the cell's ``train_args`` choose (``[--distributed, fsdp]``); ``--batch-size`` is
+then the global batch (``experiments.distributed``).
 """
 from __future__ import annotations
 
@@ -50,16 +55,27 @@ def write_error_record(out: Path, train_args: list[str], message: str, started: 
         "device": "unknown (the job died before reporting)", "hostname": platform.node()}), out)
 
 
+def job_command(python: str, train_args: list[str], out: Path, nproc: int = 1) -> list[str]:
+    """The training job's command: one process, or torchrun with ``nproc`` (see the module doc)."""
+    job = ["-m", "experiments.train", *train_args, "--out", str(out)]
+    if nproc <= 1:
+        return [python, *job]
+    if not any(a == "--distributed" or a.startswith("--distributed=") for a in train_args):
+        job += ["--distributed", "ddp"]
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *job]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--log", required=True, type=Path)
     p.add_argument("--python", default=sys.executable)
+    p.add_argument("--nproc", type=int, default=1, help="processes (GPUs) of the job: >1 runs it under torchrun")
     p.add_argument("train_args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     train_args = a.train_args[1:] if a.train_args[:1] == ["--"] else a.train_args
     a.log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [a.python, "-m", "experiments.train", *train_args, "--out", str(a.out)]
+    cmd = job_command(a.python, train_args, a.out, a.nproc)
     started = _now()
     with open(a.log, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
