@@ -4,6 +4,7 @@
   real-code LowMemoryBP), each split by op kind, in 16-bit units of b·s·d per block, the saving written on top.
 - fig1, mesa_table: the published memory and ours side by side per method (grey: paper, blue: ours), ratio on top.
 - tokentune_memory: peak memory against batch size per method (the slope is what TokenTune changes).
+- stacked: per model, the peak memory of each row (each adds one technique to the row before), change annotated.
 Any other table with a numeric ``paper...`` and ``ours...`` column gets the side-by-side bars.
 
 Run by Snakemake (rule repro_figure) or by hand: ``python plots_repro.py NAME REPRO.csv OUT.png``.
@@ -31,7 +32,7 @@ def _numeric(df, prefix):
 def _unit(col: str) -> str:
     """'paper_MiB' -> 'MiB', 'paper_MB' -> 'MB' (the unit is the column name's last part)."""
     tail = col.rsplit("_", 1)[-1]
-    return tail if tail in ("MiB", "MB", "GiB", "GB", "ms", "%") else ""
+    return "%" if tail == "pct" else tail if tail in ("MiB", "MB", "GiB", "GB", "ms", "%") else ""
 
 
 def side_by_side(df: pd.DataFrame, ax, title: str) -> None:
@@ -52,7 +53,8 @@ def side_by_side(df: pd.DataFrame, ax, title: str) -> None:
             ax.text(xi, max(pv, ov), f"ours / paper\n{ov / pv:.2f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
     unit = up if up == uo else " / ".join(u for u in (up, uo) if u)
-    ax.set_ylabel(f"peak training memory ({unit or 'as in the columns'})")
+    what = "peak memory saved" if "saving" in p else "peak training memory"
+    ax.set_ylabel(f"{what} ({unit or 'as in the columns'})")
     ax.set_ylim(0, np.nanmax(np.r_[df[p].to_numpy(dtype=float), df[o].to_numpy(dtype=float)]) * 1.18)
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
@@ -102,14 +104,40 @@ def tokentune_memory(df: pd.DataFrame, ax) -> None:
     ax.grid(alpha=0.3)
 
 
+def stacked(df: pd.DataFrame, fig) -> None:
+    """One panel per model: peak memory (MiB) of each row, each adding one technique to the row before; a row the
+    method refuses on this machine (e.g. needs a GPU) is named with no bar."""
+    models = list(dict.fromkeys(df["model"]))
+    axes = fig.subplots(1, len(models), squeeze=False)[0]
+    for ax, model in zip(axes, models):
+        sub = df[df["model"] == model].reset_index(drop=True)
+        y = np.arange(len(sub))
+        vals = pd.to_numeric(sub["peak_MiB"], errors="coerce").to_numpy(dtype=float)
+        ax.barh(y, np.nan_to_num(vals), color="C0", height=0.6, label="peak memory of a training step")
+        for yi, v, ch in zip(y, vals, pd.to_numeric(sub.get("peak_change_%"), errors="coerce")):
+            label = "not measured here" if not np.isfinite(v) else (
+                f"{v:,.0f}" + ("" if pd.isna(ch) else f" ({ch:+.0f} % vs the row above)"))
+            ax.annotate(label, (np.nan_to_num(v), yi), xytext=(3, -3), textcoords="offset points", fontsize=7)
+        ax.set_yticks(y, [str(r) for r in sub["row"]], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlim(0, np.nanmax(np.r_[vals, 1.0]) * 1.45)
+        ax.set_xlabel("peak memory of a training step (MiB; fake tensors on the CPU)")
+        ax.set_title(str(model), fontsize=10)
+        ax.grid(axis="x", alpha=0.3)
+
+
 def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
     """The figure of reproduction ``name`` (a table stem) from its rows."""
     if name == "block_breakdown":
         fig = plt.figure(figsize=(4.6 * df["model"].nunique(), 4.8))
         block_breakdown(df, fig)
+    elif name == "stacked" and "peak_MiB" in df.columns:
+        fig = plt.figure(figsize=(6.5 * df["model"].nunique(), 0.45 * df.groupby("model").size().max() + 1.8))
+        stacked(df, fig)
     else:
         fig, ax = plt.subplots(figsize=(max(6.5, 0.8 * len(df) + 2), 4.6))
-        if name == "tokentune_memory" and any(re.fullmatch(r"peak_MiB_b\d+", c) for c in df.columns):
+        if name in ("tokentune_memory", "tokentune_vs_ckpt") and any(re.fullmatch(r"peak_MiB_b\d+", c)
+                                                                      for c in df.columns):
             tokentune_memory(df, ax)
         else:
             side_by_side(df, ax, name)
