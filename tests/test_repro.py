@@ -8,7 +8,7 @@ from lowmembp.repro.block_breakdown import theory
 
 def test_registry_names():
     assert set(REPROS) == {"block-breakdown", "fig1", "mesa-table", "tokentune-memory", "stacked", "headline",
-                           "mesa-attribution"}
+                           "mesa-attribution", "tokentune-vs-ckpt"}
     with pytest.raises(ValueError, match="unknown reproduction"):
         run("fig2")
 
@@ -128,3 +128,12 @@ def test_mesa_attribution_small():
     explained = row["ours_sdpa_MiB"] + row["sdpa_to_eager_MiB"] + row["drop_path_MiB"] + row["cuda_amp_fp32_softmax_MiB"]
     assert row["ours_explained_MiB"] == pytest.approx(explained)
     assert row["unexplained_MiB"] == pytest.approx(row["paper_MB"] - explained)
+
+
+def test_tokentune_vs_ckpt_small():
+    df = run("tokentune-vs-ckpt", small=True)
+    assert list(df["spec"]) == ["baseline", "checkpointing", "tokentune", "tokentune+checkpointing"]
+    assert {"peak_MiB_b2", "peak_MiB_b4", "cpu_step_ms_small_b2", "step_vs_full_b2", "peak_vs_full_b4"} <= set(df)
+    rows = df.set_index("spec")
+    assert rows.loc["baseline", "step_vs_full_b2"] == 1.0 and (df["cpu_step_ms_small_b2"] > 0).all()
+    assert (rows["peak_vs_full_b4"] == rows["peak_MiB_b4"] / rows.loc["baseline", "peak_MiB_b4"]).all()

@@ -67,6 +67,9 @@ REPRODUCTIONS = (
     Reproduction("mesa-attribution", "mesa_attribution",
                  "Mesa README baselines vs ours: each difference of the 2021 run in MiB (measured or counted), what "
                  "is left unexplained"),
+    Reproduction("tokentune-vs-ckpt", "tokentune_vs_ckpt",
+                 "TokenTune vs gradient checkpointing: BERT-large peak memory against batch size (fake tensors), "
+                 "CPU step time of a small BERT, ratios to full fine-tuning"),
 )
 REPRO_SCRIPT = "repro.py"  # reproduction -> repro/<name>.csv
 REPRO_TABLE_SCRIPT = "tables.py"

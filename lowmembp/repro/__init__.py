@@ -8,7 +8,8 @@ Names: ``block-breakdown`` (LowMemoryBP's per-block activation memory by op kind
 memory), ``mesa-table`` (the Mesa README's memory column), ``tokentune-memory`` (TokenTune memory vs batch size),
 ``stacked`` (a torchtune-style stacked table of the peer techniques for LLaMA-7B and ViT-B/16), ``headline``
 (LowMemoryBP's headline savings per model at the paper's settings, LLaMA as QLoRA), ``mesa-attribution`` (the
-Mesa-table baselines' gap to the README, difference by difference in MiB).
+Mesa-table baselines' gap to the README, difference by difference in MiB), ``tokentune-vs-ckpt`` (TokenTune
+against gradient checkpointing: peak and CPU step time at growing batch sizes).
 All run the real timm / transformers code on fake tensors (:mod:`lowmembp.estimate`): no GPU, nothing large allocated.
 Every table puts the paper's value (where there is one), ours and their ratio side by side, and a ``note`` says why
 where they differ by more than 5 %.
@@ -27,13 +28,14 @@ from lowmembp.repro.mesa_attribution import mesa_attribution
 from lowmembp.repro.mesa_table import mesa_table
 from lowmembp.repro.stacked import stacked
 from lowmembp.repro.tokentune_memory import tokentune_memory
+from lowmembp.repro.tokentune_vs_ckpt import tokentune_vs_ckpt
 
 __all__ = ["REPROS", "run", "to_markdown", "MiB", "ratio"]
 
 REPROS: dict[str, Callable[..., pd.DataFrame]] = {
     "block-breakdown": block_breakdown, "fig1": fig1, "mesa-table": mesa_table,
     "tokentune-memory": tokentune_memory, "stacked": stacked, "headline": headline,
-    "mesa-attribution": mesa_attribution}
+    "mesa-attribution": mesa_attribution, "tokentune-vs-ckpt": tokentune_vs_ckpt}
 
 
 def run(name: str, **kwargs) -> pd.DataFrame:
