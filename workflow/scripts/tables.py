@@ -287,7 +287,7 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
             "accuracy_batch": int(a["batch_size"]) if a is not None else np.nan,
             "seeds": a["seeds"] if a is not None else np.nan,
             "metric_compared": ref_mean,
-            "metric_ours": a["metric_mean"] if a is not None else np.nan,
+            "metric_method": a["metric_mean"] if a is not None else np.nan,
             "metric_change_ours": a["change_vs_compared"] if a is not None else np.nan,
             "metric_change_paper": ((a["metric_ratio_paper"] - 1) * ref_mean) if a is not None else np.nan,
             "unit": a["unit"] if a is not None else "",
@@ -298,7 +298,7 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
     cols = ["task", "model", "method", COMPARED, "memory_batch", "peak_saved_%_ours", "peak_saved_%_paper",
             "activations_saved_%_ours", "activations_saved_%_paper", "step_time_change_%_ours",
             "step_time_change_%_p20/p80", "step_time_change_%_p80/p20", "within_noise", "step_time_change_%_paper",
-            "accuracy_batch", "seeds", "metric", "unit", "metric_compared", "metric_ours", "metric_change_ours",
+            "accuracy_batch", "seeds", "metric", "unit", "metric_compared", "metric_method", "metric_change_ours",
             "metric_change_paper", "sources"]
     return pd.DataFrame(rows, columns=cols)
 
@@ -434,8 +434,8 @@ def headline_display(df: pd.DataFrame) -> pd.DataFrame:
     for d in df.to_dict("records"):
         unit = d["unit"]
         before = "-" if pd.isna(d["metric_compared"]) else (
-            f"{d['metric_compared']:.1f} → {d['metric_ours']:.1f} %" if unit == "%"
-            else f"{d['metric_compared']:.2f} → {d['metric_ours']:.2f}")
+            f"{d['metric_compared']:.1f} → {d['metric_method']:.1f} %" if unit == "%"
+            else f"{d['metric_compared']:.2f} → {d['metric_method']:.2f}")
         noise = " (within noise)" if d["within_noise"] == "yes" else ""
         spread = ("" if pd.isna(d["step_time_change_%_p20/p80"]) else
                   f" [{d['step_time_change_%_p20/p80']:+.0f} … {d['step_time_change_%_p80/p20']:+.0f}]")
