@@ -67,7 +67,8 @@ def test_two_processes_train_as_one(runs, mode, method, extra):
     assert two["final_loss"] == pytest.approx(one["final_loss"], rel=tol["loss"])
     assert two["metric"]["value"] == pytest.approx(one["metric"]["value"], abs=1 / 8 + 1e-9 if method == "mesa"
                                                    else 1e-9)
-    w1, w2 = load_file(runs / f"{_name('one', method)}.safetensors"), load_file(runs / f"{_name(mode, method)}.safetensors")
+    w1 = load_file(runs / f"{_name('one', method)}.safetensors")
+    w2 = load_file(runs / f"{_name(mode, method)}.safetensors")
     assert set(w1) == set(w2)
     worst = max(float((w1[k].float() - w2[k].float()).abs().max()) for k in w1)
     assert worst < tol["weights"], f"weights differ by up to {worst:.3g}"

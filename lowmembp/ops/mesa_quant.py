@@ -14,6 +14,9 @@ layouts Mesa uses:
 Ranges: per group a range α and minimum β, an exponential moving average across steps (λ = 0.9) with the current
 batch included: the first step takes α = max − min, β = min of the batch; later steps
 ``α ← λα + (1−λ)(max − min)``, ``β ← λβ + (1−λ)·min`` — then the batch is quantised with the updated values.
+Data parallel (``torch.distributed`` initialised with more than one process): min and max are those of the whole
+global batch, reduced over the ranks before the update (:func:`reduce_over_ranks`), so every rank keeps one
+process's ranges.
 Non-finite statistics (a batch with an inf, a NaN, or a range that overflows fp32) do not update the ranges: that
 batch is quantised with the ranges as they were, the update counter does not advance, the quantiser's ``skipped``
 buffer counts it, and a RuntimeWarning says so once per quantiser (checked at once on CPU tensors; on CUDA every

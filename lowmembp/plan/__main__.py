@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (text models)")
     ap.add_argument("--image-size", type=int, default=None, help="image side in pixels (timm models)")
     ap.add_argument("--dtype", choices=list(DTYPES), default=None, help="autocast dtype (default: the model's)")
-    ap.add_argument("--world-size", type=int, default=1, help="GPUs sharing the model (FSDP; 1 until supported)")
+    ap.add_argument("--world-size", type=int, default=1,
+                    help="GPUs sharing the model (FSDP2: one rank's peak, the batch per GPU; "
+                         "lowmembp.estimate.fsdp_peak)")
     ap.add_argument("--methods", default=None, help="only combinations of these methods (comma-separated)")
     ap.add_argument("--exclude", default=None, help="leave these methods out (comma-separated)")
     ap.add_argument("--max-methods", type=int, default=None, help="at most this many methods per combination")
