@@ -1,6 +1,7 @@
 """Reproductions (lowmembp.repro) at reduced scale: they run, return the expected rows/columns, and agree with math."""
 import pandas as pd
 import pytest
+import torch
 
 from lowmembp.repro import REPROS, run, to_markdown
 from lowmembp.repro.block_breakdown import theory
@@ -8,7 +9,8 @@ from lowmembp.repro.block_breakdown import theory
 
 def test_registry_names():
     assert set(REPROS) == {"block-breakdown", "fig1", "mesa-table", "tokentune-memory", "stacked", "headline",
-                           "mesa-attribution", "tokentune-vs-ckpt"}
+                           "mesa-attribution", "tokentune-vs-ckpt",
+                           "tokentune-k"}
     with pytest.raises(ValueError, match="unknown reproduction"):
         run("fig2")
 
@@ -137,3 +139,13 @@ def test_tokentune_vs_ckpt_small():
     rows = df.set_index("spec")
     assert rows.loc["baseline", "step_vs_full_b2"] == 1.0 and (df["cpu_step_ms_small_b2"] > 0).all()
     assert (rows["peak_vs_full_b4"] == rows["peak_MiB_b4"] / rows.loc["baseline", "peak_MiB_b4"]).all()
+
+
+def test_tokentune_k_small():
+    from lowmembp.repro.tokentune_k import _data
+    df = run("tokentune-k", small=True)
+    assert list(df["method"]) == ["full fine-tuning", "LoRA (r 8)", "TokenTune k 2", "TokenTune k 32"]
+    assert df["accuracy_%"].between(0, 100).all() and (df["vs_full_ft_points"].iloc[0] == 0)
+    ids, labels = _data(4096, 0)
+    first = ((ids >= 2) & (ids < 33)).sum(1)
+    assert torch.equal(labels, (2 * first > 31).long()) and 0.3 < labels.float().mean() < 0.7  # not one class

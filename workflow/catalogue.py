@@ -70,6 +70,8 @@ REPRODUCTIONS = (
     Reproduction("tokentune-vs-ckpt", "tokentune_vs_ckpt",
                  "TokenTune vs gradient checkpointing: BERT-large peak memory against batch size (fake tensors), "
                  "CPU step time of a small BERT, ratios to full fine-tuning"),
+    Reproduction("tokentune-k", "tokentune_k",
+                 "TokenTune: held-out accuracy against k, full fine-tuning and LoRA beside (small BERT, CPU)"),
 )
 REPRO_SCRIPT = "repro.py"  # reproduction -> repro/<name>.csv
 REPRO_TABLE_SCRIPT = "tables.py"

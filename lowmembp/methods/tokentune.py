@@ -10,17 +10,18 @@ with or without ``lowmembp`` norms/activations, with checkpointing applied after
 and returned (a peft wrapper stays the object you use).
 
 **Selection.** Per sequence k distinct positions: the first real token (ViT: the class token; BERT: [CLS]) always;
-for decoders (LLaMA) also the last real token (when k ≥ 2); the rest uniformly at random among the real (non-padding,
-``attention_mask`` = 1) tokens. The same positions in every block. A sequence with fewer than k real tokens selects
-all of them (and fills up with padding positions that are flagged ``valid=False`` and never used); k ≥ L selects
-every position, which is plain full fine-tuning. ``k`` may also be a fraction ``0 < k < 1`` of the real tokens, as the
-official scripts' ``--prefix_length 0.3`` (facebookresearch/tokentune ``tokentune/llama_tokentune.py:108-125``): the
-forced tokens (first; decoders: first and last) plus ``int(k · (n − forced))`` of the others, with ``n`` the real
-tokens of the batch's longest sequence (one count per batch: positions are a B×k tensor; rows of equal length, the
-usual case after padding to length, get exactly the official count). Randomness: the global torch RNG by default (so ``torch.manual_seed``
-reproduces it); with option ``seed=<int>`` a private ``torch.Generator`` per device, seeded once at conversion.
-``tokentune_state(model).selector`` may be set to ``fn(valid: BoolTensor[B, L], k: int, decoder: bool,
-generator) -> LongTensor[B, k]`` to choose positions yourself (tests use it to replay a selection).
+for decoders (LLaMA) also the last real token (when k ≥ 2); the rest uniformly at random among the real
+(non-padding, ``attention_mask`` = 1) tokens. The same positions in every block. A sequence with fewer than k real
+tokens selects all of them (and fills up with padding positions that are flagged ``valid=False`` and never used); k
+≥ L selects every position, which is plain full fine-tuning. ``k`` may also be a fraction ``0 < k < 1`` of the real
+tokens, as the official scripts' ``--prefix_length 0.3`` (facebookresearch/tokentune
+``tokentune/llama_tokentune.py:108-125``): the forced tokens (first; decoders: first and last) plus ``int(k · (n −
+forced))`` of the others, with ``n`` the real tokens of the batch's longest sequence (one count per batch: positions
+are a B×k tensor; rows of equal length, the usual case after padding to length, get exactly the official count).
+Randomness: the global torch RNG by default (so ``torch.manual_seed`` reproduces it); with option ``seed=<int>`` a
+private ``torch.Generator`` per device, seeded once at conversion. ``tokentune_state(model).selector`` may be set to
+``fn(valid: BoolTensor[B, L], k: int, decoder: bool, generator) -> LongTensor[B, k]`` to choose positions yourself
+(tests use it to replay a selection).
 
 **Training forward (``model.train()``).** Exact forward: every block computes the unselected rows under
 ``torch.no_grad()`` (no graph, nothing saved) and the selected rows with the graph, the selected queries attending

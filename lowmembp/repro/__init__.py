@@ -9,7 +9,8 @@ memory), ``mesa-table`` (the Mesa README's memory column), ``tokentune-memory`` 
 ``stacked`` (a torchtune-style stacked table of the peer techniques for LLaMA-7B and ViT-B/16), ``headline``
 (LowMemoryBP's headline savings per model at the paper's settings, LLaMA as QLoRA), ``mesa-attribution`` (the
 Mesa-table baselines' gap to the README, difference by difference in MiB), ``tokentune-vs-ckpt`` (TokenTune
-against gradient checkpointing: peak and CPU step time at growing batch sizes).
+against gradient checkpointing: peak and CPU step time at growing batch sizes), ``tokentune-k`` (TokenTune's
+accuracy against k, beside full fine-tuning and LoRA, on a synthetic task trained on the CPU).
 All run the real timm / transformers code on fake tensors (:mod:`lowmembp.estimate`): no GPU, nothing large allocated.
 Every table puts the paper's value (where there is one), ours and their ratio side by side, and a ``note`` says why
 where they differ by more than 5 %.
@@ -27,6 +28,7 @@ from lowmembp.repro.headline import headline
 from lowmembp.repro.mesa_attribution import mesa_attribution
 from lowmembp.repro.mesa_table import mesa_table
 from lowmembp.repro.stacked import stacked
+from lowmembp.repro.tokentune_k import tokentune_k
 from lowmembp.repro.tokentune_memory import tokentune_memory
 from lowmembp.repro.tokentune_vs_ckpt import tokentune_vs_ckpt
 
@@ -35,7 +37,8 @@ __all__ = ["REPROS", "run", "to_markdown", "MiB", "ratio"]
 REPROS: dict[str, Callable[..., pd.DataFrame]] = {
     "block-breakdown": block_breakdown, "fig1": fig1, "mesa-table": mesa_table,
     "tokentune-memory": tokentune_memory, "stacked": stacked, "headline": headline,
-    "mesa-attribution": mesa_attribution, "tokentune-vs-ckpt": tokentune_vs_ckpt}
+    "mesa-attribution": mesa_attribution, "tokentune-vs-ckpt": tokentune_vs_ckpt,
+    "tokentune-k": tokentune_k}
 
 
 def run(name: str, **kwargs) -> pd.DataFrame:

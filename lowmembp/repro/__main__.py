@@ -24,7 +24,7 @@ def main(argv=None) -> int:
         note = getattr(df, "attrs", {}).get("caption")
         if note:
             print(f"\n{note}")
-        print(f"\n({time.perf_counter() - t0:.1f} s, fake tensors on CPU)")
+        print(f"\n({time.perf_counter() - t0:.1f} s on the CPU)")
         if args.csv:
             df.to_csv(args.csv if args.name != "all" else f"{args.csv.removesuffix('.csv')}-{name}.csv", index=False)
         sys.stdout.flush()

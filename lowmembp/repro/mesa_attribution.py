@@ -15,12 +15,12 @@ block on fake tensors, eager attention, CPU fp16 autocast). Each row of the tabl
   that row (an upper bound, for a recipe that used attention / projection dropout).
 
 Measured here (``python -m lowmembp.repro mesa-attribution``, batch 128): with these, ours is 0.79 / 0.78 / 0.77 of
-the README's DeiT-Ti / S / B; the ≈ 22 % left is the same share for all three, so it grows with the activations (it is
-not a fixed cost such as a workspace). What is left (``unexplained_MiB``) is what fake tensors cannot see: the CUDA caching allocator's rounding and
-fragmentation inside ``max_memory_allocated``, cuDNN / cuBLAS workspaces (the patch-embedding convolution), the DeiT
-recipe's model EMA copy (``--model-ema``, ≈ 4 bytes a parameter) and the 2021 AMP's other casts. One GPU run of the
-2021 stack (torch 1.7.1, timm 0.3.2, DeiT-Ti, batch 128) with ``torch.cuda.memory_snapshot()`` at the peak would
-settle it.
+the README's DeiT-Ti / S / B; the ≈ 22 % left is the same share for all three, so it grows with the activations (it
+is not a fixed cost such as a workspace). What is left (``unexplained_MiB``) is what fake tensors cannot see: the
+CUDA caching allocator's rounding and fragmentation inside ``max_memory_allocated``, cuDNN / cuBLAS workspaces (the
+patch-embedding convolution), the DeiT recipe's model EMA copy (``--model-ema``, ≈ 4 bytes a parameter) and the 2021
+AMP's other casts. One GPU run of the 2021 stack (torch 1.7.1, timm 0.3.2, DeiT-Ti, batch 128) with
+``torch.cuda.memory_snapshot()`` at the peak would settle it.
 """
 from __future__ import annotations
 

@@ -3,10 +3,11 @@
 The comparison TokenTune's readers found missing (Simoulin et al., arXiv 2501.18824 compares with LoRA and full
 fine-tuning only). Peak: BERT-large, sequence 128, fp32, AdamW, one steady training step on fake tensors, built
 whole (24 blocks: :func:`lowmembp.estimate.estimate_by_depth` does not hold here — with TokenTune + checkpointing
-the 2- and 3-block builds peak in the backward, the 24-block one in the optimizer step) for full fine-tuning, checkpointing every block, TokenTune k = 16 and
-TokenTune + checkpointing. Step time: measured on this CPU at small scale (a 4-block BERT of width 128, sequence 128,
-one thread, the fastest of 5 interleaved steps after a warm-up), as a ratio to full fine-tuning at the same batch: checkpointing
-pays one extra forward, TokenTune computes the unselected rows without a graph.
+the 2- and 3-block builds peak in the backward, the 24-block one in the optimizer step) for full fine-tuning,
+checkpointing every block, TokenTune k = 16 and TokenTune + checkpointing. Step time: measured on this CPU at small
+scale (a 4-block BERT of width 128, sequence 128, one thread, the fastest of 5 interleaved steps after a warm-up),
+as a ratio to full fine-tuning at the same batch: checkpointing pays one extra forward, TokenTune computes the
+unselected rows without a graph.
 """
 from __future__ import annotations
 

@@ -126,6 +126,21 @@ def stacked(df: pd.DataFrame, fig) -> None:
         ax.grid(axis="x", alpha=0.3)
 
 
+def tokentune_k(df: pd.DataFrame, ax) -> None:
+    """Accuracy (%) against TokenTune's k (mean, spread over seeds as error bars); full fine-tuning and LoRA as
+    horizontal lines."""
+    tt = df[df["k"].notna()].sort_values("k")
+    ax.errorbar(tt["k"], tt["accuracy_%"], yerr=tt["spread_%"] / 2, marker="o", capsize=3, label="TokenTune")
+    for (_, row), style in zip(df[df["k"].isna()].iterrows(), ("--", ":")):
+        ax.axhline(row["accuracy_%"], ls=style, color="0.4", label=row["method"])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(tt["k"], [str(int(k)) for k in tt["k"]])
+    ax.set_xlabel("k (tokens per sequence with gradients)")
+    ax.set_ylabel("held-out accuracy (%)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
 def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
     """The figure of reproduction ``name`` (a table stem) from its rows."""
     if name == "block_breakdown":
@@ -139,6 +154,8 @@ def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
         if name in ("tokentune_memory", "tokentune_vs_ckpt") and any(re.fullmatch(r"peak_MiB_b\d+", c)
                                                                       for c in df.columns):
             tokentune_memory(df, ax)
+        elif name == "tokentune_k" and "accuracy_%" in df.columns:
+            tokentune_k(df, ax)
         else:
             side_by_side(df, ax, name)
     fig.suptitle(title or TITLES.get(name, name), fontsize=10)
