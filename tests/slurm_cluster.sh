@@ -24,6 +24,7 @@ die() { echo "slurm_cluster.sh: $*" >&2; exit 1; }
 cannot() { echo "slurm_cluster.sh: cannot run here: $*" >&2; exit 3; }
 [ "$ACTION" = start ] || [ "$ACTION" = stop ] || { echo "usage: $0 start|stop DIR" >&2; exit 2; }
 [ -n "$DIR" ] || { echo "usage: $0 start|stop DIR" >&2; exit 2; }
+[ "$ACTION" = stop ] || [ "$(id -u)" = 0 ] || cannot "needs root (it starts slurmd and munged)"
 mkdir -p "$DIR"; DIR=$(cd "$DIR" && pwd)
 CONF=$DIR/slurm.conf SOCK=$DIR/munge/munge.socket.2
 export SLURM_CONF=$CONF
@@ -48,7 +49,6 @@ stop_all() {
 }
 if [ "$ACTION" = stop ]; then stop_all; echo "local SLURM in $DIR stopped"; exit 0; fi
 
-[ "$(id -u)" = 0 ] || cannot "needs root (it starts slurmd and munged)"
 NEED="slurmctld slurmd sbatch squeue scontrol sinfo munged munge unmunge"
 export PATH=$PATH:/usr/sbin
 missing() { for c in $NEED; do command -v "$c" >/dev/null || return 0; done; return 1; }
