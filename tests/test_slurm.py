@@ -155,3 +155,44 @@ def test_tiny_pipeline_through_the_slurm_profile_equals_a_local_run(cluster, tmp
         assert j["TimeLimit"] == "00:30:00" and j["NumNodes"] == "1", j
     for j in by_rule["aggregate"] + by_rule["notebook"]:  # the profile's default-resources
         assert j["TimeLimit"] == "01:00:00" and j["MinMemoryNode"] == f"{prof['default-resources']['mem_mb']}M", j
+
+
+def _dry_run_resources(tmp_path: Path, env: dict, *configs: str) -> dict[str, list[dict]]:
+    """rule -> the resources of each of its jobs, as `snakemake -n --profile workflow/profiles/slurm` plans them."""
+    p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--profile", str(PROFILE), "--configfile", *configs,
+                        "--directory", str(tmp_path)], cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1"),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    jobs: dict[str, list[dict]] = {}
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", p.stdout + p.stderr):
+        m = re.match(r"(?:local)?rule (\w+):", block)
+        r = re.search(r"^\s+resources: (.*)$", block, re.M)
+        if m and r:
+            jobs.setdefault(m.group(1), []).append(dict(kv.split("=", 1) for kv in r.group(1).split(", ")))
+    return jobs
+
+
+def test_profile_passes_partition_and_account_and_sizes_jobs_from_the_config(tmp_path):
+    """No cluster needed: the profile's default-resources keep their sizes when SBATCH_PARTITION / SBATCH_ACCOUNT are
+    set (even a partition named like a Python builtin and a numeric account stay strings), a cell's `gpu: N`,
+    `runtime` and `mem_mb` become its job's request on one node, and every other rule gets the profile's defaults."""
+    pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install 'lowmembp[slurm]' (the profile's plugin)")
+    prof = yaml.safe_load((PROFILE / "config.yaml").read_text())["default-resources"]
+    over = tmp_path / "gpus.yaml"
+    over.write_text(yaml.safe_dump({"sweeps": {GPU_SWEEP: {"resources": {"gpu": 2, "runtime": 7, "mem_mb": 1234}}}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SBATCH_")}
+    jobs = _dry_run_resources(tmp_path, dict(env, SBATCH_PARTITION="all", SBATCH_ACCOUNT="0123"), str(TINY), str(over))
+    assert {"train", "base", "aggregate", "notebook"} <= set(jobs)
+    for rule, rjobs in jobs.items():
+        for res in rjobs:
+            assert res["slurm_partition"] == "all" and res["slurm_account"] == "0123", (rule, res)
+            if rule == "train":
+                assert res["nodes"] == "1", res
+            elif rule != "all":
+                assert (res["runtime"], res["mem_mb"]) == (str(prof["runtime"]), str(prof["mem_mb"])), (rule, res)
+    lm = [r for r in jobs["train"] if r["gpu"] == "2"]
+    assert len(lm) == 1 and (lm[0]["runtime"], lm[0]["mem_mb"]) == ("7", "1234")
+    assert all(r["gpu"] == "0" and r["runtime"] == "30" for r in jobs["train"] if r is not lm[0])
+    # without the variables: no partition or account (the plugin then uses the cluster's default partition)
+    jobs = _dry_run_resources(tmp_path, env, str(TINY))
+    assert not any("slurm_partition" in r or "slurm_account" in r for rj in jobs.values() for r in rj)
