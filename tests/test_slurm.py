@@ -52,7 +52,8 @@ def cluster(tmp_path_factory):
         if p.returncode == 3:
             pytest.skip(p.stderr.strip())
         assert p.returncode == 0, f"the cluster did not come up:\n{p.stdout}\n{p.stderr}"
-        yield dict(os.environ, SLURM_CONF=str(d / "slurm.conf"), PATH=os.environ["PATH"] + ":/usr/sbin")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SBATCH_", "SLURM_"))}  # none of the user's
+        yield dict(env, SLURM_CONF=str(d / "slurm.conf"), PATH=os.environ["PATH"] + ":/usr/sbin")
     finally:
         _run(["bash", str(script), "stop", str(d)], timeout=120)
 
