@@ -29,7 +29,8 @@ def test_block_breakdown_small():
     vit = df[df.model == "ViT-B/16"].set_index("slice")
     # GELU input: one fp16 value per hidden unit = 4 units of b·s·d; ReGELU2 keeps 2 bits of each = 0.5 units
     assert vit.loc["activation fn", "real_base"] == pytest.approx(4.0)
-    assert vit.loc["activation fn", "real_lowmembp"] == pytest.approx(0.5)
+    # (+ one byte per site: ReGELU2 also saves a 1-byte tensor beside its 2-bit codes, 1.6e-6 units here)
+    assert vit.loc["activation fn", "real_lowmembp"] == pytest.approx(0.5, abs=1e-4)
     assert vit.loc["total", "paper_base"] == 19
     # the paper's other ViT units: LayerNorm inputs 2+2 (fp32) -> 0 with MS-LN (only mean/rstd per row are left),
     # linear inputs 7 either way; the real saving lands near the paper's 39.47 %
@@ -39,7 +40,7 @@ def test_block_breakdown_small():
     assert 36 < vit.loc["saving %", "real_lowmembp"] < 45
     assert vit.loc["saving %", "paper_lowmembp"] == pytest.approx(39.47, abs=0.005)
     llama = df[df.model == "LLaMA-7B"].set_index("slice")
-    assert llama.loc["activation fn", "real_lowmembp"] == pytest.approx(11008 / 4096 / 8)
+    assert llama.loc["activation fn", "real_lowmembp"] == pytest.approx(11008 / 4096 / 8, abs=1e-4)  # + 1 byte
     assert llama.loc["saving %", "real_lowmembp"] > 0
     assert "|" in to_markdown(df)
 
