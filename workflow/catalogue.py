@@ -62,8 +62,7 @@ REPRODUCTIONS = (
     Reproduction("stacked", "stacked",
                  "Memory techniques stacked, each row adding one to the row before (LLaMA-7B, ViT-B/16; fake tensors)"),
     Reproduction("headline", "lowmembp_headline",
-                 "LowMemoryBP headline: peak saving per model at the paper's settings (LLaMA as QLoRA), ours "
-                 "beside the paper's −27 / −29 / −21 % and 20–30 % band"),
+                 "LowMemoryBP headline: peak memory saved per model at the paper's settings, ours beside the paper's"),
     Reproduction("mesa-attribution", "mesa_attribution",
                  "Mesa README baselines vs ours: each difference of the 2021 run in MiB (measured or counted), what "
                  "is left unexplained"),

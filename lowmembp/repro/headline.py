@@ -100,8 +100,8 @@ def headline(small: bool = False, rows: tuple[str, ...] | None = None) -> pd.Dat
         ours = 100 * (1 - w / b)
         out.append({"model": label, "paper_saving_pct": paper, "ours_saving_pct": ours,
                     "baseline_MiB": b, "lowmembp_MiB": w,
-                    "paper_band": f"{PAPER_BAND[0]:g}–{PAPER_BAND[1]:g} %",
-                    "in_band": "yes" if PAPER_BAND[0] <= ours <= PAPER_BAND[1] else "no",
+                    "band_low_pct": PAPER_BAND[0], "band_high_pct": PAPER_BAND[1],
+                    "in_band": bool(PAPER_BAND[0] <= ours <= PAPER_BAND[1]),
                     "spec": f"{base} vs {with_}" + (" (QLoRA NF4 storage)" if qlora else ""),
                     "note": cited + (f"; NF4 frozen linears: −{delta / MiB:.0f} MiB from the fp32 build" if qlora
                                      else "")})
