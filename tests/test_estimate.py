@@ -38,8 +38,12 @@ def test_bert_tokentune_fake_equals_real():
 
 
 def test_fake_peak_matches_cpu_allocator():
-    """The fake estimate against the CPU allocator's own event log on a real run of the same step."""
-    est = estimate("vit_b16", "lora", dtype="bf16", **VIT_SMALL)
+    """The fake estimate against the CPU allocator's own event log on a real run of the same step.
+
+    fp32, not bf16 autocast: on a CPU with AMX, oneDNN's bf16 matmuls allocate reordered weight copies through the
+    CPU allocator (seen here: 1.51x the tensor bytes; with ONEDNN_MAX_CPU_ISA=AVX512_CORE 1.008x). That is kernel
+    scratch the estimate does not model, and it depends on the CPU the test runs on; fp32 does not."""
+    est = estimate("vit_b16", "lora", dtype="fp32", **VIT_SMALL)
     import lowmembp
     torch.manual_seed(0)
     model = lowmembp.apply(build(MODELS["vit_b16"], layers=2, overrides=VIT_SMALL["overrides"], device="cpu"),
@@ -49,8 +53,7 @@ def test_fake_peak_matches_cpu_allocator():
     x, y = torch.randn(3, 3, 32, 32), torch.randint(0, 100, (3,))
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x), y)
+        loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
