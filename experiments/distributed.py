@@ -193,7 +193,7 @@ def fsdp_cpu_peak(model, optimizer, step, *, warmup: int = 0, external: tuple = 
     (``torch.profiler``, ``profile_memory``: it sees the unsharded parameters FSDP2 brings back by resizing
     storages, which the dispatch-mode tracker does not)."""
     from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.profiler import ProfilerActivity, profile
+    from lowmembp.peak import allocator_events_peak
 
     for _ in range(warmup):
         step()
@@ -213,16 +213,7 @@ def fsdp_cpu_peak(model, optimizer, step, *, warmup: int = 0, external: tuple = 
     if optimizer is not None:
         opt = nbytes([v for s in optimizer.state.values() for v in s.values() if hasattr(v, "untyped_storage")
                       or hasattr(v, "_local_tensor")])
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    import torch
-
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
-    cur = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        cur += e.nbytes()
-        peak = max(peak, cur)
+    peak = allocator_events_peak(step)
     total = params + opt + peak
     return {"bytes": total, "how": "cpu allocator events (torch.profiler profile_memory), this rank's FSDP2 shards",
             "by_category": {"parameters": params, "optimizer_state": opt, "step_allocations": peak}}

@@ -329,12 +329,17 @@ def profiler_peak(model: nn.Module, optimizer: torch.optim.Optimizer | None, ste
 def _profiled_peak(model, optimizer, step, external) -> tuple[int, int]:
     """(bytes alive before ``step()``: parameters, buffers, optimizer state, ``external``; the peak of the CPU
     allocator's running total of allocations minus frees during ``step()``)."""
-    from torch.profiler import ProfilerActivity, profile
-
     live = list(model.parameters()) + list(model.buffers()) + [t for t in external if isinstance(t, torch.Tensor)]
     if optimizer is not None:
         live += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    base = _nbytes(live)
+    return _nbytes(live), allocator_events_peak(step)
+
+
+def allocator_events_peak(step: Callable[[], object]) -> int:
+    """The peak of the CPU allocator's running total (allocations minus frees) during ``step()``, from
+    ``torch.profiler``'s memory events: bytes above what was alive before the step."""
+    from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = [e for e in prof.profiler.kineto_results.events()
@@ -343,4 +348,4 @@ def _profiled_peak(model, optimizer, step, external) -> tuple[int, int]:
     for e in sorted(events, key=lambda e: e.start_ns()):
         cur += e.nbytes()
         peak = max(peak, cur)
-    return base, peak
+    return peak
