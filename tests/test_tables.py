@@ -106,3 +106,15 @@ def test_block_breakdown_table_gives_its_unit(tmp_path):
     tables.repro_table("block_breakdown", ROOT / "results" / "reference" / "repro" / "block-breakdown.csv", out)
     md = Path(out["md"]).read_text()
     assert "16-bit units of b·s·d" in md and "2·b·s·d bytes" in md
+
+
+def test_headline_batch_label_when_no_seed_of_a_method_finished():
+    """A method whose accuracy cells all failed has no seed count (NaN): the headline says so instead of crashing
+    (the fault-injection pipeline run hit `int(nan)` here)."""
+    import numpy as np
+    from tables import _batch_seeds
+
+    assert _batch_seeds(np.nan, 1) == "-"
+    assert _batch_seeds(32.0, np.nan) == "32 (no seed finished)"
+    assert _batch_seeds(32.0, 2.0) == "32 (2 seeds)"
+    assert _batch_seeds(8, 1) == "8 (1 seed)"

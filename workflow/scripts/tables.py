@@ -451,11 +451,18 @@ def headline_display(df: pd.DataFrame) -> pd.DataFrame:
             "metric change: ours / paper": (f"{_change(d['metric_change_ours'], unit)} / "
                                             f"{_change(d['metric_change_paper'], unit)}"),
             "metric (compared → method)": (f"{d['metric']} {before}" if d["metric"] else "-"),
-            "batch (memory, metric)": (f"{d['memory_batch']}, " + ("-" if pd.isna(d["accuracy_batch"]) else
-                                                                 f"{int(d['accuracy_batch'])} ({int(d['seeds'])} "
-                                                                 f"seed{'s' if d['seeds'] > 1 else ''})")),
+            "batch (memory, metric)": f"{d['memory_batch']}, " + _batch_seeds(d["accuracy_batch"], d["seeds"]),
         })
     return pd.DataFrame(rows)
+
+
+def _batch_seeds(batch, seeds) -> str:
+    """``"32 (2 seeds)"``; ``"-"`` without an accuracy batch, the batch alone when no seed of the method finished."""
+    if pd.isna(batch):
+        return "-"
+    if pd.isna(seeds) or int(seeds) == 0:
+        return f"{int(batch)} (no seed finished)"
+    return f"{int(batch)} ({int(seeds)} seed{'s' if seeds > 1 else ''})"
 
 
 REPRO_CAPTIONS = {
