@@ -257,11 +257,14 @@ def fsdp_peak(pk: dict, model: nn.Module, optimizer, blocks: list[str], n: int) 
       gradients alive than the root's own) — the largest block's trainable gradients twice: unsharded, and their
       reduce-scatter copy;
     - optimizer state: sharded like its parameters (0-d ``step`` counters whole);
-    - activations and temporaries: unchanged (per rank).
+    - activations: unchanged (per rank);
+    - temporaries: unchanged, plus the collectives' staging buffers at their worst: a block's flat all-gather output
+      before it is copied out into the parameters and, in the backward, a block's flat reduce-scatter input — one
+      block's parameters each (``staging_bytes`` in the result). Whether they are alive at the peak depends on when
+      the collective finishes: a two-process CPU run measured each rank's peak anywhere between the modelled peak
+      without them and with both, run to run (``tests/test_estimate_fsdp.py``), so the planner counts them.
 
-    Not modelled: the all-gather staging buffers (a block's shard in, the block out, briefly), padding beyond dim 0,
-    CUDA streams' overlap. Checked against a two-process CPU run's per-rank peak (``tests/test_estimate_fsdp.py``:
-    within 10 %, measured 2–5 % under)."""
+    Not modelled: padding beyond dim 0, CUDA streams' overlap."""
     prefixes = tuple(b + "." for b in blocks)
     named = list(model.named_parameters())
     whole = sum(_shard_bytes(p) for _, p in named)
@@ -282,15 +285,19 @@ def fsdp_peak(pk: dict, model: nn.Module, optimizer, blocks: list[str], n: int) 
     root_grads = sum(_shard_bytes(p) for p in root if p.requires_grad)
     backward = grads > 0
     in_blocks = grads > root_grads
+    staging = block_params * (2 if backward else 1)
     new = {"parameters": old["parameters"] - whole + shard + root_gathered + block_params * (2 if backward else 1),
            "gradients": (grads * g_shard // g_whole if g_whole else 0) + (2 * block_grads if in_blocks else 0),
-           "optimizer_state": (sum(_shard_bytes(v, n) for v in state) if old["optimizer_state"] else 0)}
+           "optimizer_state": (sum(_shard_bytes(v, n) for v in state) if old["optimizer_state"] else 0),
+           "temporaries": cats.get("temporaries", 0) + staging}
+    old["temporaries"] = cats.get("temporaries", 0)
     cats.update(new)
     out = dict(pk, by_category=cats)
     out["bytes"] = int(pk["bytes"] - sum(old.values()) + sum(new.values()))
     out["how"] = (f"{pk['how']}; one rank of {n} under FSDP2 (parameters, gradients and optimizer state sharded, "
                   f"the root's parameters and the gathered blocks' whole; lowmembp.estimate.fsdp_peak)")
     out["world_size"] = n
+    out["staging_bytes"] = staging
     return out
 
 

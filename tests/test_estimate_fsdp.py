@@ -14,7 +14,7 @@ from lowmembp.plan import plan
 # a 4-block ViT, width 64, 32×32 images in 8×8 patches (17 tokens), 10 classes: a few MB, a CPU step in ~0.1 s
 SPEC = ModelSpec("timm", "vit_base_patch16_224", 4, dtype="fp32", num_classes=10,
                  kwargs=dict(img_size=32, patch_size=8, embed_dim=64, depth=4, num_heads=4))
-TOLERANCE = 0.10  # measured: the estimate is 2–5 % under the two ranks' peaks (FSDP2's staging buffers; see below)
+TOLERANCE = 0.05  # measured: each rank's peak 1–2 % over the low end of the band, up to 1 % under its top (see below)
 
 
 def _shard(t, n):
@@ -58,15 +58,18 @@ def measured(tmp_path_factory):
 
 @pytest.mark.parametrize("method", ["baseline", "lowmembp"])
 def test_estimate_matches_two_process_peak(measured, method):
-    """The estimate of one rank (4 samples, world 2) within TOLERANCE of both ranks' measured peaks; the unsharded
-    estimate is far off (so the comparison can fail). Not modelled, hence the tolerance: FSDP2's all-gather and
-    reduce-scatter staging buffers (about one block's parameters or gradients, briefly) and the padding rank 0
-    carries for odd first dimensions."""
-    est = estimate(SPEC, method, batch_size=4, world_size=2, device="cpu")["peak"]["bytes"]
+    """Each rank's measured peak (4 samples, world 2) inside the estimate's band, widened by TOLERANCE: from the
+    estimate without the collectives' staging buffers to the estimate (with them). Whether a flat all-gather output
+    or reduce-scatter input is still alive at the peak depends on when the gloo thread finishes: run to run the same
+    rank measured the low end, one block (199,936 B) more, or two. The unsharded estimate falls outside the band (so
+    the comparison can fail). Not modelled, hence the tolerance: the padding rank 0 carries for odd first dimensions."""
+    pk = estimate(SPEC, method, batch_size=4, world_size=2, device="cpu")["peak"]
     one = estimate(SPEC, method, batch_size=4, device="cpu")["peak"]["bytes"]
+    low, high = pk["bytes"] - pk["staging_bytes"], pk["bytes"]
+    assert pk["staging_bytes"] > 0
     for peak in measured[method]:
-        assert abs(est - peak) <= TOLERANCE * peak, (est, peak)
-        assert one > (1 + TOLERANCE) * peak  # unsharded, the estimate falls outside the tolerance (1.18-1.3x seen)
+        assert (1 - TOLERANCE) * low <= peak <= (1 + TOLERANCE) * high, (low, peak, high)
+        assert one > (1 + TOLERANCE) * peak  # unsharded, the estimate falls outside the band (1.18-1.3x seen)
 
 
 def test_planner_world_size_passes_through():
