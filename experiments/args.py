@@ -1,8 +1,12 @@
 """Command line and config file of the training job; every bad argument is caught here, before any work.
 
 Method options are not fixed flags: whatever the chosen methods declare in the registry
-(``lowmembp.methods.registry.method_options``) is accepted as ``--name value`` (``--k 16``, ``--rank 4``), converted
-to the type of its default; any other option is an error that lists what the methods take.
+(``lowmembp.methods.registry.method_options``) is accepted as ``--name value`` (``--k 16``, ``--rank 4``), read as the
+method declares (``registry.read_option``: its ``kinds``, e.g. tokentune's ``k`` a count ``16`` or a fraction ``0.3``,
+else the type of its default) and checked by the method's own ``check`` before any work; any other option is an
+error that lists what the methods take. Options may also be written into the method spec (``--method
+tokentune@k=4``, see ``lowmembp.methods.registry``): they are part of the cell's name, so ``--k`` beside them is an
+error and a config file's value gives way to them.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lowmembp.methods.registry import method_options, methods, parse
+from lowmembp.methods.registry import (check_options, method_options, methods, option_kinds, parse, plain_spec,
+                                       read_option, spec_options)
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -105,39 +110,38 @@ def _load_config(path: str) -> dict:
     return data
 
 
-def _convert(name: str, raw: Any, default: Any) -> Any:
-    """Convert a method option given as text (command line) or a YAML value to the type of its default."""
-    if not isinstance(raw, str):
-        return list(raw) if isinstance(default, (list, tuple)) and isinstance(raw, (list, tuple)) else raw
+def _convert(name: str, raw: Any, default: Any, kinds: tuple[type, ...] | None = None) -> Any:
+    """A method option given as text (command line) or a YAML value, read as its method declares
+    (``registry.read_option``: ``kinds``, else the type of ``default``); ArgError naming the flag."""
     try:
-        if isinstance(default, bool):
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError("expected true or false")
-        if isinstance(default, int):
-            return int(raw)
-        if isinstance(default, float):
-            return float(raw)
-        if isinstance(default, (list, tuple)):
-            items = [s.strip() for s in raw.split(",") if s.strip()]
-            kind = type(default[0]) if default else str
-            return [kind(s) for s in items]
-        if default is None:
-            for kind in (int, float):
-                try:
-                    return kind(raw)
-                except ValueError:
-                    pass
-            if raw.lower() in ("none", "null"):
-                return None
-            if "," in raw:
-                return [s.strip() for s in raw.split(",") if s.strip()]
-        return raw
+        return read_option(name, raw, default, kinds)
     except ValueError as err:
-        raise ArgError(f"method option --{name.replace('_', '-')}: cannot read {raw!r} "
-                       f"as {type(default).__name__} ({err})") from err
+        raise ArgError(f"method option --{name.replace('_', '-')}: {err}") from None
+
+
+def method_values(spec: str, given: dict[str, Any], *, cli: set[str] = frozenset()) -> dict[str, Any]:
+    """The options of ``spec`` as the method gets them: ``given`` (text or YAML values, all taken by ``spec``) read
+    by :func:`_convert`, the options written into the spec over them, then the methods' own checks. ArgError for an
+    option in ``cli`` that the spec also fixes, a value that does not read, or one the method refuses."""
+    takes, kinds = method_options(spec), option_kinds(spec)
+    try:
+        fixed = spec_options(spec)
+    except ValueError as err:
+        raise ArgError(str(err)) from None
+    both = sorted(set(fixed) & set(cli))
+    if both:
+        raise ArgError(f"option --{both[0].replace('_', '-')} is fixed by the method spec {spec!r} "
+                       f"({both[0]}={fixed[both[0]]!r}); give it once (drop --{both[0].replace('_', '-')} or the "
+                       f"'@{both[0]}=...' part)")
+    for key in sorted(set(fixed) & set(given)):
+        print(f"note: config option {key}={given[key]!r} gives way to the method spec {spec!r}", file=sys.stderr)
+    values = {k: _convert(k, v, takes[k], kinds.get(k)) for k, v in given.items() if k not in fixed}
+    values.update(fixed)
+    try:
+        check_options(spec, values)
+    except ValueError as err:
+        raise ArgError(f"bad method option: {err}") from None
+    return values
 
 
 def _split_extra(extra: list[str]) -> dict[str, str]:
@@ -343,12 +347,12 @@ def parse_args(argv: list[str] | None = None):
         raise ArgError(f"option(s) {', '.join('--' + b.replace('_', '-') for b in bad)} not taken by method "
                        f"{values['method']!r}; it takes: {shown}. (Training flags: see --help.)")
     given.update(cli)
-    method_opts = {k: _convert(k, v, takes[k]) for k, v in given.items()}
+    method_opts = method_values(values["method"], given, cli=set(cli))
 
     from experiments.tasks.base import defaults_for
 
     merged = dict(FIXED_DEFAULTS)
-    merged.update({k: v for k, v in defaults_for(task, values["method"]).items() if k in known})
+    merged.update({k: v for k, v in defaults_for(task, plain_spec(values["method"])).items() if k in known})
     if values.get("epochs") is not None:
         merged.pop("steps", None)
     if values.get("lr_base") is not None:

@@ -49,6 +49,11 @@ RUN_FIGURES = (
     Output("accuracy", "Accuracy (%) / perplexity per method after training, every seed and the mean", "plots.py"),
     Output("pareto", "Peak memory against step time per method, per task, with the front", "plots_pareto.py"),
 )
+# Made only when a cell's method spec carries options (``tokentune@k=4``; e.g. config/tokentune-k.yaml).
+OPTION_FIGURES = (
+    Output("accuracy_vs_option", "Accuracy (%) / perplexity against a method option swept in the method specs "
+           "(e.g. TokenTune's k), the compared method beside", "plots.py"),
+)
 REPRODUCTIONS = (
     Reproduction("block-breakdown", "block_breakdown",
                  "Activation memory of one block by op kind: baseline vs LowMemoryBP (paper theory beside ours; "
@@ -83,7 +88,7 @@ TABLE_HTML_SCRIPT = "table_html.py"
 NOTEBOOKS = ("memory", "speed", "accuracy", "paper_comparison", "planner")  # notebooks/<name>.ipynb, executed per run
 
 RUN_TABLE = {t.name: t for t in RUN_TABLES}
-RUN_FIGURE = {f.name: f for f in RUN_FIGURES}
+RUN_FIGURE = {f.name: f for f in RUN_FIGURES + OPTION_FIGURES}
 REPRO = {r.name: r for r in REPRODUCTIONS}
 REPRO_BY_STEM = {r.stem: r for r in REPRODUCTIONS}
 

@@ -51,12 +51,24 @@ def fill_defaults(config: dict) -> dict:
 
 
 def options_for(sw: dict, method: str) -> dict:
-    """Options of every component of a composed method name (and of the full name), later ones win."""
+    """Options of every component of a composed method name (and of the full name), later ones win; a spec with
+    options in it (``tokentune@k=4``) takes its components' options except those it fixes itself."""
+    from lowmembp.methods.registry import plain_spec, spec_parts
+
+    parts = spec_parts(method)
+    fixed = {k for _, o in parts for k in o}
     opts = {}
     mo = sw.get("method_options") or {}
-    for part in method.split("+") + [method]:
+    for part in dict.fromkeys([n for n, _ in parts] + [plain_spec(method), method]):
         opts.update(mo.get(part) or {})
-    return opts
+    return {k: v for k, v in opts.items() if k not in fixed}
+
+
+def spec_has_options(method: str) -> bool:
+    """Does the method spec carry options in its names (``tokentune@k=4``)?"""
+    from lowmembp.methods.registry import spec_parts
+
+    return any(opts for _, opts in spec_parts(method))
 
 
 def _run_settings(sw: dict, method: str) -> tuple:
@@ -157,10 +169,10 @@ def _check_options(job: _Job, where: str, spec: str, opts: dict, problems: list[
             shown = ", ".join(takes) or "no options"
             problems.append(f"{where}: option {opt!r} is not taken by method {spec!r}; it takes: {shown}")
             continue
-        try:
-            job.args._convert(opt, _text(val), takes[opt])
-        except ValueError as err:
-            problems.append(f"{where}: {err}")
+    try:  # read and checked as the job does (the method's declared kinds and its own check)
+        job.args.method_values(spec, {k: _text(v) for k, v in (opts or {}).items() if k in takes})
+    except ValueError as err:
+        problems.append(f"{where}: {err}")
 
 
 def _check_argv(job: _Job, where: str, argv: list[str], method: str, problems: list[str], checked=()) -> None:

@@ -6,9 +6,17 @@ composed methods are applied, so ``"lowmembp+lora"`` and ``"lora+lowmembp"`` mea
 
 Order (lower first): lora 10 → lowmembp / lowmembp-act / lowmembp-norm 20 → mesa / mesa-gelu-ln 30 →
 tokentune 40 → checkpointing 50 → compile 60 (torch.compile of the result). ``baseline`` changes nothing.
+
+**Options in the spec.** A method name may carry its options: ``name@opt=value[,opt=value...]``, e.g.
+``"tokentune@k=4"`` or ``"lora@rank=8+tokentune@k=0.3"`` — the same as ``apply(model, "lora+tokentune", rank=8,
+k=0.3)``, but the spec alone names the variant (the pipeline keys its cells and record paths by it). Option names
+are lower-case words, values one word of ``A-Z a-z 0-9 . _ -`` (path-safe; no lists); each option must be taken by
+the method it follows. Values are read as the method declares (:func:`read_option`: ``kinds`` if the method gives
+them, else the type of the default) and checked by the method's ``check``.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,18 +31,29 @@ class Method:
     options: dict[str, Any] = field(default_factory=dict)  # option name -> default
     order: int = 100
     excludes: tuple[str, ...] = ()  # names that cannot be combined with this one
+    kinds: dict[str, tuple[type, ...]] = field(default_factory=dict)  # option -> types its text may read as, in order
+    check: Callable[..., None] | None = None  # check(**options, defaults filled): ValueError for a bad value
 
 
 _REGISTRY: dict[str, Method] = {}
+SPEC_OPTION_MARK = "@"  # tokentune@k=4
+_OPTION_NAME = re.compile(r"[a-z][a-z0-9_]*")
+_OPTION_VALUE = re.compile(r"[A-Za-z0-9._-]+")
 
 
 def register(name: str, description: str, *, options: dict[str, Any] | None = None, order: int = 100,
-             excludes: tuple[str, ...] = ()):
-    """Decorator: register ``fn(model, **options) -> model`` as method ``name``."""
+             excludes: tuple[str, ...] = (), kinds: dict[str, tuple[type, ...]] | None = None,
+             check: Callable[..., None] | None = None):
+    """Decorator: register ``fn(model, **options) -> model`` as method ``name``.
+
+    ``kinds``: for an option whose default's type does not say how to read its text, the types to try in order
+    (tokentune's ``k``: ``(int, float)``, a count or a fraction). ``check``: called with every option (defaults
+    filled) before any work (the training job calls it when it parses its arguments); raises ValueError."""
     def deco(fn):
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is registered twice")
-        _REGISTRY[name] = Method(name, description, fn, dict(options or {}), order, tuple(excludes))
+        _REGISTRY[name] = Method(name, description, fn, dict(options or {}), order, tuple(excludes),
+                                 dict(kinds or {}), check)
         return fn
     return deco
 
@@ -53,12 +72,118 @@ def method_options(spec: str) -> dict[str, Any]:
     return out
 
 
-def parse(spec: str) -> list[Method]:
-    """``"lora+lowmembp"`` -> the Method objects in application order; a clear error for bad specs."""
-    _load_all()
+def option_kinds(spec: str) -> dict[str, tuple[type, ...]]:
+    """The declared ``kinds`` of the options of ``spec``'s methods (options without any are read by their
+    default's type)."""
+    out: dict[str, tuple[type, ...]] = {}
+    for m in parse(spec):
+        out.update(m.kinds)
+    return out
+
+
+def spec_parts(spec: str) -> list[tuple[str, dict[str, str]]]:
+    """``"lora@rank=8+tokentune@k=0.3"`` -> ``[("lora", {"rank": "8"}), ("tokentune", {"k": "0.3"})]``: each name of
+    the spec (as written, not yet checked against the registry) with the options written after it, as text."""
     if not isinstance(spec, str) or not spec.strip():
+        _load_all()  # for the list of valid names
         raise ValueError(f"method must be a non-empty string like 'lora+lowmembp'; valid names: {_valid()}")
-    names = [n.strip() for n in spec.split("+")]
+    out = []
+    for part in spec.split("+"):
+        name, mark, rest = part.strip().partition(SPEC_OPTION_MARK)
+        opts: dict[str, str] = {}
+        if mark:
+            for item in rest.split(","):
+                key, eq, value = (x.strip() for x in item.partition("="))
+                if not (eq and _OPTION_NAME.fullmatch(key) and _OPTION_VALUE.fullmatch(value)):
+                    raise ValueError(f"method {spec!r}: cannot read the option {item.strip()!r} of {name.strip()!r}; "
+                                     f"write options as name@option=value[,option=value], e.g. 'tokentune@k=4' "
+                                     f"(values: one word of letters, digits, '.', '_', '-')")
+                if key in opts:
+                    raise ValueError(f"method {spec!r}: option {key!r} is given twice")
+                opts[key] = value
+        out.append((name.strip(), opts))
+    return out
+
+
+def plain_spec(spec: str) -> str:
+    """``spec`` without the options written into it: ``"lora@rank=8+tokentune"`` -> ``"lora+tokentune"``."""
+    return "+".join(name for name, _ in spec_parts(spec))
+
+
+def read_option(name: str, raw: Any, default: Any, kinds: tuple[type, ...] | None = None) -> Any:
+    """An option's value from its text (a command line, a method spec) or a YAML value: by the ``kinds`` its method
+    declares (tried in order), else by the type of its default. A non-text value is kept (the method checks it).
+    ValueError when the text does not read."""
+    if not isinstance(raw, str):
+        return list(raw) if isinstance(default, (list, tuple)) and isinstance(raw, (list, tuple)) else raw
+    if kinds:
+        for kind in kinds:
+            try:
+                return _read_as(kind, raw, default)
+            except ValueError:
+                pass
+        raise ValueError(f"cannot read {raw!r} as {' or '.join(k.__name__ for k in kinds)}")
+    return _read_as(type(default), raw, default)
+
+
+def _read_as(kind: type, raw: str, default: Any) -> Any:
+    try:
+        if kind is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true or false")
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+        if kind in (list, tuple):
+            items = [s.strip() for s in raw.split(",") if s.strip()]
+            item_kind = type(default[0]) if isinstance(default, (list, tuple)) and default else str
+            return [item_kind(s) for s in items]
+        if kind is type(None):
+            for k in (int, float):
+                try:
+                    return k(raw)
+                except ValueError:
+                    pass
+            if raw.lower() in ("none", "null"):
+                return None
+            if "," in raw:
+                return [s.strip() for s in raw.split(",") if s.strip()]
+        return raw
+    except ValueError as err:
+        raise ValueError(f"cannot read {raw!r} as {kind.__name__} ({err})") from None
+
+
+def spec_options(spec: str) -> dict[str, Any]:
+    """The options written into ``spec`` (``"tokentune@k=4"`` -> ``{"k": 4}``), read as their methods declare."""
+    parse(spec)
+    out: dict[str, Any] = {}
+    for name, opts in spec_parts(spec):
+        m = _REGISTRY[name]
+        for key, raw in opts.items():
+            try:
+                out[key] = read_option(key, raw, m.options[key], m.kinds.get(key))
+            except ValueError as err:
+                raise ValueError(f"method {spec!r}: option {key}: {err}") from None
+    return out
+
+
+def check_options(spec: str, options: dict[str, Any]) -> None:
+    """Each method's own ``check`` of its options (``options`` over the defaults); ValueError for a bad value."""
+    for m in parse(spec):
+        if m.check is not None:
+            m.check(**{k: options.get(k, d) for k, d in m.options.items()})
+
+
+def parse(spec: str) -> list[Method]:
+    """``"lora+lowmembp"`` (options in the names allowed: ``"tokentune@k=4"``) -> the Method objects in application
+    order; a clear error for bad specs."""
+    _load_all()
+    parts = spec_parts(spec)
+    names = [n for n, _ in parts]
     unknown = [n for n in names if n not in _REGISTRY]
     if unknown:
         raise ValueError(f"unknown method {', '.join(map(repr, unknown))} in {spec!r}; valid names: {_valid()} "
@@ -66,6 +191,15 @@ def parse(spec: str) -> list[Method]:
     if len(set(names)) != len(names):
         raise ValueError(f"method {spec!r} names a method twice")
     chosen = [_REGISTRY[n] for n in names]
+    for m, (_, opts) in zip(chosen, parts):
+        bad = sorted(set(opts) - set(m.options))
+        if bad:
+            raise ValueError(f"method {spec!r}: {m.name!r} does not take option(s) {', '.join(bad)}; it takes: "
+                             f"{', '.join(m.options) or 'no options'}")
+        values = {k: v for o in (p[1] for p in parts) for k, v in o.items()}
+        clash = [k for k in opts if values[k] != opts[k]]
+        if clash:
+            raise ValueError(f"method {spec!r}: option {clash[0]!r} is given two values")
     if any(m.name == "baseline" for m in chosen) and any(m.name not in ("baseline", "compile") for m in chosen):
         raise ValueError(f"'baseline' means no change and can only be combined with 'compile' (got {spec!r})")
     for m in chosen:
@@ -106,9 +240,14 @@ def apply(model: nn.Module, method: str, **options) -> nn.Module:
     """Convert ``model`` in place for ``method`` (names joined with ``+``) and return it.
 
     The returned object may be a new wrapper (``lora`` returns a peft model); always use the return value.
-    Options go to the methods that take them; an option no chosen method takes is an error.
+    Options go to the methods that take them; an option no chosen method takes is an error. Options written into
+    the spec (``"tokentune@k=4"``) join ``options``; one given both ways with two values is an error.
     """
     chosen = parse(method)
+    for key, value in spec_options(method).items():
+        if key in options and options[key] != value:
+            raise ValueError(f"option {key}={options[key]!r} contradicts the method spec {method!r}; give it once")
+        options[key] = value
     accepted = {k for m in chosen for k in m.options}
     bad = sorted(set(options) - accepted)
     if bad:

@@ -166,9 +166,8 @@ def tokentune_state(model: nn.Module) -> TokenTuneState:
 
 
 # ------------------------------------------------------------------------------------------------------ conversion
-@register("tokentune", "selective-token fine-tuning: gradients through k tokens per sequence (TokenTune)",
-          options={"k": 16, "seed": None}, order=40)
-def apply_tokentune(model: nn.Module, k: int | float = 16, seed: int | None = None) -> nn.Module:
+def checked_options(k: int | float = 16, seed: int | None = None) -> tuple[int | float, int | None]:
+    """``k`` (an integer-valued float such as 16.0 becomes the count 16) and ``seed``, or ValueError."""
     if isinstance(k, float) and k.is_integer() and k >= 1:
         k = int(k)
     if isinstance(k, bool) or not (isinstance(k, int) and k >= 1 or isinstance(k, float) and 0 < k < 1):
@@ -176,6 +175,13 @@ def apply_tokentune(model: nn.Module, k: int | float = 16, seed: int | None = No
                          f"fraction 0 < k < 1 of the real tokens (e.g. 0.3), got {k!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"tokentune: seed must be None (global RNG) or an int, got {seed!r}")
+    return k, seed
+
+
+@register("tokentune", "selective-token fine-tuning: gradients through k tokens per sequence (TokenTune)",
+          options={"k": 16, "seed": None}, order=40, kinds={"k": (int, float)}, check=checked_options)
+def apply_tokentune(model: nn.Module, k: int | float = 16, seed: int | None = None) -> nn.Module:
+    k, seed = checked_options(k, seed)
     from lowmembp.models import get_layout
     layout = get_layout(model)
     driver = layout.tokentune

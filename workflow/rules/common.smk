@@ -99,6 +99,8 @@ def table_stems():
 
 def figure_stems():
     names = [f.name for f in cat.RUN_FIGURES] if CELLS else []
+    if any(sweep_config.spec_has_options(method) for (_, _, method, _, _) in CELLS):
+        names += [f.name for f in cat.OPTION_FIGURES]
     return names + [r.stem for r in reproductions()]
 
 

@@ -15,7 +15,7 @@ rule run_figure:
     log:
         f"{R}/logs/figures/{{fig}}.log",
     wildcard_constraints:
-        fig="|".join(f.name for f in cat.RUN_FIGURES if f.script == "plots.py"),
+        fig="|".join(f.name for f in cat.RUN_FIGURES + cat.OPTION_FIGURES if f.script == "plots.py"),
     conda:
         "../envs/lowmembp.yaml"
     script:

@@ -8,6 +8,10 @@ and seeds, axes with units, a legend in words.
   largest batch where both ran; error bars the ratio's p20/p80 … p80/p20 spread; the paper's ratio as a black tick.
 - accuracy: the metric of the cells long enough to learn (tables.accuracy_batch_size), accuracy in %: every seed a
   dot, the mean (± std over seeds where there are two or more) a black square.
+- accuracy_vs_option (made when a cell's method spec carries options, e.g. config/tokentune-k.yaml's
+  ``tokentune@k=2`` … ``tokentune@k=17``): per task and method the metric against the option's value (the metric's
+  batch as in accuracy; dots the seeds, a line the mean ± std), the compared method (baseline: full fine-tuning) as
+  a dashed line, the sequence length in the title.
 - headline (:func:`headline_figure`, rule headline via headline.py): memory saved, step-time change and metric
   change per method against the compared method, ours as bars, the paper's as black diamonds.
 
@@ -223,6 +227,74 @@ def accuracy(runs: pd.DataFrame) -> plt.Figure:
     return fig
 
 
+def option_sweeps(runs: pd.DataFrame) -> pd.DataFrame:
+    """Rows of cells whose method spec carries options, with ``plain`` (the spec without them), ``option`` (its name;
+    one row per option written) and ``value`` (a number; NaN when the text is not one)."""
+    from lowmembp.methods.registry import plain_spec, spec_parts
+
+    rows = []
+    for i, method in runs["method"].astype(str).items():
+        try:
+            parts = spec_parts(method)
+        except ValueError:
+            continue
+        for opt, text in ((k, v) for _, o in parts for k, v in o.items()):
+            rows.append({"index": i, "plain": plain_spec(method), "option": opt,
+                         "value": pd.to_numeric(text, errors="coerce")})
+    found = pd.DataFrame(rows, columns=["index", "plain", "option", "value"])
+    return runs.loc[found["index"]].reset_index(drop=True).assign(**found.drop(columns="index").reset_index(drop=True))
+
+
+def accuracy_vs_option(runs: pd.DataFrame) -> plt.Figure:
+    runs = _complete(runs)
+    ok = runs[runs["status"] == "ok"].dropna(subset=["metric_value"])
+    swept = option_sweeps(ok).dropna(subset=["value"])
+    panels = swept[["task", "model", "plain", "option"]].drop_duplicates().values.tolist()
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.2 * max(1, len(panels)), 4.4), squeeze=False)
+    if not panels:
+        axes[0, 0].set_title("no finished cell has options in its method spec (e.g. tokentune@k=4)", fontsize=9)
+    for i, (task, model, plain, option) in enumerate(panels):
+        ax = axes[0, i]
+        sub = swept[(swept["task"] == task) & (swept["model"] == model) & (swept["plain"] == plain)
+                    & (swept["option"] == option)]
+        bs = accuracy_batch_size(sub)
+        sub = sub[sub["batch_size"] == bs]
+        name = sub["metric_name"].dropna().iloc[0] if sub["metric_name"].notna().any() else "metric"
+        scale = 100.0 if name in PERCENT_METRICS else 1.0
+        ax.scatter(sub["value"], sub["metric_value"] * scale, s=16, color="C0", zorder=3, label="one seed")
+        per = (sub.assign(v=sub["metric_value"] * scale).groupby("value")["v"]
+               .agg(["mean", lambda v: v.std(ddof=1) if len(v) > 1 else 0.0]))
+        per.columns = ["mean", "std"]
+        ax.errorbar(per.index, per["mean"], yerr=per["std"], fmt="-s", color="k", ms=5, capsize=4, zorder=4,
+                    label="mean ± std over seeds" if sub["seed"].nunique() > 1 else "mean (1 seed)")
+        for x, y in per["mean"].items():
+            ax.annotate(f"{y:.1f}" if scale == 100 else f"{y:.3g}", (x, y), xytext=(4, 4),
+                        textcoords="offset points", fontsize=7)
+        ref = reference_method(plain)
+        same = ok[(ok["task"] == task) & (ok["model"] == model) & (ok["batch_size"] == bs)]
+        for j, (other, ls) in enumerate(((ref, "--"), (plain, ":"))):
+            vals = same[same["method"] == other]["metric_value"].to_numpy(dtype=float) * scale if other else []
+            if len(vals):
+                ax.axhline(np.mean(vals), color=f"C{3 + j}", ls=ls, lw=1.2,
+                           label=f"{other}{' (the config default)' if other == plain else ''}: {np.mean(vals):.3g}")
+        if (per.index > 0).all() and per.index.max() / per.index.min() >= 8:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(per.index, [f"{v:g}" for v in per.index])
+        ax.set_xlabel(f"{option} (in the spec {plain}@{option}=…)")
+        ax.set_ylabel(_metric_label(name))
+        lens = sorted({int(v) for v in sub["seq_len"].dropna()}) if "seq_len" in sub else []
+        ax.set_title(f"{_task_label(task, model)}: {plain}\nbatch {bs}, {_steps_text(sub['steps'])} steps, "
+                     f"{seeds_text(sub['seed'].nunique())}"
+                     + (f", sequence length {'/'.join(map(str, lens))}" if lens else ""), fontsize=9)
+        top = max(np.nanmax(sub["metric_value"].to_numpy(dtype=float) * scale), ax.get_ylim()[1])
+        ax.set_ylim(0, 100 if scale == 100 else top * 1.15)  # from 0, as the accuracy figure
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"Metric against a method option written into the spec\n{measured_on(runs)}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 HEADLINE_PANELS = [  # (column of ours, column of the paper's, x label)
     ("peak_saved_%_ours", "peak_saved_%_paper", "peak memory saved (%)"),
     ("step_time_change_%_ours", "step_time_change_%_paper", "step time change (%, + = slower)"),
@@ -298,6 +370,7 @@ def headline_figure(runs: pd.DataFrame, table: pd.DataFrame | None = None) -> pl
 
 
 FIGURES = {"memory_vs_batch": memory_vs_batch, "step_time_ratio": step_time_ratio, "accuracy": accuracy}
+OPTION_FIGURES = {"accuracy_vs_option": accuracy_vs_option}  # catalogue.OPTION_FIGURES: made when specs carry options
 
 
 def save(fig: plt.Figure, out) -> None:
@@ -309,7 +382,7 @@ def save(fig: plt.Figure, out) -> None:
 def main(runs_csv, name, out, log=None):
     """Figure ``name`` of runs.csv to ``out``; rows of damaged records (status invalid) are left out and counted."""
     runs, invalid = read_runs(runs_csv)
-    save(FIGURES[name](runs), out)
+    save({**FIGURES, **OPTION_FIGURES}[name](runs), out)
     if log:
         Path(log).write_text(f"{name}: {len(runs)} rows, {len(invalid)} invalid left out"
                              + "".join(f"\n  {r}" for r in invalid.get("record", [])) + "\n")
