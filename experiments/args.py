@@ -173,10 +173,12 @@ def listing() -> str:
         per = "; ".join(f"{m}: " + ", ".join(f"{k} {v}" for k, v in d.items())
                         for m, d in getattr(task, "METHOD_DEFAULTS", {}).items())
         lines.append(f"  {name}: {', '.join(task.MODELS)} [{shown}{'; ' + per if per else ''}]")
-    lines.append("methods (options with defaults):")
+    lines.append("methods (options with defaults; also written into the name: --method tokentune@k=4):")
     for name, desc in methods().items():
-        opts = method_options(name)
-        shown = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in opts.items()) or "no options"
+        opts, kinds = method_options(name), option_kinds(name)
+        shown = ", ".join(f"--{k.replace('_', '-')} {v}"
+                          + (f" ({' or '.join(t.__name__ for t in kinds[k])})" if k in kinds else "")
+                          for k, v in opts.items()) or "no options"
         lines.append(f"  {name}: {desc} [{shown}]")
     return "\n".join(lines)
 

@@ -176,3 +176,11 @@ def test_accuracy_vs_option_figure_plots_each_k(runs):
     empty = plots.accuracy_vs_option(runs[runs["method"] == "baseline"])
     assert "no finished cell has options" in empty.axes[0].get_title()
     plt.close(empty)
+
+
+def test_figures_order_the_variants_by_value(runs):
+    import plots
+
+    assert plots._methods(runs) == ["baseline", "tokentune@k=2", "tokentune@k=4", "tokentune@k=8", "tokentune@k=17"]
+    mixed = pd.DataFrame({"method": ["lora", "tokentune@k=8", "sac", "tokentune", "baseline", "tokentune@k=0.3"]})
+    assert plots._methods(mixed) == ["baseline", "tokentune", "tokentune@k=0.3", "tokentune@k=8", "lora", "sac"]

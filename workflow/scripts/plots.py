@@ -38,9 +38,22 @@ METHOD_ORDER = ["baseline", "checkpointing", "mesa-gelu-ln", "mesa", "lowmembp",
                 "lora+lowmembp"]
 
 
+def _method_key(method: str) -> tuple:
+    """METHOD_ORDER first, the others by name; a spec with options (``tokentune@k=4``) right after its method, by
+    the options' values (k 2 before k 17)."""
+    from lowmembp.methods.registry import plain_spec, spec_options
+
+    try:
+        plain, opts = plain_spec(method), spec_options(method)
+    except ValueError:
+        plain, opts = method, {}
+    rank = METHOD_ORDER.index(plain) if plain in METHOD_ORDER else len(METHOD_ORDER)
+    values = tuple((k, float(v) if isinstance(v, (int, float)) else np.inf, str(v)) for k, v in sorted(opts.items()))
+    return rank, plain, values
+
+
 def _methods(df: pd.DataFrame) -> list[str]:
-    present = list(dict.fromkeys(df["method"]))
-    return [m for m in METHOD_ORDER if m in present] + sorted(m for m in present if m not in METHOD_ORDER)
+    return sorted(dict.fromkeys(df["method"]), key=_method_key)
 
 
 def _colors(methods):
