@@ -184,3 +184,13 @@ def test_figures_order_the_variants_by_value(runs):
     assert plots._methods(runs) == ["baseline", "tokentune@k=2", "tokentune@k=4", "tokentune@k=8", "tokentune@k=17"]
     mixed = pd.DataFrame({"method": ["lora", "tokentune@k=8", "sac", "tokentune", "baseline", "tokentune@k=0.3"]})
     assert plots._methods(mixed) == ["baseline", "tokentune", "tokentune@k=0.3", "tokentune@k=8", "lora", "sac"]
+
+
+def test_a_lora_variant_is_compared_with_its_own_lora():
+    import tables
+
+    assert tables.reference_method("lora+lowmembp") == "lora"
+    assert tables.reference_method("lora@rank=8+lowmembp") == "lora@rank=8"
+    assert tables.reference_method("lora@rank=8") == "baseline"
+    assert tables.reference_method("tokentune@k=4") == "baseline"
+    assert tables.reference_method("baseline") is None

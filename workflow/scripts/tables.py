@@ -47,10 +47,17 @@ PERCENT_METRICS = {"accuracy"}  # metrics stored as fractions, shown in %
 
 
 def reference_method(method: str) -> str | None:
-    """The method a row is compared with: lora+X -> lora, every other method -> baseline (baseline: none)."""
+    """The method a row is compared with: lora+X -> lora, every other method -> baseline (baseline: none). A spec
+    with options keeps them on its LoRA: lora@rank=8+X -> lora@rank=8 (tokentune@k=4 -> baseline)."""
+    from lowmembp.methods.registry import plain_spec
+
     if method == "baseline":
         return None
-    return "lora" if method.startswith("lora+") else "baseline"
+    first, plus, _ = method.partition("+")
+    try:
+        return first if plus and plain_spec(first) == "lora" else "baseline"
+    except ValueError:  # not a spec (e.g. a hand-made row): the baseline
+        return "baseline"
 
 
 def load_claims(path: Path = CLAIMS) -> dict:
