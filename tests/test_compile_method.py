@@ -103,28 +103,82 @@ def test_memory_budget_is_in_force_when_partitioning():
     assert again == full
 
 
-@pytest.mark.parametrize("make", [
-    _bert1,
-    pytest.param(_llama_batch, marks=pytest.mark.xfail(strict=True, reason=(
-        "measured (benchmarks/compiled_saving.py, L=64): the min-cut partitioner already recomputes SiLU and the "
-        "RMSNorm product for the compiled baseline (1425 -> 1086 KiB) while lowmembp's custom ops stay opaque "
-        "(944 -> 937 KiB): compiled LLaMA keeps ~41 % of the eager saving"))),
-], ids=["bert", "llama"])
-def test_compiled_lowmembp_keeps_90_percent_of_the_eager_saving(make):
-    """Saving = 1 - saved bytes / the baseline's in the same mode (eager vs eager, compiled vs compiled)."""
+def _eager_saved(spec, make):
+    model, batch = make()
+    model = lowmembp.apply(model, spec)
+    model.train()
+    return saved_bytes(model, lambda: model(**batch).loss)["total"]
+
+
+def test_compiled_lowmembp_keeps_90_percent_of_the_eager_saving_on_bert():
+    """Saving = 1 - saved bytes / the baseline's in the same mode (eager vs eager, compiled vs compiled). BERT's
+    GELU MLP and LayerNorms: the compiled baseline saves what the eager one saves, so ReGELU2's codes and MS-LN's
+    shared output keep their whole saving. (LLaMA cannot: see the next test.)"""
     torch._dynamo.reset()
-
-    def eager(spec):
-        model, batch = make()
-        model = lowmembp.apply(model, spec)
-        model.train()
-        return saved_bytes(model, lambda: model(**batch).loss)["total"]
-
-    eager_saving = 1 - eager("lowmembp") / eager("baseline")
-    compiled_saving = 1 - _compiled_saved("lowmembp+compile", make, compile_backend=FAST) / _compiled_saved(
-        "compile", make, compile_backend=FAST)
+    eager_saving = 1 - _eager_saved("lowmembp", _bert1) / _eager_saved("baseline", _bert1)
+    compiled_saving = 1 - _compiled_saved("lowmembp+compile", _bert1, compile_backend=FAST) / _compiled_saved(
+        "compile", _bert1, compile_backend=FAST)
     assert eager_saving > 0.2
     assert compiled_saving >= 0.9 * eager_saving, (compiled_saving, eager_saving)
+
+
+def _partitioned(spec):
+    """(rows of lowmembp.repro.partitioner_saved, the accountant's compiled total, the model's shapes) for the tiny
+    LLaMA converted with ``spec``."""
+    from lowmembp.repro.partitioner_saved import partitioner_saved
+    model, batch = _llama_batch()
+    model = lowmembp.apply(model, spec) if spec != "baseline" else model
+    model.train()
+    rows = partitioner_saved(model, lambda: model(**batch).loss)
+    total = saved_bytes(model, lambda: model(**batch).loss)["total"]
+    cfg = model.config
+    return rows, total, (batch["input_ids"].numel(), cfg.hidden_size, cfg.intermediate_size,
+                         cfg.num_hidden_layers)
+
+
+def _block(rows, i, part):
+    return sorted((r["op"].split(".")[-2] if r["op"].startswith("aten.") else r["op"], r["shape"], r["dtype"])
+                  for r in rows if r["module"].startswith(f"model.layers.{i}.{part}"))
+
+
+@pytest.mark.slow
+def test_compiled_llama_keeps_only_the_norms_saving_by_construction():
+    """Why compiled LLaMA keeps ~40 % of lowmembp's eager saving (issue 14 asks 90 %), tensor by tensor.
+
+    The min-cut partitioner (inductor's, here without code generation; ``lowmembp.repro.partitioner_saved`` reads
+    the backward graph's inputs) saves for the compiled *baseline*, per block: the block input x and the attention
+    residual (for the RMSNorm backward), each norm's y = w·x·rstd (a matmul input, which the partitioner does not
+    recompute: ``ban_recompute_materialized_backward``) and rstd, and in the SwiGLU g = gate(y), u = up(y) and
+    h = silu(g)·u (down's input) — silu(g) itself is recomputed from g, where eager keeps both g and silu(g), and
+    eager's x·rstd is recomputed too. Compiled lowmembp saves, per block: each MS-RMSNorm's y and rstd (no x, no
+    residual), and ReSiLU2's a = silu(g), its 2-bit codes, u and h. a cannot go: ∂L/∂u = dh·silu(g) needs silu(g)
+    exactly (or g), and the codes only stand in for silu'(g). So on the MLP lowmembp saves the baseline's bytes plus
+    the codes, and its whole compiled saving is the norms': per block 2·N·d values (x and the residual) minus the
+    codes, against eager's 4·N·d (x and x·rstd of both norms) + N·I (g) minus the codes; the final norm adds N·d
+    compiled, 2·N·d eager. These identities hold to the byte; the ≥ 90 % criterion cannot be met by construction.
+    """
+    torch._dynamo.reset()
+    base_rows, base_total, (n, d, inter, blocks) = _partitioned("baseline")
+    low_rows, low_total, _ = _partitioned("lowmembp")
+    # the per-tensor listing is what the accountant counts (parameters excluded in both)
+    assert sum(r["bytes"] for r in base_rows) == base_total and sum(r["bytes"] for r in low_rows) == low_total
+    codes = (n * inter * 2 + 7) // 8 + 1  # ReSiLU2: 2 bits per value + the flag byte
+    nd, ni = (2, n // 2, d), (2, n // 2, inter)  # batch 2 × 7 tokens
+    for i in range(blocks):
+        assert _block(base_rows, i, "mlp") == sorted([("mm", (n, inter), "float32"), ("mm", (n, inter), "float32"),
+                                                       ("mul", ni, "float32")])  # g, u, h
+        assert _block(low_rows, i, "mlp") == sorted([("<built-in function getitem>", ni, "float32"),  # silu(g)
+                                                      ("<built-in function getitem>", (codes,), "uint8"),
+                                                      ("mm", (n, inter), "float32"), ("mul", ni, "float32")])
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            assert _block(base_rows, i, norm) == sorted([("mul", nd, "float32"), ("rsqrt", (2, n // 2, 1), "float32")])
+            assert _block(low_rows, i, norm) == sorted([("<built-in function getitem>", nd, "float32"),
+                                                         ("<built-in function getitem>", (n,), "float32")])
+    assert base_total - low_total == blocks * (2 * n * d * 4 - codes) + n * d * 4
+    eager_base, eager_low = _eager_saved("baseline", _llama_batch), _eager_saved("lowmembp", _llama_batch)
+    assert eager_base - eager_low == blocks * (4 * n * d * 4 + n * inter * 4 - codes) + 2 * n * d * 4
+    kept = (1 - low_total / base_total) / (1 - eager_low / eager_base)
+    assert 0 < kept < 0.9, kept
 
 
 def test_composes_last_and_keeps_the_model():

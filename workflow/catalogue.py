@@ -76,6 +76,9 @@ REPRODUCTIONS = (
                  "CPU step time of a small BERT, ratios to full fine-tuning"),
     Reproduction("tokentune-k", "tokentune_k",
                  "TokenTune: held-out accuracy against k, full fine-tuning and LoRA beside (small BERT, CPU)"),
+    Reproduction("compiled-saving", "compiled_saving",
+                 "Eager vs torch.compile: each method's saving in saved-for-backward bytes both ways, and the share "
+                 "that survives compilation (small ViT / BERT / LLaMA, CPU)"),
 )
 REPRO_SCRIPT = "repro.py"  # reproduction -> repro/<name>.csv
 REPRO_TABLE_SCRIPT = "tables.py"

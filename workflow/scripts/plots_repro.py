@@ -5,6 +5,7 @@
 - fig1, mesa_table: the published memory and ours side by side per method (grey: paper, blue: ours), ratio on top.
 - tokentune_memory: peak memory against batch size per method (the slope is what TokenTune changes).
 - stacked: per model, the peak memory of each row (each adds one technique to the row before), change annotated.
+- compiled_saving: per model family, each method's saving (%) eager beside compiled, the share kept on top.
 Any other table with a numeric ``paper...`` and ``ours...`` column gets the side-by-side bars.
 
 Run by Snakemake (rule repro_figure) or by hand: ``python plots_repro.py NAME REPRO.csv OUT.png``.
@@ -141,11 +142,40 @@ def tokentune_k(df: pd.DataFrame, ax) -> None:
     ax.grid(alpha=0.3)
 
 
+def compiled_saving(df: pd.DataFrame, fig) -> None:
+    """One panel per model family: each method's saving of saved-for-backward bytes (%) against the baseline in the
+    same mode, eager (grey) beside torch.compile (blue), the compiled share of the eager saving written on top."""
+    families = list(dict.fromkeys(df["family"]))
+    axes = fig.subplots(1, len(families), squeeze=False, sharey=True)[0]
+    for ax, family in zip(axes, families):
+        sub = df[(df["family"] == family) & (df["method"] != "baseline")].reset_index(drop=True)
+        x = np.arange(len(sub))
+        eager = sub["eager_saving_%"].to_numpy(dtype=float)
+        comp = sub["compiled_saving_%"].to_numpy(dtype=float)
+        ax.bar(x - 0.2, eager, 0.4, color="0.65", label="eager")
+        ax.bar(x + 0.2, comp, 0.4, color="C0", label="torch.compile")
+        for xi, (e, c, k) in enumerate(zip(eager, comp, pd.to_numeric(sub["kept_%"], errors="coerce"))):
+            if np.isfinite(k):
+                ax.text(xi, max(e, c), f"kept\n{k:.0f} %", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(x, [str(m) for m in sub["method"]], rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"{family} (fp32, CPU)", fontsize=10)
+        ax.axhline(0, color="0.3", lw=0.8)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("saved-for-backward bytes saved\nvs the baseline in the same mode (%)")
+    top = np.nanmax(np.r_[df["eager_saving_%"].to_numpy(dtype=float), df["compiled_saving_%"].to_numpy(dtype=float),
+                          1.0])
+    axes[0].set_ylim(top=top * 1.2)
+    axes[0].legend(fontsize=8, loc="upper left")
+
+
 def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
     """The figure of reproduction ``name`` (a table stem) from its rows."""
     if name == "block_breakdown":
         fig = plt.figure(figsize=(4.6 * df["model"].nunique(), 4.8))
         block_breakdown(df, fig)
+    elif name == "compiled_saving" and "compiled_saving_%" in df.columns:
+        fig = plt.figure(figsize=(4.2 * df["family"].nunique(), 4.6))
+        compiled_saving(df, fig)
     elif name == "stacked" and "peak_MiB" in df.columns:
         fig = plt.figure(figsize=(6.5 * df["model"].nunique(), 0.45 * df.groupby("model").size().max() + 1.8))
         stacked(df, fig)

@@ -1,0 +1,72 @@
+"""The ``compiled-saving`` reproduction (lowmembp.repro.compiled_saving): every method × family has its eager and
+compiled figures; they equal independent measurements (the accountant on a fresh eager model, the partitioner's own
+saved values for the compiled one); the savings and the kept share follow from them; the figure draws them."""
+import math
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import lowmembp  # noqa: E402
+from lowmembp.memory import saved_bytes  # noqa: E402
+from lowmembp.repro import REPROS  # noqa: E402
+from lowmembp.repro.compiled_saving import FAMILIES, METHODS, build, compiled_saving  # noqa: E402
+from lowmembp.repro.partitioner_saved import partitioner_saved  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "workflow" / "scripts"))  # plots_repro
+sys.path.insert(0, str(ROOT / "workflow"))  # its catalogue
+
+
+def _check_arithmetic(df):
+    base = df[df["method"] == "baseline"].set_index("family")
+    for _, r in df.iterrows():
+        b = base.loc[r["family"]]
+        se = 100 * (1 - r["eager_KiB"] / b["eager_KiB"])
+        sc = 100 * (1 - r["compiled_KiB"] / b["compiled_KiB"])
+        assert math.isclose(r["eager_saving_%"], se, abs_tol=1e-9)
+        assert math.isclose(r["compiled_saving_%"], sc, abs_tol=1e-9)
+        if r["method"] == "baseline":
+            assert se == 0 and sc == 0 and math.isnan(r["kept_%"])
+        else:
+            assert math.isclose(r["kept_%"], 100 * sc / se, rel_tol=1e-9)
+
+
+def test_figures_equal_independent_measurements():
+    """BERT, 1 block, L = 16: the eager figure is the accountant on a freshly converted model; the compiled figure is
+    the sum of what the min-cut partitioner saves (read off the backward graph), parameters left out."""
+    df = compiled_saving(small=True, methods=("baseline", "lowmembp"), families=("bert",))
+    assert list(df["method"]) == ["baseline", "lowmembp"] and set(df["family"]) == {"bert"}
+    _check_arithmetic(df)
+    for method in ("baseline", "lowmembp"):
+        model, forward = build("bert", 16, depth=1)
+        model = lowmembp.apply(model, method) if method != "baseline" else model
+        row = df[df["method"] == method].iloc[0]
+        assert row["eager_KiB"] * 1024 == saved_bytes(model, lambda: forward(model))["total"]
+        torch._dynamo.reset()
+        model, forward = build("bert", 16, depth=1)
+        model = lowmembp.apply(model, method) if method != "baseline" else model
+        assert row["compiled_KiB"] * 1024 == sum(r["bytes"] for r in partitioner_saved(model, lambda: forward(model)))
+    low = df[df["method"] == "lowmembp"].iloc[0]
+    assert low["eager_saving_%"] > 20 and low["kept_%"] >= 90  # BERT keeps the saving (README)
+
+
+@pytest.mark.slow
+def test_every_method_and_family_eager_and_compiled():
+    """The small version of the whole table (every method × family, ~1 min on one core) and its figure."""
+    import plots_repro
+
+    df = REPROS["compiled-saving"](small=True)
+    assert [(f, m) for f, m in zip(df["family"], df["method"])] == [(f, m) for f in FAMILIES for m in METHODS]
+    for col in ("eager_KiB", "compiled_KiB", "eager_saving_%", "compiled_saving_%"):
+        assert df[col].notna().all() and (df[col] > -100).all(), col
+    assert (df["eager_KiB"] > 0).all() and (df["compiled_KiB"] > 0).all()
+    _check_arithmetic(df)
+    fig = plots_repro.figure("compiled_saving", df)
+    labels = {t.get_text() for ax in fig.axes for t in ax.get_xticklabels()}
+    assert labels == set(METHODS) - {"baseline"} and len(fig.axes) == len(FAMILIES)
+
