@@ -6,8 +6,9 @@ The training job writes its own record atomically and exits 0 for ``ok``, ``oom`
 without a record (a crash, an import error, killed for memory by the OS) this writes an ``error`` record itself,
 atomically (``experiments.record.error_record`` and ``write``), with the end of the log as the message, so the sweep
 goes on and the table shows the failure. It does not write a record when the job was stopped by a signal from the
-user (SIGINT/SIGTERM: an interrupted run leaves nothing) or when the job rejected its arguments (exit 2: a config
-mistake that must be fixed, not recorded).
+user (SIGINT/SIGTERM/SIGHUP: an interrupted run leaves nothing; the job runs in a process group of its own and gets
+the first such signal once, from this wrapper) or when the job rejected its arguments (exit 2: a config mistake that
+must be fixed, not recorded).
 
 ``--nproc N`` (the rule passes the cell's ``resources: {gpu: N}``): N > 1 runs the job under torchrun with N
 processes on this node (``python -m torch.distributed.run --standalone --nproc-per-node N``), adding
@@ -65,6 +66,25 @@ def job_command(python: str, train_args: list[str], out: Path, nproc: int = 1) -
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *job]
 
 
+class Stop:
+    """Stopping this wrapper stops the job too, and leaves no record: the first user signal is passed on to the job
+    once (more signals, e.g. a terminal's Ctrl-C and Snakemake's, do not interrupt the job's clean-up again)."""
+
+    def __init__(self):
+        self.job: subprocess.Popen | None = None
+        self.signals: list[int] = []
+        self.passed_on = False
+
+    def handle(self, signum, frame):
+        self.signals.append(signum)
+        self.pass_on()
+
+    def pass_on(self):
+        if self.signals and self.job is not None and not self.passed_on:
+            self.passed_on = True
+            self.job.send_signal(self.signals[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path)
@@ -77,20 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     a.log.parent.mkdir(parents=True, exist_ok=True)
     cmd = job_command(a.python, train_args, a.out, a.nproc)
     started = _now()
+    stop = Stop()
+    for sig in USER_SIGNALS:  # before the job starts: a signal that comes while it starts still reaches it
+        signal.signal(sig, stop.handle)
     with open(a.log, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-
-        stopped = []
-
-        def forward(signum, frame):  # stopping this wrapper stops the job too, and leaves no record
-            stopped.append(signum)
-            proc.send_signal(signum)
-
-        for sig in USER_SIGNALS:
-            signal.signal(sig, forward)
-        rc = proc.wait()
+        # its own process group: a signal reaches the job once, from here (a terminal's Ctrl-C reaches this wrapper)
+        stop.job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stop.pass_on()
+        rc = stop.job.wait()
+    stopped = stop.signals
     if stopped:
         a.out.unlink(missing_ok=True)
         return 128 + stopped[0]
