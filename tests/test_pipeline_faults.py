@@ -195,3 +195,23 @@ def test_sigint_to_snakemake_alone_reaches_its_jobs_in_its_group(tmp_path):
             os.killpg(parent.pid, signal.SIGKILL)
     assert parent.returncode == 3 and "job exit 130" in out
     assert (tmp_path / "job").exists() and not (tmp_path / "own_group").exists()
+
+
+def test_a_terminal_ctrl_c_is_not_passed_on_a_second_time():
+    """In a terminal's foreground group a SIGINT is taken for a Ctrl-C, which reached the jobs already."""
+    import pty
+
+    check = (f"import sys; sys.path.insert(0, {str(ROOT / 'workflow')!r}); import interrupts; "
+             "print('terminal' if interrupts.interrupted_by_terminal() else 'none')")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a session of its own with the pty as its controlling terminal, in its foreground group
+        os.execv(sys.executable, [sys.executable, "-c", check])
+    out = b""
+    with contextlib.suppress(OSError):  # EIO once the child has gone
+        while chunk := os.read(fd, 1024):
+            out += chunk
+    os.close(fd)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert out.decode().strip() == "terminal"
+    no_tty = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, start_new_session=True)
+    assert no_tty.stdout.strip() == "none"
