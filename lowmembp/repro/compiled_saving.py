@@ -137,6 +137,7 @@ def _note(family: str, method: str, eager_saving: float, compiled_saving: float)
     if method == "baseline" or eager_saving <= 0 or compiled_saving >= 0.9 * eager_saving:
         return ""
     if family == "llama":
-        return ("the compiled baseline already recomputes silu(g) and the RMSNorm's x·rstd (min-cut partitioner); "
-                "a SwiGLU needs silu(g) for ∂/∂u, so only the norms' saving can remain (README: the bound)")
+        return ("the compiled baseline already recomputes silu(g) from g and each RMSNorm's x·rstd (min-cut "
+                "partitioner): the tensors this method drops or shrinks in eager; the SwiGLU product needs silu(g) "
+                "(or g) in full precision for ∂/∂u whatever the method (README: per-tensor table and bound)")
     return "the partitioner recomputes part of what this method drops in eager"

@@ -63,9 +63,11 @@ def _module(node) -> str:
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
-    path = list(stack.values())[-1][0]
-    # "L['args'][0].model.layers.0.mlp.gate_proj" / "L['self'].model..." -> "model.layers.0.mlp.gate_proj"
-    return re.sub(r"^L\['[a-z]+'\](\[\d+\])?\.?", "", str(path))
+    path = str(list(stack.values())[-1][0])
+    # "L['args'][0].model.layers.0.mlp.gate_proj" / "L['self'].model..." -> "model.layers.0.mlp.gate_proj";
+    # a wrapper's "__dict__['_modules']['base_model']" (peft) -> "base_model"
+    path = re.sub(r"__dict__\['_modules'\]\['([^']+)'\]", r"\1", path)
+    return re.sub(r"^L\['[a-z]+'\](\[\d+\])?\.?", "", path)
 
 
 def _source(node) -> str:
