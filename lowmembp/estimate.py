@@ -40,7 +40,8 @@ from lowmembp.memory_kinds import KINDS
 from lowmembp.peak import measure_step_peak, prime_optimizer
 
 __all__ = ["MODELS", "ModelSpec", "estimate", "estimate_by_depth", "full_depth", "build", "block_names", "DTYPES",
-           "nf4_weight_bytes", "fsdp_peak"]
+           "nf4_weight_bytes", "fsdp_peak", "prepare_model", "make_optimizer",
+           "train_step", "extend_by_depth"]
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PEFT_METHODS = ("lora", "lora-fa")  # peft wraps the model on the meta device, before to_empty (DESIGN §6)
@@ -158,9 +159,6 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     :func:`fsdp_peak`) with ``batch_size`` samples *per rank* (activations stay per rank; the training job's
     ``--batch-size`` is the global batch, N times this).
     """
-    import lowmembp
-    from lowmembp.methods.registry import method_options as options_of
-
     if isinstance(model, str) and model not in MODELS:
         raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
     spec = MODELS[model] if isinstance(model, str) else model
@@ -174,37 +172,16 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     bs = batch_size or spec.batch_size
     L = seq_len or spec.seq_len
     torch.manual_seed(seed)
-    names = [n.strip() for n in method.split("+")]
-    early = "+".join(n for n in names if n in _PEFT_METHODS)
-    late = "+".join(n for n in names if n not in _PEFT_METHODS + ("baseline",)) or None
-    opts_early = {k: v for k, v in method_options.items() if early and k in options_of(early)}
-    opts_late = {k: v for k, v in method_options.items() if k not in opts_early}
-
-    model_ = build(spec, layers=layers, overrides=overrides, device="meta" if device == "fake" else "cpu",
-                   attention=attention)
-    if early:
-        model_ = lowmembp.apply(model_, early, **opts_early)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if device == "fake" else contextlib.nullcontext()
+    model_ = prepare_model(spec, method, mode, layers=layers, overrides=overrides, device=device,
+                           attention=attention, **method_options)
     with mode:
-        if device == "fake":
-            model_ = model_.to_empty(device="cpu")
-        if late:
-            model_ = lowmembp.apply(model_, late, **opts_late)
-        elif opts_late:
-            raise TypeError(f"options {sorted(opts_late)} given but no method takes them")
-        model_.train()
         batch = _batch(spec, model_, bs, L, (overrides or {}).get("vocab_size"))
-        params = [p for p in model_.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True) if params else None
+        opt = make_optimizer(model_)
         acc = SavedTensorAccountant(model_)
 
         def step():
-            with acc, _autocast(dtype):
-                loss = _loss(spec, model_, batch)
-            loss.backward()
-            if opt is not None:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            train_step(spec, model_, batch, opt, dtype, around_forward=acc)
 
         counter = None
         if flops:
@@ -235,6 +212,52 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     return {"model": spec.arch, "method": method, "batch_size": bs, "seq_len": tokens, "dtype": dtype,
             "layers": len(blocks), "saved": acc.report(), "per_block": per_block, "peak": pk,
             "flops": int(counter.get_total_flops()) if counter is not None else None}
+
+
+def prepare_model(spec: ModelSpec, method: str, mode, *, layers: int | None = None, overrides: dict | None = None,
+                  device: str = "fake", attention: str = "sdpa", **method_options) -> nn.Module:
+    """:func:`estimate`'s model before its step: built (meta device for ``device="fake"``, else the CPU), the peft
+    methods applied there, then inside ``mode`` (the ``FakeTensorMode``, or a null context on the CPU) moved to fake
+    CPU storage, the other methods applied, in train mode. The caller seeds torch and enters ``mode`` again for the
+    step (the planner runs several steps on one such model: :mod:`lowmembp.plan.steps`)."""
+    import lowmembp
+    from lowmembp.methods.registry import method_options as options_of
+
+    names = [n.strip() for n in method.split("+")]
+    early = "+".join(n for n in names if n in _PEFT_METHODS)
+    late = "+".join(n for n in names if n not in _PEFT_METHODS + ("baseline",)) or None
+    opts_early = {k: v for k, v in method_options.items() if early and k in options_of(early)}
+    opts_late = {k: v for k, v in method_options.items() if k not in opts_early}
+    model_ = build(spec, layers=layers, overrides=overrides, device="meta" if device == "fake" else "cpu",
+                   attention=attention)
+    if early:
+        model_ = lowmembp.apply(model_, early, **opts_early)
+    with mode:
+        if device == "fake":
+            model_ = model_.to_empty(device="cpu")
+        if late:
+            model_ = lowmembp.apply(model_, late, **opts_late)
+        elif opts_late:
+            raise TypeError(f"options {sorted(opts_late)} given but no method takes them")
+        model_.train()
+    return model_
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer | None:
+    """:func:`estimate`'s optimizer: fused AdamW over the trainable parameters (``None`` when there are none)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True) if params else None
+
+
+def train_step(spec: ModelSpec, model: nn.Module, batch: dict, opt, dtype: str, around_forward=None) -> None:
+    """:func:`estimate`'s training step: the loss under autocast (inside ``around_forward``, e.g. the saved-tensor
+    accountant), backward, the optimizer step, gradients set to ``None``."""
+    with (around_forward if around_forward is not None else contextlib.nullcontext()), _autocast(dtype):
+        loss = _loss(spec, model, batch)
+    loss.backward()
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
 
 def _shard_bytes(t: torch.Tensor, n: int = 1) -> int:
@@ -328,6 +351,14 @@ def estimate_by_depth(model: str | ModelSpec, method: str = "baseline", *, layer
         return estimate(model, method, layers=depth, **kwargs)
     lo = estimate(model, method, layers=a, **kwargs)
     hi = estimate(model, method, layers=b, **kwargs)
+    return extend_by_depth(lo, hi, (a, b), depth)
+
+
+def extend_by_depth(lo: dict, hi: dict, shallow: tuple[int, int], depth: int) -> dict:
+    """:func:`estimate_by_depth`'s extension of two results (of ``shallow = (a, b)`` blocks) to ``depth`` blocks:
+    every integer grows by its whole per-block change (``ValueError`` if it is not whole); ``per_block``,
+    ``batch_size``, ``seq_len`` and non-integers are the deeper result's."""
+    a, b = shallow
 
     def extend(x, y, key=None):
         if key == "per_block":

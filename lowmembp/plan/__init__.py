@@ -6,28 +6,34 @@
     python -m lowmembp.plan --model llama_7b --gpu-memory 24GiB --batch-size 4 --seq-len 2048
 
 Each row is one valid combination of the registry's methods (:mod:`lowmembp.plan.combos`), estimated on fake tensors
-by :func:`lowmembp.estimate.estimate_by_depth` (2- and 3-block builds extended to the full depth; the full model when
-its depth is per stage or too shallow):
+as :func:`lowmembp.estimate.estimate_by_depth` does (2- and 3-block builds extended to the full depth; the full
+model when its depth is per stage or too shallow), each depth's model built once and stepped at every batch asked
+about (:mod:`lowmembp.plan.combination`, :mod:`lowmembp.plan.steps`: the same procedure as ``estimate``, to the byte):
 
 - ``peak_bytes``: the step's exact tensor bytes at the requested batch (what ``estimate`` says for that
   combination); ``need_bytes`` adds the margin (:func:`lowmembp.plan.sources.margin`, its source stated); ``fits``:
   ``need_bytes`` within the GPU's memory.
-- ``largest_batch``: found from the line through two estimates and checked directly — it fits and the next batch
-  does not, both by the same estimate (:mod:`lowmembp.plan.search`).
+- ``largest_batch``: 0 at once when the parameters and optimizer state alone do not fit; else, when the steps at
+  the requested batch and the next create the same storages (``batch_line``), every batch's peak comes from that
+  line without more steps (:class:`lowmembp.plan.steps.BatchLine`), otherwise the search steps each batch it tries
+  (:mod:`lowmembp.plan.search`); either way the answer ``B`` is stepped: ``B`` fits and ``B + 1`` does not (also
+  for each ``more_gpus`` size). ``estimates``: the fake steps the row took.
 - ``flops_ratio``: FLOPs of the step (forward, backward, recomputation; torch's formulas, :mod:`lowmembp.flops`)
   over the baseline's, counted on the same fake step; ``measured_ratio``: step time over the baseline's where the
   pipeline's records have that method (CPU today), with the runs it comes from.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import time
 import warnings
 from dataclasses import dataclass, field
 
-from lowmembp.estimate import ModelSpec, build, estimate, estimate_by_depth, full_depth
+from lowmembp.estimate import ModelSpec, build, estimate, full_depth
 from lowmembp.methods.registry import parse
+from lowmembp.plan.combination import Peaks
 from lowmembp.plan.combos import combinations, key_of, option_grid
 from lowmembp.plan.models import resolve_model
 from lowmembp.plan.search import largest_batch
@@ -92,7 +98,7 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
     budget = parse_bytes(gpu_memory)
     mg = margin_of(margin, reserved, margin_file=margin_file)
     capacity = (budget - mg["reserved_bytes"]) / (1 + mg["fraction"])
-    extend, depth_note = _depth_mode(spec, overrides, depth)
+    shallow, blocks, depth_note = _depth_mode(spec, overrides, depth)
     if combos is not None:
         skipped = {}
         combos = ["baseline"] + ["+".join(m.name for m in parse(c)) for c in combos if c != "baseline"]
@@ -100,16 +106,17 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
         combos, skipped = combinations(methods, exclude, max_methods)
     more = {str(g): (parse_bytes(g) - mg["reserved_bytes"]) / (1 + mg["fraction"]) for g in more_gpus or []}
     common = dict(spec=spec, batch_size=batch_size, seq_len=spec.seq_len, dtype=dtype, overrides=overrides,
-                  extend=extend, capacity=capacity, margin=mg, max_batch=max_batch, extra=extra, more=more)
+                  shallow=shallow, depth=blocks, capacity=capacity, margin=mg, max_batch=max_batch, extra=extra, more=more)
     singles = [c for c in combos if "+" not in c]
-    rows = _run([dict(common, method=c, options=o) for c in singles for o in option_grid(c, options)], jobs,
-                progress)
-    failed = {r["method"]: r["reason"] for r in rows if r["status"] != "ok" and r["method"] != "baseline"}
-    skipped.update({m: f"its estimate fails: {why}" for m, why in failed.items()})
-    rows = [r for r in rows if r["method"] not in failed]
-    multi = [c for c in combos if "+" in c and not set(c.split("+")) & set(failed)]
-    rows += _run([dict(common, method=c, options=o) for c in multi for o in option_grid(c, options)], jobs,
-                 progress)
+    with _pool(jobs, len(combos)) as pool:
+        rows = _run([dict(common, method=c, options=o) for c in singles for o in option_grid(c, options)], pool,
+                    progress)
+        failed = {r["method"]: r["reason"] for r in rows if r["status"] != "ok" and r["method"] != "baseline"}
+        skipped.update({m: f"its estimate fails: {why}" for m, why in failed.items()})
+        rows = [r for r in rows if r["method"] not in failed]
+        multi = [c for c in combos if "+" in c and not set(c.split("+")) & set(failed)]
+        rows += _run([dict(common, method=c, options=o) for c in multi for o in option_grid(c, options)], pool,
+                     progress)
     measured, runs_file = measured_ratios(runs)
     _add_costs(rows, measured)
     rows.sort(key=_rank)
@@ -122,38 +129,30 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
     sources = {"peak": PEAK_SOURCE.format(depth=depth_note), "margin": mg["source"], "flops": FLOPS_SOURCE,
                "measured": (f"step_time_p50 / baseline's, same task, model, batch size and device, from {runs_file}"
                             if runs_file else "no runs.csv found (run the pipeline, or pass runs=)"),
-               "largest_batch": "line through two estimates, then checked: it fits and the next batch does not"}
+               "largest_batch": ("the batch line through two steps (or a search by steps where the op sequence "
+                                 "changes with the batch), then checked by steps: it fits and the next batch does not")}
     load = os.getloadavg() if hasattr(os, "getloadavg") else ()
     return Plan(settings, rows, skipped, sources, time.perf_counter() - t0, load)
 
 
 def evaluate(job: dict) -> dict:
-    """One row: the estimates of one combination at the requested batch and around its largest batch."""
-    t0 = time.perf_counter()
+    """One row: one combination's peak at the requested batch, its largest batch, its FLOPs (module doc)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     method, opts, spec = job["method"], job["options"], job["spec"]
     row = {"method": method, "options": dict(opts), "label": _label(method, opts), "status": "ok", "reason": ""}
-    est = estimate_by_depth if job["extend"] else estimate
-    kw = dict(seq_len=job["seq_len"], dtype=job["dtype"], overrides=job["overrides"], **job["extra"], **opts)
-    cap = job["capacity"]
-    calls = [0]
-
-    def peak_at(b: int, flops: bool = False) -> dict:
-        calls[0] += 1
+    cap, bs = job["capacity"], job["batch_size"]
+    try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return est(spec, method, batch_size=b, flops=flops, **kw)
-
-    try:
-        first = peak_at(job["batch_size"], flops=True)
-        pk, cats = first["peak"]["bytes"], first["peak"]["by_category"]
-        static = sum(cats.get(k, 0) for k in _STATIC)
-        floor = cats.get("parameters", 0) + cats.get("optimizer_state", 0)
-        known = {job["batch_size"]: pk}
-        search = dict(known=known, floor=floor, max_batch=job["max_batch"],
-                      first_slope=(pk - static) / job["batch_size"])
-        best, how = largest_batch(lambda b: peak_at(b)["peak"]["bytes"], cap, **search)
-        by_gpu = {g: largest_batch(lambda b: peak_at(b)["peak"]["bytes"], c, **search)[0]
-                  for g, c in job.get("more", {}).items()}
+            peaks = Peaks(spec, method, shallow=job["shallow"], depth=job["depth"], seq_len=job["seq_len"],
+                          dtype=job["dtype"], overrides=job["overrides"], **job["extra"], **opts)
+            first = peaks.direct(bs, flops=True)
+            pk, cats = first["peak"]["bytes"], first["peak"]["by_category"]
+            static = sum(cats.get(k, 0) for k in _STATIC)
+            floor = cats.get("parameters", 0) + cats.get("optimizer_state", 0)
+            caps = {None: cap, **job.get("more", {})}
+            lined = any(c >= floor for c in caps.values()) and peaks.fit_line(bs)
+            best, how, by_gpu = _largest(peaks, caps, bs, pk, floor, static, job["max_batch"])
     except Exception as e:  # a method that cannot run on this model / on fake tensors: say why, keep planning
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         row.update(status="skipped", reason=f"{type(e).__name__}: {msg}"[:300], seconds=time.perf_counter() - t0)
@@ -161,29 +160,70 @@ def evaluate(job: dict) -> dict:
     mg = job["margin"]
     row.update(peak_bytes=pk, need_bytes=int(pk * (1 + mg["fraction"]) + mg["reserved_bytes"]), fits=pk <= cap,
                static_bytes=static, largest_batch=best, largest_batch_how=how, largest_batch_by_gpu=by_gpu,
-               flops=first["flops"],
-               estimates=calls[0] * (2 if job["extend"] else 1), seconds=time.perf_counter() - t0)
+               flops=first["flops"], batch_line=bool(lined and peaks.lines is not None),
+               estimates=peaks.steps_run, seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0)
     return row
 
 
-def _run(jobs_: list[dict], jobs: int, progress=None) -> list[dict]:
+def _largest(peaks: Peaks, caps: dict, bs: int, pk: int, floor: int, static: int, max_batch: int):
+    """``(largest batch, how, {gpu: largest batch})`` for the capacities ``caps`` (key None: the requested GPU).
+
+    With a batch line every batch's peak is known without a step; each answer ``B`` is then checked by steps at
+    ``B`` and ``B + 1`` (batch 1 when ``B`` is 0): they must agree with the line, ``B`` fit and ``B + 1`` not. If
+    any disagrees (an op sequence that changes with the batch only away from the two batches the line was fitted
+    on), the line is dropped and every answer is searched with steps."""
+    for attempt in ("line", "steps"):
+        if attempt == "steps":
+            peaks.drop_line()
+        lined = peaks.lines is not None
+        known = {b: peaks.direct(b)["peak"]["bytes"] for b in peaks.runs}
+        search = dict(floor=floor, max_batch=max_batch, first_slope=(pk - static) / bs,
+                      max_estimates=10 ** 6 if lined else 24)
+        answers = {g: largest_batch(lambda b: peaks.at(b)["bytes"], c, known=dict(known), **search)
+                   for g, c in caps.items()}
+        if not lined or all(_checked(peaks, b, caps[g], floor, max_batch) for g, (b, _) in answers.items()):
+            break
+    best, how = answers.pop(None)
+    return best, how, {g: a[0] for g, a in answers.items()}
+
+
+def _checked(peaks: Peaks, best: int, cap: float, floor: int, max_batch: int) -> bool:
+    """Steps at ``best`` and ``best + 1`` agree with the line, ``best`` fits and ``best + 1`` does not."""
+    if floor > cap or best >= max_batch:
+        return True
+    checked = {b: peaks.direct(b)["peak"]["bytes"] for b in ((best, best + 1) if best else (1,))}
+    line = {b: peaks.from_line(b) for b in checked}
+    return ((best == 0 or checked[best] <= cap) and checked[best + 1] > cap
+            and all(line[b] is None or line[b]["bytes"] == v for b, v in checked.items()))
+
+
+def _run(jobs_: list[dict], pool, progress=None) -> list[dict]:
     out = []
-    if jobs <= 1 or len(jobs_) <= 1:
-        results = (evaluate(j) for j in jobs_)
-        for r in results:
-            out.append(r)
-            if progress:
-                progress(r)
-        return out
+    for r in (pool.map(evaluate, jobs_) if pool is not None else map(evaluate, jobs_)):
+        out.append(r)
+        if progress:
+            progress(r)
+    return out
+
+
+@contextlib.contextmanager
+def _pool(jobs: int, n_tasks: int):
+    """Worker processes for the rows (None: plan in this process). Forked from a fork server that has torch and the
+    planner imported (each worker then starts without importing them again; not forked from this process, which may
+    have run autograd already: torch refuses autograd in a child forked after that), else spawned."""
+    if jobs <= 1 or n_tasks <= 1:
+        yield None
+        return
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_init_worker) as ex:
-        for r in ex.map(evaluate, jobs_):
-            out.append(r)
-            if progress:
-                progress(r)
-    return out
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["lowmembp.plan.steps", "transformers"])
+    else:
+        ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker) as ex:
+        yield ex
 
 
 def _init_worker() -> None:
@@ -203,17 +243,18 @@ def _world_size_kwargs(world_size: int) -> dict:
     return {}
 
 
-def _depth_mode(spec: ModelSpec, overrides, depth: str) -> tuple[bool, str]:
+def _depth_mode(spec: ModelSpec, overrides, depth: str) -> tuple[tuple[int, int] | None, int | None, str]:
+    """``(shallow depths or None, full depth, words)``: extend 2- and 3-block builds, or step the whole model."""
     if depth == "full":
-        return False, "the whole model estimated (depth='full')"
+        return None, None, "the whole model estimated (depth='full')"
     try:
         blocks = full_depth(spec, overrides)
         build(spec, layers=2, overrides=overrides, device="meta")
     except ValueError as e:  # depth per stage (Swin)
-        return False, f"the whole model estimated ({e})"
+        return None, None, f"the whole model estimated ({e})"
     if blocks <= 3:
-        return False, f"the whole model estimated ({blocks} blocks)"
-    return True, f"2- and 3-block builds extended to {blocks} blocks (estimate_by_depth)"
+        return None, None, f"the whole model estimated ({blocks} blocks)"
+    return (2, 3), blocks, f"2- and 3-block builds extended to {blocks} blocks (as estimate_by_depth)"
 
 
 def _label(method: str, opts: dict) -> str:

@@ -61,6 +61,8 @@ def option_grid(method: str, sweeps: dict[str, dict[str, list]] | None) -> list[
             if opt not in m.options:
                 raise ValueError(f"method {m.name!r} has no option {opt!r}; its options: "
                                  f"{', '.join(m.options) or 'none'}")
+            if not isinstance(values, (list, tuple)):
+                raise ValueError(f"options: {m.name}.{opt} takes a list of values to sweep, e.g. [{values!r}]")
             axes.append([(opt, v) for v in values])
     return [dict(c) for c in itertools.product(*axes)] if axes else [{}]
 

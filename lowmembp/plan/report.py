@@ -10,7 +10,7 @@ __all__ = ["text_table", "to_json", "write_csv", "CSV_COLUMNS"]
 
 CSV_COLUMNS = ["rank", "label", "method", "status", "peak_bytes", "need_bytes", "fits", "largest_batch",
                "largest_batch_how", "largest_batch_by_gpu", "flops", "flops_ratio", "measured_ratio",
-               "measured_where", "estimates", "seconds", "reason"]
+               "measured_where", "batch_line", "estimates", "seconds", "cpu_seconds", "reason"]
 
 
 def _gib(b) -> str:
@@ -66,7 +66,8 @@ def text_table(p) -> str:
             f"  FLOPs x: {src['flops']}, over the baseline's",
             f"  measured x: {src['measured']} (median over the (task, model, batch) groups; count in brackets)",
             f"{len(body)} combinations in {p.elapsed_s:.1f} s ({s['jobs']} job(s)"
-            + (f", load average {p.load[0]:.2f}" if p.load else "") + ")"]
+            + (f", load average {p.load[0]:.2f}" if p.load else "")
+            + f"; the rows took {sum(r.get('cpu_seconds', 0) for r in p.rows):.1f} CPU s)"]
     return "\n".join(out)
 
 

@@ -1,0 +1,148 @@
+"""The planner's fake-tensor steps: :func:`lowmembp.estimate.estimate`'s procedure, built once, run at several batches.
+
+    steps = Steps(spec, "lora+checkpointing", layers=2, seq_len=2048, dtype="bf16")
+    run = steps.run(4, flops=True)     # run.peak: estimate()'s "peak" at batch 4, run.flops, run.events
+    line = BatchLine(run, steps.run(5))
+    line.peak(37)                      # the peak at batch 37 from those two steps (see BatchLine), or None
+
+Why not :func:`estimate` itself: it builds and converts the model for every call, and also counts the saved tensors
+(an accountant with module hooks) that the planner does not read. Here the model is built once per combination and
+depth (:func:`lowmembp.estimate.prepare_model`, the optimizer state made by :func:`lowmembp.peak.prime_optimizer`),
+and every step is :func:`lowmembp.estimate.train_step` under a :class:`lowmembp.peak.StorageTracker` with the same
+registrations as :func:`lowmembp.peak.measure_step_peak`, so the peak is ``estimate()``'s to the byte (its first step
+is exactly estimate's procedure; a later step on the same model starts from the same state: optimizer state made,
+gradients ``None``). ``tests/test_plan_fast.py`` checks both against ``estimate()`` for every method.
+
+:class:`BatchLine`: a step's live bytes are a running sum of storages; when two steps at batches ``b`` and ``b + 1``
+create the same number of storages (the op sequence does not depend on the batch), every creation event ``i`` has a
+total ``t_i(b) = t_i(b₁) + (t_i(b₂) - t_i(b₁))·(b - b₁)`` (storages of a fixed sequence are sized by shape products
+with the batch in at most one dimension), and the peak at any batch is the largest of those lines, the tracker's
+split by category taken at the first event reaching it (as the tracker keeps the first). A different number of
+creations (chunked loops over the tokens, e.g. ``chunked-ce``) gives no line: the planner then runs a step at every
+batch it asks about. Batch 1 is never taken from a line, nor used for one: size-1 dimensions change which copies the
+ops make (a tiny LLaMA's step at batch 1 creates one storage fewer than at 2, 3 or 4, and its peak is 128 bytes off
+the line through 3 and 4), so the line holds from batch 2 on and batch 1 is stepped.
+"""
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lowmembp.estimate import (ModelSpec, _batch, block_names, fsdp_peak, make_optimizer, prepare_model,
+                               train_step)
+from lowmembp.peak import CATEGORIES, StorageTracker, prime_optimizer
+
+__all__ = ["Steps", "StepRun", "BatchLine", "EventTracker", "MIN_BATCH"]
+
+MIN_BATCH = 2  # the smallest batch a line is fitted on or gives (module doc: batch 1 is stepped)
+
+
+class EventTracker(StorageTracker):
+    """A :class:`StorageTracker` that also keeps, for every storage it starts counting on the device, the running
+    total and its split by category right after it (the events the peak is the largest of)."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple] = []   # (total, (bytes per category in CATEGORIES order))
+
+    def track(self, t, category):
+        before = len(self._live)
+        super().track(t, category)
+        if len(self._live) > before and category in self.current:
+            self.events.append((self.total, tuple(self.current[c] for c in CATEGORIES)))
+
+
+class StepRun:
+    """One measured step: ``peak`` (estimate()'s ``"peak"`` dict before any FSDP sharding), ``flops`` (or None),
+    ``events`` (see :class:`EventTracker`), and what :func:`lowmembp.estimate.fsdp_peak` needs."""
+
+    def __init__(self, batch_size: int, peak: dict, flops: int | None, events: list[tuple]):
+        self.batch_size, self.peak, self.flops, self.events = batch_size, peak, flops, events
+
+
+class Steps:
+    """One combination at one depth, built once; :meth:`run` is one measured training step at a batch size."""
+
+    def __init__(self, spec: ModelSpec, method: str, *, layers: int | None, seq_len: int | None, dtype: str,
+                 overrides: dict | None = None, world_size: int = 1, seed: int = 0, **method_options):
+        self.spec, self.seq_len, self.dtype, self.world_size = spec, seq_len or spec.seq_len, dtype, world_size
+        self.vocab = (overrides or {}).get("vocab_size")
+        torch.manual_seed(seed)
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.model = prepare_model(spec, method, self.mode, layers=layers, overrides=overrides, **method_options)
+        with self.mode:
+            self.opt = make_optimizer(self.model)
+            prime_optimizer(self.opt)
+        self.blocks = block_names(self.model)
+
+    def run(self, batch_size: int, flops: bool = False) -> StepRun:
+        with self.mode:
+            batch = _batch(self.spec, self.model, batch_size, self.seq_len, self.vocab)
+            counter = None
+            if flops:
+                from lowmembp.flops import step_flop_counter
+                counter = step_flop_counter()
+            tracker = EventTracker()
+            tracker.track_external(self.model, self.opt, *batch.values())  # as measure_step_peak registers them
+            tracker.watch(self.model)
+            with tracker:
+                if counter is not None:
+                    with counter:
+                        train_step(self.spec, self.model, batch, self.opt, self.dtype)
+                else:
+                    train_step(self.spec, self.model, batch, self.opt, self.dtype)
+        peak = _peak_dict(tracker.peak, dict(tracker.peak_by_category), tracker)
+        return StepRun(batch_size, peak, counter.get_total_flops() if counter is not None else None, tracker.events)
+
+    def shard(self, peak: dict) -> dict:
+        """``peak`` as one rank's under FSDP2 when ``world_size > 1`` (estimate's :func:`fsdp_peak`), else itself."""
+        if self.world_size > 1:
+            return fsdp_peak(peak, self.model, self.opt, self.blocks, self.world_size)
+        return peak
+
+
+class BatchLine:
+    """The peak at any batch from two steps at batches ``b₁ < b₂`` with the same creation events (module doc)."""
+
+    def __init__(self, a: StepRun, b: StepRun):
+        self.ok = len(a.events) == len(b.events) and a.batch_size != b.batch_size and min(a.batch_size,
+                                                                                          b.batch_size) >= MIN_BATCH
+        self.a, self.b = a, b
+
+    def peak(self, batch_size: int) -> dict | None:
+        """The tracker's ``{"bytes", "how", "by_category"}`` at ``batch_size``; None without a line (or when a
+        line's value at that batch is not a whole number of bytes, which a real step cannot give; batch 1)."""
+        if not self.ok or batch_size < MIN_BATCH:
+            return None
+        b1, b2 = self.a.batch_size, self.b.batch_size
+        d = b2 - b1
+        best, best_cats = 0, None
+        for (t1, c1), (t2, c2) in zip(self.a.events, self.b.events):
+            num = (t2 - t1) * (batch_size - b1)
+            if num % d:
+                return None
+            total = t1 + num // d
+            if total > best:
+                best, best_cats = total, (c1, c2)
+        if best_cats is None:
+            return {"bytes": 0, "how": _HOW, "by_category": dict.fromkeys(CATEGORIES, 0)}
+        c1, c2 = best_cats
+        cats = {}
+        for name, x, y in zip(CATEGORIES, c1, c2):
+            num = (y - x) * (batch_size - b1)
+            if num % d:
+                return None
+            cats[name] = x + num // d
+        return {"bytes": int(best), "how": _HOW, "by_category": cats}
+
+
+_HOW = "fake-tensor storage tracker (exact bytes)"  # measure_step_peak's words for a fake step
+
+
+def _peak_dict(total: int, by_category: dict, tracker: StorageTracker) -> dict:
+    out = {"bytes": int(total), "how": _HOW, "by_category": {k: int(v) for k, v in by_category.items()}}
+    if tracker.host_peak:
+        out["host"] = {"bytes": int(tracker.host_peak), "by_category": {"activations": int(tracker.host_peak)},
+                       "at_device_peak": int(tracker.host_at_peak),
+                       "how": "storages the offload method keeps in host memory"}
+    return out
