@@ -1,8 +1,8 @@
 """Eager vs compiled: saved-for-backward bytes of every method on small ViT / BERT / LLaMA, and how much of each
 method's saving survives ``torch.compile`` (issue 14).
 
-    df = compiled_saving()                      # python -m lowmembp.repro compiled-saving   (CPU, ~4 min)
-    df = compiled_saving(small=True)            # 1 block, L = 16: every method × family, a minute
+    df = compiled_saving()                      # python -m lowmembp.repro compiled-saving   (~3 CPU-minutes)
+    df = compiled_saving(small=True)            # 1 block, L = 16: every method × family, ~2 CPU-min
     compiled_saving(backend="inductor")         # the real code generator (slower; same partitioner)
 
 Models (random weights, fp32, training mode, batch 2, ``depth`` blocks of width 64, 4 heads; the models of
@@ -15,7 +15,8 @@ parameters excluded as for eager). ``saving`` = 1 − bytes / the baseline's byt
 eager baseline, compiled against the compiled baseline); ``kept`` = compiled saving / eager saving.
 
 Default backend ``aot_eager_decomp_partition``: inductor's decompositions and min-cut partitioner without code
-generation, so the same saved tensors as ``inductor`` at a fraction of the compile time.
+generation, at a fraction of inductor's compile time (``inductor`` gave the same figures for baseline and lowmembp
+except on ViT, README "Use it with torch.compile").
 Why LLaMA keeps less (README "Use it with torch.compile"; per tensor: :mod:`lowmembp.repro.partitioner_saved`): the
 compiled baseline already drops what lowmembp drops in eager — the partitioner recomputes silu(g) and the RMSNorm's
 x·rstd in the backward — and a SwiGLU needs silu(g) itself for ∂/∂u, so ReSiLU2's codes cannot replace it; what is
