@@ -30,6 +30,7 @@ class Reproduction:
     name: str  # the lowmembp.repro name
     stem: str  # tables/<stem>.{md,csv,html} and figures/<stem>.png
     title: str  # of both the table and the figure
+    how: str = "the real model code on fake tensors on the CPU"  # what the numbers are (the table's source line)
 
 
 RUN_TABLES = (
@@ -73,12 +74,15 @@ REPRODUCTIONS = (
                  "is left unexplained"),
     Reproduction("tokentune-vs-ckpt", "tokentune_vs_ckpt",
                  "TokenTune vs gradient checkpointing: BERT-large peak memory against batch size (fake tensors), "
-                 "CPU step time of a small BERT, ratios to full fine-tuning"),
+                 "CPU step time of a small BERT, ratios to full fine-tuning",
+                 how="memory: fake tensors on the CPU; step time: real training steps on the CPU"),
     Reproduction("tokentune-k", "tokentune_k",
-                 "TokenTune: held-out accuracy against k, full fine-tuning and LoRA beside (small BERT, CPU)"),
+                 "TokenTune: held-out accuracy against k, full fine-tuning and LoRA beside (small BERT, CPU)",
+                 how="real training runs on the CPU"),
     Reproduction("compiled-saving", "compiled_saving",
                  "Eager vs torch.compile: each method's saving in saved-for-backward bytes both ways, and the share "
-                 "that survives compilation (small ViT / BERT / LLaMA, CPU)"),
+                 "that survives compilation (small ViT / BERT / LLaMA, CPU)",
+                 how="real tensors on the CPU, eager and torch.compile (inductor)"),
 )
 REPRO_SCRIPT = "repro.py"  # reproduction -> repro/<name>.csv
 REPRO_TABLE_SCRIPT = "tables.py"

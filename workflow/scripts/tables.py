@@ -494,6 +494,7 @@ def repro_table(name: str, repro_csv: str | Path, out: dict[str, str], title: st
     A table without a ``ratio`` column gets one (ours / paper) from its first numeric ``paper...`` / ``ours...``
     pair."""
     df = pd.read_csv(repro_csv)
+    repro = catalogue.REPRO_BY_STEM[name]
     caption = REPRO_CAPTIONS.get(name, "")
     if "ratio" not in df.columns:
         num = [c for c in df.columns if pd.api.types.is_numeric_dtype(df[c])]
@@ -503,7 +504,7 @@ def repro_table(name: str, repro_csv: str | Path, out: dict[str, str], title: st
             df.insert(df.columns.get_loc(o) + 1, "ratio", df[o] / df[p])
             caption = caption or f"`ratio` = {o} / {p}."
     write(df, out["md"], out["csv"], title or name.replace("_", " "),
-          [f"From `python -m lowmembp.repro {name.replace('_', '-')}` (fake tensors on the CPU)."], out.get("html"),
+          [f"From `python -m lowmembp.repro {repro.name}` ({repro.how})."], out.get("html"),
           caption)
 
 
