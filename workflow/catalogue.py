@@ -78,7 +78,7 @@ REPRODUCTIONS = (
                  how="memory: fake tensors on the CPU; step time: real training steps on the CPU"),
     Reproduction("tokentune-k", "tokentune_k",
                  "TokenTune: held-out accuracy against k, full fine-tuning and LoRA beside (small BERT, CPU)",
-                 how="real training runs on the CPU"),
+                 how="real training runs on a generated task, CPU"),
     Reproduction("compiled-saving", "compiled_saving",
                  "Eager vs torch.compile: each method's saving in saved-for-backward bytes both ways, and the share "
                  "that survives compilation (small ViT / BERT / LLaMA, CPU)",
