@@ -13,6 +13,9 @@ What is undone (the converted model is left as it is unless ``inplace=True``; th
   (``ResidualAffine``), whose trained values are the only exact choice: they are used and the residual affine is
   removed. A consumer that had no bias before folding gets none back: where its folded bias has moved in training,
   β is solved for (least squares, pre-norm only: ``W'·(β/γ) = b'``) and the export is refused when no β fits.
+- NF4 (QLoRA) base layers a norm was folded into (``lora`` ``quantize="nf4"`` quantises after the fold) come back
+  as ``nn.Linear`` with the dequantised weight, un-folded: exact, in full precision (4 bits cannot hold the
+  un-folded weight). The other NF4 layers stay ``Linear4bit``.
 - peft LoRA layers that read a folded norm: ``A = A'·diag(1/γ)``, A's bias is removed. A stock LoRA has no A bias,
   so ``B·(A_bias − A·β)`` (zero at conversion, not after training) moves: into the base layer's bias when merging
   (``merge_lora=True``; refused when that linear has no bias), else into a ``lora_B`` bias (peft's
@@ -298,9 +301,32 @@ def _is_zero(v: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.fl
     return bool((v.abs() <= tol * scale + 1e-30).all())
 
 
+def _full_precision(base: nn.Module, path: str, lin: nn.Module) -> nn.Module:
+    """A consumer leaf that is an NF4 ``Linear4bit`` (``lora`` with ``quantize="nf4"`` quantised it after the fold,
+    lowmembp.methods.qlora) becomes an ``nn.Linear`` holding its dequantised weight: a folded 4-bit weight has no
+    un-folded 4-bit form, the full-precision one is exact (same function). Other leaves are returned as they are."""
+    if type(getattr(lin, "weight", None)).__name__ != "Params4bit":
+        return lin
+    import bitsandbytes as bnb
+    data, qs = lin.weight.data, lin.weight.quant_state
+    if getattr(qs, "packing_format_for_cpu", False):  # bitsandbytes repacked it for CPU inference
+        data, qs = bnb.functional._convert_weight_packed_for_cpu_inverse(data, qs)
+    w = bnb.functional.dequantize_4bit(data, qs).to(qs.dtype)
+    new = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device=w.device, dtype=w.dtype)
+    new.weight = nn.Parameter(w, requires_grad=False)
+    if lin.bias is not None:
+        new.bias = nn.Parameter(lin.bias.detach().clone().to(w.dtype), requires_grad=False)
+    _set(base, path, new)
+    owner, _, child = path.rpartition(".")
+    if child == "base_layer":  # the LoRA layer may merge again: drop qlora's refusal (an instance attribute)
+        _get(base, owner).__dict__.pop("merge", None)
+    return new
+
+
 def _unfold(base: nn.Module, f: NormFold, deltas: dict) -> None:
     consumers = {p: _get(base, p) for p in f.consumers}
-    leaves = [(p, lin, f.stock_bias.get(cp, True)) for cp, c in consumers.items() for p, lin in _leaves(c, cp)]
+    leaves = [(p, _full_precision(base, p, lin), f.stock_bias.get(cp, True)) for cp, c in consumers.items()
+              for p, lin in _leaves(c, cp)]
     ref = leaves[0][1].weight if leaves else None
     g0 = None if f.gamma is None or f.gamma.is_meta else f.gamma.double().cpu()
     b0 = None if f.beta is None or f.beta.is_meta else f.beta.double().cpu()

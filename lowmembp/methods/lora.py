@@ -18,10 +18,15 @@ every block, fused or not, as the architecture adapter (or the data-flow adapter
 
 QLoRA: ``quantize="nf4"`` stores the frozen weight of every targeted linear as bitsandbytes 4-bit NormalFloat
 (``bitsandbytes.nn.Linear4bit``, block size 64; ``double_quant=True``, the default, also quantises the absmax
-statistics, as QLoRA's ``--double_quant``) before the adapters are placed; compute runs in the weight's original dtype
-(bf16 for a bf16 model), dequantising per matmul. Needs real weights on the CPU or a GPU (not the meta device: the
-fake-tensor estimate models NF4 storage with :func:`lowmembp.estimate.nf4_weight_bytes`) and the ``qlora`` extra
-(``pip install bitsandbytes``). ``quantize=None`` (default): plain LoRA.
+statistics, as QLoRA's ``--double_quant``); compute runs in the weight's original dtype (bf16 for a bf16 model),
+dequantising per matmul. The adapters go on the full-precision model and the base layers are quantised later in the
+same ``apply`` (order 25, :mod:`lowmembp.methods.qlora`): with ``lowmembp`` / ``lowmembp-norm`` γ is folded into the
+full-precision weights first, then quantised — the official LowMemoryBP QLoRA setting, which is *not* the baseline
+QLoRA model exactly (``NF4(W·diag γ) ≠ NF4(W)·diag γ``; see qlora's docstring). Without lowmembp the model is the
+one quantising first gives, bit for bit (tests/test_qlora_lowmembp.py). Merging adapters into the NF4 base is
+refused. Needs real weights on the CPU or a GPU (not the meta device: the fake-tensor estimate models NF4 storage
+with :func:`lowmembp.estimate.nf4_weight_bytes`) and the ``qlora`` extra (``pip install bitsandbytes``).
+``quantize=None`` (default): plain LoRA.
 
 The classification head stays fully trainable (peft ``modules_to_save``): timm ``head``, transformers ``classifier``
 (BERT/RoBERTa) or ``score`` (LLaMA sequence classification). A causal LM's ``lm_head`` stays frozen. LoRA dropout is 0.
@@ -56,8 +61,8 @@ def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targ
     layout = get_layout(model)
     targets = resolve_targets(layout, targets)
     if quantize == "nf4":
-        from lowmembp.methods.qlora import quantize_nf4
-        quantize_nf4(model, targets, double_quant=double_quant)
+        from lowmembp.methods.qlora import check_quantizable
+        check_quantizable(model, targets)  # refuse now (meta weights, no bitsandbytes), not after the adapters
     config = LoraConfig(r=rank, lora_alpha=rank if alpha is None else alpha, target_modules=targets,
                         lora_dropout=0.0, bias="none", modules_to_save=head_modules(layout.base) or None)
     try:
@@ -65,6 +70,11 @@ def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targ
     except ValueError as e:
         raise ValueError(f"lora: peft could not place adapters on {type(model).__name__} with targets "
                          f"{targets!r}: {e}") from e
+    if quantize == "nf4":  # after the folds of lowmembp in the same apply (the official order), before mesa & co.
+        from lowmembp.methods.qlora import QUANTIZE_ORDER, quantize_nf4
+        from lowmembp.methods.registry import defer
+        defer(peft_model.base_model.model, lambda m: quantize_nf4(m, targets, double_quant=double_quant),
+              order=QUANTIZE_ORDER)
     if _has_ms_norms(peft_model):
         # lowmembp ran first (a separate apply call): make the new LoRA layers save the MS-norm output itself
         # rather than peft's cast copy, as lowmembp does when LoRA is already there.

@@ -3,7 +3,28 @@
 
 Each targeted linear becomes a ``bitsandbytes.nn.Linear4bit`` holding its weight quantised (4-bit NormalFloat, block
 size 64, optionally double-quantised absmax) and its bias as a frozen parameter; forward and backward dequantise
-the weight per matmul into the original dtype. peft then places its adapters on the quantised layers.
+the weight per matmul into the original dtype. The linears are found by peft's name rule, also where peft has
+already wrapped them (``<name>.base_layer`` of a LoRA layer): the base layer is replaced in place and the LoRA layer
+keeps its adapters.
+
+When quantisation happens. ``lora`` places its adapters on the full-precision model and leaves the NF4 step to the
+registry (:func:`lowmembp.methods.registry.defer`, order :data:`QUANTIZE_ORDER`): after the methods that rewrite
+full-precision weights (``lowmembp`` / ``lowmembp-norm`` fold γ into the base weights and into LoRA's A, order 20),
+before those that wrap layers (``mesa`` 30 and later). So ``lora+lowmembp`` with NF4 stores
+``NF4(W·diag(γ))`` — the official LowMemoryBP setting: github yyyyychen/LowMemoryBP
+``experiments/llama_exp/README.md`` ("merge LayerNorm before fine-tuning"), ``scripts/merge_llama_7b.sh:1-3`` and
+``src/merge_utils/merge_ln.py:66-87`` fold the RMSNorm weights into q/k/v/gate/up of the fp16 checkpoint (and the
+final norm into ``lm_head``, :59-63), then ``scripts/finetune_llama_7b_mergeln.sh:3-5,34-37`` loads that merged
+checkpoint in NF4 (``qlora.py:348-363``). It is *not* the QLoRA-baseline model with γ moved: ``NF4(W·diag(γ)) ≠
+NF4(W)·diag(γ)`` (the blocks' absmax and rounding see the scaled weights), so the converted and the baseline QLoRA
+model differ by the order of NF4's own error (tests/test_qlora_lowmembp.py measures it). Two official details we do
+not copy: merge_ln.py stores the merged weights transposed (``:75,86``, read back by
+``src/utils/matmul_4bit.py:Linear4bit_forward``), so its NF4 blocks of 64 run along the output dimension where ours
+(bitsandbytes' layout) run along the input dimension; and their LoRA A is a fresh init on the merged model where
+ours is the baseline's A with γ folded in (``A·diag(γ)``; the same function at init, B = 0).
+
+Merging adapters into an NF4 base (peft ``merge_adapter`` / ``merge_and_unload``) is refused with a clear error: the
+vanilla peft LoRA layer would add the delta to the packed 4-bit bytes.
 """
 from __future__ import annotations
 
@@ -11,6 +32,9 @@ import re
 
 import torch
 import torch.nn as nn
+
+QUANTIZE_ORDER = 25  # registry order of the deferred NF4 step: after lowmembp's folds (20), before mesa (30)
+_BASE = "base_layer"
 
 
 def _matches(name: str, targets) -> bool:
@@ -21,16 +45,47 @@ def _matches(name: str, targets) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
-def quantize_nf4(model: nn.Module, targets, *, double_quant: bool = True) -> int:
-    """Replace every ``nn.Linear`` of ``model`` whose name matches ``targets`` by an NF4 ``Linear4bit`` in place;
-    returns how many were replaced. Clear errors without bitsandbytes or on the meta device."""
+def _targeted_linears(model: nn.Module, targets) -> list[tuple[str, nn.Linear]]:
+    """(module name, linear) for every plain ``nn.Linear`` peft's rule picks: ``name`` itself, or ``name.base_layer``
+    when peft has wrapped it (matched by the LoRA layer's name)."""
+    out = []
+    for name, m in model.named_modules():
+        if type(m) is not nn.Linear:
+            continue
+        parent, _, child = name.rpartition(".")
+        wrapped = child == _BASE and hasattr(model.get_submodule(parent) if parent else model, "lora_A")
+        if _matches(parent if wrapped else name, targets):
+            out.append((name, m))
+    return out
+
+
+class _RefuseMerge:
+    """Stands in for ``merge`` on a LoRA layer whose base is NF4 (picklable, deepcopy-safe)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{self.path}: cannot merge LoRA into an NF4 (QLoRA) base layer — it would add the adapter delta to the "
+            f"packed 4-bit weight. Save the adapters instead (model.save_pretrained), or merge into a full-precision "
+            f"copy of the base model (PeftModel.from_pretrained(fp_model, adapter_dir).merge_and_unload())")
+
+
+def _bnb():
     try:
         import bitsandbytes as bnb
     except ImportError as e:
         raise ImportError("lora: quantize='nf4' needs bitsandbytes (pip install 'lowmembp[qlora]' or "
                           "pip install bitsandbytes)") from e
-    found = [(name, m) for name, m in model.named_modules()
-             if type(m) is nn.Linear and _matches(name, targets)]
+    return bnb
+
+
+def check_quantizable(model: nn.Module, targets) -> list[tuple[str, nn.Linear]]:
+    """The linears :func:`quantize_nf4` would replace; clear errors without bitsandbytes, when none matches, on the
+    meta device or for a dtype NF4 does not take. ``lora`` calls it before placing adapters."""
+    _bnb()
+    found = _targeted_linears(model, targets)
     if not found:
         raise ValueError(f"lora: quantize='nf4' found no nn.Linear named {targets!r} to quantise")
     for name, lin in found:
@@ -40,6 +95,18 @@ def quantize_nf4(model: nn.Module, targets, *, double_quant: bool = True) -> int
                              "fake-tensor estimate models NF4 storage with lowmembp.estimate.nf4_weight_bytes")
         if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"lora: quantize='nf4' needs fp32/fp16/bf16 weights, {name} is {w.dtype}")
+    return found
+
+
+def quantize_nf4(model: nn.Module, targets, *, double_quant: bool = True) -> int:
+    """Replace every ``nn.Linear`` of ``model`` whose name matches ``targets`` (peft's rule; a peft-wrapped linear is
+    matched by its LoRA layer's name and replaced as that layer's ``base_layer``) by an NF4 ``Linear4bit`` in place;
+    returns how many were replaced. ``model`` is the model the names are relative to (for a peft model: its
+    ``base_model.model``). Checks as :func:`check_quantizable`."""
+    bnb = _bnb()
+    found = check_quantizable(model, targets)
+    for name, lin in found:
+        w = lin.weight
         q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=w.dtype,
                               quant_type="nf4", compress_statistics=double_quant, device="cpu")
         q.weight = bnb.nn.Params4bit(w.detach().to("cpu"), requires_grad=False, quant_type="nf4",
@@ -50,5 +117,8 @@ def quantize_nf4(model: nn.Module, targets, *, double_quant: bool = True) -> int
         if not getattr(q.weight, "bnb_quantized", False):
             raise RuntimeError(f"lora: bitsandbytes did not quantise {name} on {w.device}")
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, q)
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, q)
+        if child == _BASE and hasattr(owner, "lora_A"):
+            owner.merge = _RefuseMerge(parent)  # an instance attribute: shadows peft's merge for this layer only
     return len(found)

@@ -7,6 +7,11 @@ composed methods are applied, so ``"lowmembp+lora"`` and ``"lora+lowmembp"`` mea
 Order (lower first): lora 10 → lowmembp / lowmembp-act / lowmembp-norm 20 → mesa / mesa-gelu-ln 30 →
 tokentune 40 → checkpointing 50 → compile 60 (torch.compile of the result). ``baseline`` changes nothing.
 
+**Deferred steps.** A method may leave part of its work for later in the same ``apply`` with :func:`defer`: the step
+runs before the first method of a higher order, or at the end (``lora``'s ``quantize="nf4"`` quantises at order 25,
+after lowmembp has folded γ into the full-precision weights: lowmembp.methods.qlora). Outside ``apply`` (a method's
+function called directly) :func:`defer` runs the step at once.
+
 **Options in the spec.** A method name may carry its options: ``name@opt=value[,opt=value...]``, e.g.
 ``"tokentune@k=4"`` or ``"lora@rank=8+tokentune@k=0.3"`` — the same as ``apply(model, "lora+tokentune", rank=8,
 k=0.3)``, but the spec alone names the variant (the pipeline keys its cells and record paths by it). Option names
@@ -16,6 +21,7 @@ them, else the type of the default) and checked by the method's ``check``.
 """
 from __future__ import annotations
 
+import contextvars
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -56,6 +62,27 @@ def register(name: str, description: str, *, options: dict[str, Any] | None = No
                                  dict(kinds or {}), check)
         return fn
     return deco
+
+
+_PENDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("lowmembp_pending_steps", default=None)
+
+
+def defer(model: nn.Module, step: Callable[[nn.Module], Any], *, order: int) -> None:
+    """Run ``step(model)`` (in place) later in the running ``apply``: before its first method of order > ``order``,
+    or at its end; at once when no ``apply`` is running."""
+    pending = _PENDING.get()
+    if pending is None:
+        step(model)
+    else:
+        pending.append((order, model, step))
+
+
+def _run_pending(pending: list, below: int | None) -> None:
+    """Run (and drop) the deferred steps of order < ``below`` (all when None), lowest order first."""
+    due = sorted((p for p in pending if below is None or p[0] < below), key=lambda p: p[0])
+    for p in due:
+        pending.remove(p)
+        p[2](p[1])
 
 
 def methods() -> dict[str, str]:
@@ -263,18 +290,25 @@ def apply(model: nn.Module, method: str, **options) -> nn.Module:
             if other is not None and (other.name in m.excludes or m.name in other.excludes):
                 raise ValueError(f"{_conflict(m, other)} (the model already carries {other.name!r})")
     applied = list(getattr(model, "_lowmembp_methods", ()))
-    for m in chosen:
-        if m.name == "baseline":
-            continue
-        if m.name in applied:
-            raise RuntimeError(f"method {m.name!r} was already applied to this model")
-        kwargs = {k: options.get(k, default) for k, default in m.options.items()}
-        model = m.fn(model, **kwargs)
-        applied.append(m.name)
-        try:
-            object.__setattr__(model, "_lowmembp_methods", tuple(applied))
-        except Exception:  # pragma: no cover - exotic wrappers
-            pass
+    pending: list = []
+    token = _PENDING.set(pending)
+    try:
+        for m in chosen:
+            if m.name == "baseline":
+                continue
+            if m.name in applied:
+                raise RuntimeError(f"method {m.name!r} was already applied to this model")
+            _run_pending(pending, below=m.order)
+            kwargs = {k: options.get(k, default) for k, default in m.options.items()}
+            model = m.fn(model, **kwargs)
+            applied.append(m.name)
+            try:
+                object.__setattr__(model, "_lowmembp_methods", tuple(applied))
+            except Exception:  # pragma: no cover - exotic wrappers
+                pass
+        _run_pending(pending, below=None)
+    finally:
+        _PENDING.reset(token)
     return model
 
 
