@@ -77,3 +77,20 @@ def test_nf4_refusals():
     with pytest.raises(ValueError, match="found no nn.Linear"):
         lowmembp.apply(_model(), "lora", quantize="nf4", targets="nothing_here")
     assert isinstance(_model().model.layers[0].self_attn.q_proj, nn.Linear)
+
+
+def test_cpu_eval_computes_what_training_does():
+    """bitsandbytes' CPU inference repacking (avx512-bf16 CPUs) is kept off: eval gives the training values, any shape,
+    and a training step after eval still runs."""
+    from lowmembp.methods.qlora import quantize_nf4
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 40))  # 40: no multiple of 32, the repacking's assertion
+    assert quantize_nf4(m, ["0", "1"]) == 2
+    x = torch.randn(3, 64)
+    y_train = m.train()(x)
+    with torch.no_grad():
+        y_eval = m.eval()(x)
+    assert torch.equal(y_eval, y_train)
+    xr = x.clone().requires_grad_()
+    m.train()(xr).sum().backward()
+    assert xr.grad is not None and torch.isfinite(xr.grad).all()

@@ -113,6 +113,10 @@ def quantize_nf4(model: nn.Module, targets, *, double_quant: bool = True) -> int
                                      compress_statistics=double_quant)
         if lin.bias is not None:
             q.bias = nn.Parameter(lin.bias.detach().clone(), requires_grad=False)
+        # bitsandbytes 0.50's CPU inference path (eval + no grad on an avx512-bf16 CPU) repacks the weight in place:
+        # it fails on linears with out % 32 or in % 64, computes other values (0.006 on a 64×64 layer) and breaks a
+        # later training step. Off: CPU eval runs the training kernel (GPUs are not affected)
+        q.support_avx512bf16_for_cpu = False
         q = q.to(w.device)  # bitsandbytes quantises on the move to a device (the CPU too)
         if not getattr(q.weight, "bnb_quantized", False):
             raise RuntimeError(f"lora: bitsandbytes did not quantise {name} on {w.device}")
