@@ -178,3 +178,15 @@ def test_merge_into_nf4_is_refused_and_export_dequantises():
 def test_lora_called_outside_apply_quantises_at_once():
     from lowmembp.methods.lora import apply_lora
     assert len(_nf4(apply_lora(_model(), quantize="nf4"))) == 14
+
+
+@pytest.mark.parametrize("spec", ["lora+lowmembp+checkpointing", "lora+mesa"])
+def test_nf4_step_runs_before_the_later_methods(spec):
+    """The deferred NF4 step (order 25) runs before mesa (30, which would make the fp base a MesaLinear) and
+    checkpointing (50): every targeted base is NF4 and a step runs."""
+    model = _apply(_model(), spec, quantize="nf4")
+    assert len(_nf4(model)) == 14
+    model.train()
+    loss = model(input_ids=_ids(), labels=_ids()).loss
+    loss.backward()
+    assert torch.isfinite(loss)
