@@ -65,8 +65,11 @@ def _task_label(task, model):
     return f"{task} / {model}"
 
 
-def seeds_text(n: int) -> str:
-    """'1 seed', '2 seeds'."""
+def seeds_text(n) -> str:
+    """'1 seed', '2 seeds'; 'no seed finished' for 0 or no count (NaN: every cell of the method failed)."""
+    if pd.isna(n) or int(n) == 0:
+        return "no seed finished"
+    n = int(n)
     return f"{n} seed" if n == 1 else f"{n} seeds"
 
 
@@ -367,7 +370,7 @@ def headline_figure(runs: pd.DataFrame, table: pd.DataFrame | None = None) -> pl
             bs = sub["memory_batch"].dropna() if len(sub) else pd.Series([], dtype=float)
             where = (f"batch {int(bs.max())}" if col < 2 and len(bs) else
                      f"batch {int(sub['accuracy_batch'].dropna().max())}, "
-                     f"{seeds_text(int(sub['seeds'].max()))}" if col == 2 and len(sub)
+                     f"{seeds_text(sub['seeds'].max())}" if col == 2 and len(sub)
                      and sub["accuracy_batch"].notna().any() else "")
             ax.set_title(f"{_task_label(task, model) if col == 0 else task}: {xlabel.split(' (')[0]}, {where}",
                          fontsize=9)
@@ -377,7 +380,7 @@ def headline_figure(runs: pd.DataFrame, table: pd.DataFrame | None = None) -> pl
     seeds = runs.groupby(["task", "model"])["seed"].nunique().max() if len(runs) else 0
     fig.suptitle("What each method saves, costs and changes against the method it is compared with "
                  f"(lora+X vs lora, others vs baseline) — ours (bars) beside the papers' (black diamonds)\n"
-                 f"{measured_on(runs)}; up to {seeds_text(int(seeds))} per cell", fontsize=10)
+                 f"{measured_on(runs)}; up to {seeds_text(seeds)} per cell", fontsize=10)
     fig.tight_layout()
     return fig
 
