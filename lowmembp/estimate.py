@@ -223,9 +223,12 @@ def prepare_model(spec: ModelSpec, method: str, mode, *, layers: int | None = No
     import lowmembp
     from lowmembp.methods.registry import method_options as options_of
 
-    names = [n.strip() for n in method.split("+")]
-    early = "+".join(n for n in names if n in _PEFT_METHODS)
-    late = "+".join(n for n in names if n not in _PEFT_METHODS + ("baseline",)) or None
+    from lowmembp.methods.registry import SPEC_OPTION_MARK
+
+    names = [n.strip() for n in method.split("+")]  # each with the options written into it ("tokentune@k=4")
+    plain = [n.partition(SPEC_OPTION_MARK)[0].strip() for n in names]
+    early = "+".join(n for n, p in zip(names, plain) if p in _PEFT_METHODS)
+    late = "+".join(n for n, p in zip(names, plain) if p not in _PEFT_METHODS + ("baseline",)) or None
     opts_early = {k: v for k, v in method_options.items() if early and k in options_of(early)}
     opts_late = {k: v for k, v in method_options.items() if k not in opts_early}
     model_ = build(spec, layers=layers, overrides=overrides, device="meta" if device == "fake" else "cpu",

@@ -194,3 +194,17 @@ def test_a_lora_variant_is_compared_with_its_own_lora():
     assert tables.reference_method("lora@rank=8") == "baseline"
     assert tables.reference_method("tokentune@k=4") == "baseline"
     assert tables.reference_method("baseline") is None
+
+
+def test_estimate_reads_options_written_into_the_spec():
+    """``estimate`` (and the planner, which builds through it) takes ``lora@rank=8+lowmembp`` as ``rank=8``: the
+    same peak, and not the default rank's."""
+    from lowmembp.estimate import ModelSpec, estimate
+
+    spec = ModelSpec("timm", "vit_base_patch16_224", 2, dtype="fp32", num_classes=10,
+                     kwargs=dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4))
+    written = estimate(spec, "lora@rank=8+lowmembp", batch_size=2)["peak"]["bytes"]
+    assert written == estimate(spec, "lora+lowmembp", batch_size=2, rank=8)["peak"]["bytes"]
+    assert written != estimate(spec, "lora+lowmembp", batch_size=2)["peak"]["bytes"]
+    assert estimate(spec, "tokentune@k=4", batch_size=2)["peak"] == estimate(spec, "tokentune", batch_size=2,
+                                                                              k=4)["peak"]
