@@ -179,3 +179,32 @@ def test_cli_prints_table_json_and_csv(tiny_config, tmp_path, capsys):
     else:
         assert main(args + ["--world-size", "2"]) == 2
         assert "world_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["vit", "bert", "llama"])
+def test_a_composite_is_its_parts_and_is_listed_once(name):
+    """``lowmembp`` declares ``parts`` (-act and -norm): applied together they make exactly the same model (same
+    logits and gradients, γ/β perturbed), so the planner lists the combination once, under ``lowmembp``."""
+    import copy
+
+    import torch
+
+    import lowmembp
+    from tests.tiny_models import build, logits
+
+    model, inputs = build(name)
+    batch = inputs()
+    out = {}
+    for spec in ("lowmembp", "lowmembp-act+lowmembp-norm"):
+        m = lowmembp.apply(copy.deepcopy(model), spec)
+        y = logits(m, batch)
+        y.float().square().mean().backward()
+        out[spec] = (y.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    (ya, ga), (yb, gb) = out.values()
+    assert torch.equal(ya, yb) and ga.keys() == gb.keys() and ga
+    assert all(torch.equal(ga[n], gb[n]) for n in ga)
+    combos, _ = combinations()
+    assert not any({"lowmembp-act", "lowmembp-norm"} <= set(c.split("+")) for c in combos)
+    assert "lora+lowmembp" in combos and "lowmembp-act" in combos and "lowmembp-norm" in combos
+    without, _ = combinations(exclude=["lowmembp"])  # no composite: its parts together stand for it
+    assert "lowmembp-act+lowmembp-norm" in without

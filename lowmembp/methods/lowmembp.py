@@ -187,7 +187,7 @@ _OPTS = {"share_lora_inputs": True}
 
 @register("lowmembp", "LowMemoryBP: ReGELU2/ReSiLU2 activations + MS-LayerNorm/MS-RMSNorm with γ/β folded into the "
           "next linears (exact forward, less activation memory)", options=_OPTS, order=20,
-          excludes=("lowmembp-act", "lowmembp-norm", "mesa-gelu-ln"))
+          excludes=("lowmembp-act", "lowmembp-norm", "mesa-gelu-ln"), parts=("lowmembp-act", "lowmembp-norm"))
 def apply_lowmembp(model, share_lora_inputs=True):
     return convert(model, acts=True, norms=True, share_lora_inputs=share_lora_inputs)
 

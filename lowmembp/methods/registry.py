@@ -39,6 +39,7 @@ class Method:
     excludes: tuple[str, ...] = ()  # names that cannot be combined with this one
     kinds: dict[str, tuple[type, ...]] = field(default_factory=dict)  # option -> types its text may read as, in order
     check: Callable[..., None] | None = None  # check(**options, defaults filled): ValueError for a bad value
+    parts: tuple[str, ...] = ()  # methods that, applied together, are exactly this one (lowmembp = -act + -norm)
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -49,17 +50,18 @@ _OPTION_VALUE = re.compile(r"[A-Za-z0-9._-]+")
 
 def register(name: str, description: str, *, options: dict[str, Any] | None = None, order: int = 100,
              excludes: tuple[str, ...] = (), kinds: dict[str, tuple[type, ...]] | None = None,
-             check: Callable[..., None] | None = None):
+             check: Callable[..., None] | None = None, parts: tuple[str, ...] = ()):
     """Decorator: register ``fn(model, **options) -> model`` as method ``name``.
 
     ``kinds``: for an option whose default's type does not say how to read its text, the types to try in order
     (tokentune's ``k``: ``(int, float)``, a count or a fraction). ``check``: called with every option (defaults
-    filled) before any work (the training job calls it when it parses its arguments); raises ValueError."""
+    filled) before any work (the training job calls it when it parses its arguments); raises ValueError.
+    ``parts``: the methods whose combination is exactly this method (the planner lists only one of the two)."""
     def deco(fn):
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is registered twice")
         _REGISTRY[name] = Method(name, description, fn, dict(options or {}), order, tuple(excludes),
-                                 dict(kinds or {}), check)
+                                 dict(kinds or {}), check, tuple(parts))
         return fn
     return deco
 

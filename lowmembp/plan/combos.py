@@ -2,7 +2,9 @@
 
 The registry is read when the plan runs (methods added later appear by themselves); a combination is valid when
 :func:`lowmembp.methods.registry.parse` accepts it (composition rules, exclusions). ``baseline`` is the empty
-combination. Options take the registry's defaults unless the caller sweeps them (``{"tokentune": {"k": [16, 256]}}``
+combination. A combination holding every part of a composite method (``lowmembp-act`` and ``lowmembp-norm``: the
+registry's ``parts`` of ``lowmembp``) is the composite itself and is listed once, under the composite's name.
+Options take the registry's defaults unless the caller sweeps them (``{"tokentune": {"k": [16, 256]}}``
 gives one row per value). A few methods cannot be estimated on fake tensors at all; they are skipped up front with
 the reason below, and any other method whose estimate fails is skipped with its error.
 """
@@ -41,10 +43,14 @@ def combinations(include: list[str] | None = None, exclude: list[str] | None = N
         skipped.update({n: "not asked for (--methods)" for n in names if n not in include and n not in skipped})
     skipped.update({n: "left out (--exclude)" for n in exclude or [] if n not in skipped})
     usable = [n for n in names if n not in skipped]
+    parts_of = {n: set(parse(n)[0].parts) for n in usable}
+    composites = [p for n, p in parts_of.items() if p and p <= set(usable)]  # each listed under its composite
     top = len(usable) if max_methods is None else max_methods
     out = ["baseline"]
     for r in range(1, top + 1):
         for combo in itertools.combinations(usable, r):
+            if any(parts <= set(combo) for parts in composites):
+                continue  # the composite method's own row
             try:
                 chosen = parse("+".join(combo))
             except ValueError:
