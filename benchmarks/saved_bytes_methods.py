@@ -21,57 +21,20 @@ import torch
 
 import lowmembp
 from lowmembp.memory import saved_bytes
+from lowmembp.repro.compiled_saving import FAMILIES, WIDTH
+from lowmembp.repro.compiled_saving import build as build_model
 
-FAMILIES = ("vit", "bert", "llama")
 METHODS = ("baseline", "lora", "checkpointing", "mesa", "mesa-gelu-ln", "lowmembp", "lowmembp-act",
            "lowmembp-norm", "tokentune", "lora+lowmembp", "lora+checkpointing", "lora+mesa-gelu-ln",
            "lowmembp+tokentune", "lora+lowmembp+tokentune")
-WIDTH, DEPTH, HEADS, VOCAB = 64, 2, 4, 97
+DEPTH = 2
 
 
 def build(family: str, seq_len: int = 128, batch: int = 2, seed: int = 0):
-    """(model in train mode, batch dict, loss function) for ``family`` at ``seq_len`` tokens."""
-    import transformers
-
-    torch.manual_seed(seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    if family == "vit":
-        from timm.models.vision_transformer import VisionTransformer
-
-        if seq_len % 8:
-            raise ValueError(f"vit: seq_len must be a multiple of 8 (8-px patches, 64-px high image), got {seq_len}")
-        # a 64 x L image in 8-px patches: 8 rows of L/8 patches = L patch tokens (+ the class token)
-        model = VisionTransformer(img_size=(64, seq_len), patch_size=8, embed_dim=WIDTH, depth=DEPTH,
-                                  num_heads=HEADS, num_classes=5)
-        batch_ = {"x": torch.randn(batch, 3, 64, seq_len, generator=g)}
-        labels = torch.randint(0, 5, (batch,), generator=g)
-
-        def loss(m, b):
-            return torch.nn.functional.cross_entropy(m(**b), labels)
-    elif family == "bert":
-        cfg = transformers.BertConfig(hidden_size=WIDTH, num_hidden_layers=DEPTH, num_attention_heads=HEADS,
-                                      intermediate_size=4 * WIDTH, vocab_size=VOCAB, max_position_embeddings=seq_len,
-                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)
-        model = transformers.BertForSequenceClassification(cfg)
-        batch_ = {"input_ids": torch.randint(1, VOCAB, (batch, seq_len), generator=g),
-                  "labels": torch.randint(0, 3, (batch,), generator=g)}
-
-        def loss(m, b):
-            return m(**b).loss
-    elif family == "llama":
-        cfg = transformers.LlamaConfig(hidden_size=WIDTH, num_hidden_layers=DEPTH, num_attention_heads=HEADS,
-                                       num_key_value_heads=HEADS // 2, intermediate_size=172, vocab_size=VOCAB,
-                                       max_position_embeddings=seq_len, pad_token_id=0)
-        model = transformers.LlamaForCausalLM(cfg)
-        ids = torch.randint(1, VOCAB, (batch, seq_len), generator=g)
-        batch_ = {"input_ids": ids, "labels": ids}
-
-        def loss(m, b):
-            return m(**b).loss
-    else:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-    model.train()
-    return model, batch_, loss
+    """``(model in train mode, forward)`` for ``family`` at ``seq_len`` tokens: the models of
+    :func:`lowmembp.repro.compiled_saving.build` at this benchmark's depth; ``forward(model)`` is one fixed batch's
+    loss."""
+    return build_model(family, seq_len, batch, depth=DEPTH, seed=seed)
 
 
 def apply(model, method: str, k: int):
@@ -80,9 +43,9 @@ def apply(model, method: str, k: int):
 
 def measure(family: str, method: str, seq_len: int = 128, k: int = 16, batch: int = 2, peak: bool = False) -> dict:
     """Saved bytes (and optionally the step peak) of ``method`` on ``family``."""
-    model, b, loss = build(family, seq_len, batch)
+    model, forward = build(family, seq_len, batch)
     model = apply(model, method, k)
-    rep = saved_bytes(model, lambda: loss(model, b))
+    rep = saved_bytes(model, lambda: forward(model))
     out = {"saved": rep["total"]}
     if peak:
         from lowmembp.peak import measure_step_peak
@@ -91,7 +54,7 @@ def measure(family: str, method: str, seq_len: int = 128, k: int = 16, batch: in
         opt = torch.optim.AdamW(params, lr=1e-4)
 
         def step():
-            loss(model, b).backward()
+            forward(model).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         cats = measure_step_peak(model, opt, step)["by_category"]
