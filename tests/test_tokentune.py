@@ -27,18 +27,19 @@ def test_eval_forward_equals_unmodified(name):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name,pool", [(n, "model") for n in MODELS]
+                         + [(n, "mean") for n in MODELS if n not in ("llama", "llama_qwen3")])  # LM: per position
 @pytest.mark.parametrize("k", [1, 5])
-def test_gradient_equals_detached_reference(name, k):
+def test_gradient_equals_detached_reference(name, k, pool):
     model = build(name)
     ref = copy.deepcopy(model).train()
     inputs = batch(name, left_pad=name.startswith("llama"))
-    model = lowmembp.apply(model, "tokentune", k=k, seed=3).train()
+    model = lowmembp.apply(model, "tokentune", k=k, seed=3, pool=pool).train()
     loss = loss_of(name, model, inputs)
     loss.backward()
     sel = tokentune_state(model).last
     assert sel.positions.shape[1] == k
-    loss_ref = reference_loss(name, ref, inputs, sel.positions, sel.valid)
+    loss_ref = reference_loss(name, ref, inputs, sel.positions, sel.valid, pool=pool)
     loss_ref.backward()
     torch.testing.assert_close(loss.detach(), loss_ref.detach(), rtol=1e-5, atol=1e-6)  # the forward is exact
     worst = compare_grads(grads(model), grads(ref))
@@ -113,8 +114,10 @@ def test_selection_follows_seed_and_global_rng():
     assert torch.equal(a, tokentune_state(model).last.positions)
 
 
-@pytest.mark.parametrize("name", ["llama", "bert"])
-def test_k_at_least_L_is_full_finetuning(name):
+def test_k_at_least_L_is_full_finetuning_llama_lm():
+    """Every position selected: exactly the ordinary causal-LM loss and gradients (the classifiers:
+    test_tokentune_pool.py)."""
+    name = "llama"
     model = build(name)
     plain = copy.deepcopy(model).train()
     inputs = batch(name, L=11)
@@ -122,14 +125,26 @@ def test_k_at_least_L_is_full_finetuning(name):
     loss = model(**inputs).loss
     loss.backward()
     assert tokentune_state(model).last.others.shape[1] == 0
-    if name == "llama":  # all positions: exactly the ordinary causal-LM loss
-        loss_ref = plain(**inputs).loss
-    else:  # all positions, no stop-gradient anywhere: the plain model with a mean-pooled head
-        ref_out = plain.bert(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
-        w = inputs["attention_mask"][..., None].float()
-        pooled = (ref_out.last_hidden_state * w).sum(1) / w.sum(1)
-        logits = plain.classifier(plain.bert.pooler.activation(plain.bert.pooler.dense(pooled)))
-        loss_ref = F.cross_entropy(logits, inputs["labels"])
+    loss_ref = plain(**inputs).loss
+    loss_ref.backward()
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+    compare_grads(grads(model), grads(plain))
+
+
+def test_pool_mean_with_k_at_least_L_is_the_mean_pooled_model():
+    """``pool="mean"`` (the earlier behaviour): all positions, no stop-gradient anywhere — the plain model with its
+    head fed the mean of the real tokens."""
+    model = build("bert")
+    plain = copy.deepcopy(model).train()
+    inputs = batch("bert", L=11)
+    model = lowmembp.apply(model, "tokentune", k=64, pool="mean").train()
+    loss = model(**inputs).loss
+    loss.backward()
+    ref_out = plain.bert(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+    w = inputs["attention_mask"][..., None].float()
+    pooled = (ref_out.last_hidden_state * w).sum(1) / w.sum(1)
+    logits = plain.classifier(plain.bert.pooler.activation(plain.bert.pooler.dense(pooled)))
+    loss_ref = F.cross_entropy(logits, inputs["labels"])
     loss_ref.backward()
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
     compare_grads(grads(model), grads(plain))

@@ -96,8 +96,12 @@ def _blocks(name, model):
     return list(model.base_model.encoder.layer)
 
 
-def reference_loss(name, model, inputs, positions, valid):
-    """The full model, every block input detached on the unselected rows; the head on the selected rows."""
+def reference_loss(name, model, inputs, positions, valid, pool="model"):
+    """The full model, every block input detached on the unselected rows; the head on the selected rows.
+
+    ``pool="model"``: the model's own head on the selected rows: BERT / RoBERTa / LLaMA classifiers read one token
+    (token 0 / the last non-padding one), which is selected, so that is the model's own forward and loss, unchanged;
+    timm's ``forward_head`` pools the selected rows (ascending). ``pool="mean"``: the mean of the selected rows."""
     handles = []
 
     def pre_hook(module, args):
@@ -115,6 +119,11 @@ def reference_loss(name, model, inputs, positions, valid):
             w = valid.to(hs.dtype)[..., None]
             return (hs * w).sum(1) / w.sum(1)
 
+        if pool == "model" and name.startswith("vit"):
+            y = model.forward_head(pick(model.forward_features(inputs["x"])))
+            return (y * torch.linspace(-1, 1, y.shape[-1], device=y.device)).sum()
+        if pool == "model" and not (name.startswith("llama") and not name.endswith("cls")):
+            return model(**inputs).loss  # the head reads a selected token: the model's own forward
         if name.startswith("vit"):
             feats = model.forward_features(inputs["x"])
             pooled = mean(pick(feats))

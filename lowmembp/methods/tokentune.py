@@ -9,29 +9,47 @@ Supported: BERT / RoBERTa ``*ForSequenceClassification``, LLaMA-like ``*ForCausa
 with or without ``lowmembp`` norms/activations, with checkpointing applied after. The model is converted in place
 and returned (a peft wrapper stays the object you use).
 
-**Selection.** Per sequence k distinct positions: the first real token (ViT: the class token; BERT: [CLS]) always;
-for decoders (LLaMA) also the last real token (when k ≥ 2); the rest uniformly at random among the real
-(non-padding, ``attention_mask`` = 1) tokens. The same positions in every block. A sequence with fewer than k real
+**Selection.** Per sequence k distinct positions: first the rows the model's head reads (below; under
+``pool="model"``), then the first real token (ViT: the class token; BERT: [CLS]) always; for decoders (LLaMA) also
+the last real token (when k ≥ 2); the rest uniformly at random among the real (non-padding, ``attention_mask`` = 1)
+tokens. So a LLaMA ``ForSequenceClassification`` with k = 1 selects the token its head reads (the last one), not the
+first. The same positions in every block. A sequence with fewer than k real
 tokens selects all of them (and fills up with padding positions that are flagged ``valid=False`` and never used); k
 ≥ L selects every position, which is plain full fine-tuning. ``k`` may also be a fraction ``0 < k < 1`` of the real
 tokens, as the official scripts' ``--prefix_length 0.3`` (facebookresearch/tokentune
-``tokentune/llama_tokentune.py:108-125``): the forced tokens (first; decoders: first and last) plus ``int(k · (n −
+``tokentune/llama_tokentune.py:108-125``): the forced tokens (the head's rows, the first; decoders: and the last) plus ``int(k · (n −
 forced))`` of the others, with ``n`` the real tokens of the batch's longest sequence (one count per batch: positions
 are a B×k tensor; rows of equal length, the usual case after padding to length, get exactly the official count).
 Randomness: the global torch RNG by default (so ``torch.manual_seed`` reproduces it); with option ``seed=<int>`` a
 private ``torch.Generator`` per device, seeded once at conversion. ``tokentune_state(model).selector`` may be set to
 ``fn(valid: BoolTensor[B, L], k: int, decoder: bool, generator) -> LongTensor[B, k]`` to choose positions yourself
-(tests use it to replay a selection).
+(tests use it to replay a selection; it must include the rows the head reads, or a ValueError says so).
 
 **Training forward (``model.train()``).** Exact forward: every block computes the unselected rows under
 ``torch.no_grad()`` (no graph, nothing saved) and the selected rows with the graph, the selected queries attending
 over all keys/values (see :mod:`lowmembp.methods.tokentune_forward`). The gradient is the true gradient with a
 stop-gradient on every unselected hidden state (at every block input). Outputs:
 
-- classification (BERT/RoBERTa/LLaMA ``ForSequenceClassification``, timm): the head is fed the mean of the selected
-  tokens' last hidden states (after the final norm). ``out.logits`` is B×C; ``labels=`` gives the model's usual loss
-  (HF problem types). BERT's pooler / RoBERTa's classification head read it as their first token; timm's
-  ``forward_head`` pools it (every pool of identical rows gives the mean back).
+- classification (BERT/RoBERTa/LLaMA ``ForSequenceClassification``, timm), option ``pool``:
+
+  * ``pool="model"`` (default): the head reads what the model's own head reads, restricted to the selected tokens,
+    so training and evaluation feed it the same thing (the official code never trains on one and evaluates on
+    another). Which rows that is, is the adapter's ``ModelLayout.head_reads`` / ``head_lead``
+    (:mod:`lowmembp.models`): BERT / RoBERTa token 0 ([CLS] / <s>; they pad on the right), read by their pooler /
+    classification head as usual; LLaMA-like ``ForSequenceClassification`` the last non-padding token by
+    ``input_ids`` and ``config.pad_token_id`` (transformers' rule,
+    :func:`lowmembp.models.hf_models.last_token_positions`); timm: ``forward_head`` gets the selected rows (B×k×d,
+    ascending, the class / register tokens first — they are forced: k must be at least their number) and pools them
+    as it pools every token: the class token (``global_pool="token"``), the mean / max of the selected patch tokens
+    (``"avg"``, ...). The rows read are always selected, so with k ≥ L training is plain full fine-tuning, equal to
+    the unconverted model's training step.
+  * ``pool="mean"``: the head is fed the mean of the selected tokens' last hidden states (after the final norm), as
+    the official BERT code's ``use_input_as_prefix`` pooler trains (which then evaluates on the mean of all tokens;
+    here evaluation stays the model's ordinary forward, so head input differs between the two). BERT's pooler /
+    RoBERTa's head read it as their first token, timm's ``forward_head`` pools it (every pool of identical rows
+    gives the mean back).
+
+  ``out.logits`` is B×C; ``labels=`` gives the model's usual loss (HF problem types).
 - causal LM (``ForCausalLM``): ``out.logits`` holds only the selected positions, B×k×V, in the order of
   ``tokentune_state(model).last.positions``; with ``labels=`` (B×L, -100 = ignore, shifted inside as usual)
   ``out.loss`` is the mean cross-entropy of the next-token targets of the selected positions.
@@ -77,6 +95,9 @@ class TokenTuneState:
     family: str
     task: str  # "classification" | "causal_lm"
     seed: int | None = None
+    pool: str = "model"  # "model": the head reads what the model's own head reads, of the selected rows; "mean"
+    reads: str | None = None  # the layout's head_reads: "first" | "last" | "pool" | "each"
+    lead: int = 0  # the layout's head_lead: leading rows the (timm) head reads or sets apart by position
     selector: Callable | None = None
     last: Selection | None = None
     blocks: list = field(default_factory=list)  # the original block modules
@@ -92,22 +113,32 @@ class TokenTuneState:
             self._generators[key] = torch.Generator(device=device).manual_seed(int(self.seed))
         return self._generators[key]
 
-    def count(self, valid: torch.Tensor, decoder: bool) -> int:
+    def count(self, valid: torch.Tensor, decoder: bool, forced: torch.Tensor | None = None) -> int:
         """Tokens per sequence of this batch: ``k`` itself, or for a fraction ``k`` the forced tokens plus
         ``int(k · (n − forced))`` of the rest (``n``: real tokens of the longest row)."""
         if isinstance(self.k, int):
             return self.k
         n = int(valid.sum(1).max()) if valid.numel() else 0
-        forced = min(n, 2 if decoder else 1)
-        return max(1, forced + int(self.k * (n - forced)))
+        n_forced = int(_forced_mask(valid, decoder, forced).sum(1).max()) if valid.numel() else 0
+        forced = min(n, n_forced)
+        return max(self.min_count(), forced + int(self.k * (n - forced)))
 
-    def select(self, valid: torch.Tensor, decoder: bool) -> Selection:
+    def min_count(self) -> int:
+        """The fewest tokens the head can work with: its leading rows (timm: class / register tokens), and a pool
+        that sets them apart one more row to pool (``pool='mean'``: 1)."""
+        if self.pool != "model":
+            return 1
+        return max(1, self.lead + (1 if self.reads == "pool" and self.lead else 0))
+
+    def select(self, valid: torch.Tensor, decoder: bool, forced: torch.Tensor | None = None) -> Selection:
+        """Choose this batch's positions; ``forced`` (B×m): positions that must be selected, before any other (the
+        rows the model's head reads)."""
         gen = self.generator(valid.device)
-        k = self.count(valid, decoder)
+        k = self.count(valid, decoder, forced)
         if self.selector is not None:
-            positions = _check_positions(self.selector(valid, k, decoder, gen), valid, k)
+            positions = _check_positions(self.selector(valid, k, decoder, gen), valid, k, forced)
         else:
-            positions = select_positions(valid, k, decoder=decoder, generator=gen)
+            positions = select_positions(valid, k, decoder=decoder, generator=gen, forced=forced)
         L = valid.shape[1]
         chosen = torch.zeros_like(valid).scatter_(1, positions, True)
         order = torch.sort(chosen.to(torch.uint8), dim=1, stable=True).indices  # unselected first, both ascending
@@ -127,22 +158,47 @@ class TokenTuneState:
 
 
 def select_positions(valid: torch.Tensor, k: int, *, decoder: bool = False,
-                     generator: torch.Generator | None = None) -> torch.Tensor:
-    """k distinct positions per row of ``valid`` (B×L bool, True = real token): the first real token, for decoders
-    the last real one too, the rest uniformly at random among real tokens; padding only when a row has < k real
-    tokens. Returns B×min(k, L) positions (not sorted)."""
+                     generator: torch.Generator | None = None, forced: torch.Tensor | None = None) -> torch.Tensor:
+    """k distinct positions per row of ``valid`` (B×L bool, True = real token): the ``forced`` ones (B×m, in that
+    order of priority: the rows the model's head reads), the first real token, for decoders the last real one too,
+    the rest uniformly at random among real tokens; padding only when a row has < k real tokens. Returns
+    B×min(k, L) positions (not sorted)."""
     B, L = valid.shape
     kk = min(int(k), L)
     scores = torch.rand(B, L, generator=generator, device=valid.device)
     scores = scores.masked_fill(~valid, -1.0)
     rows = torch.arange(B, device=valid.device)
-    scores[rows, valid.to(torch.uint8).argmax(1)] = 3.0  # the first real token (position 0 if none is real)
+    scores[rows, _first_real(valid)] = 3.0  # the first real token (position 0 if none is real)
     if decoder and kk >= 2:
-        scores[rows, L - 1 - valid.flip(1).to(torch.uint8).argmax(1)] = 2.0  # the last real token
+        scores[rows, _last_real(valid)] = 2.0  # the last real token
+    if forced is not None and forced.shape[1]:
+        m = forced.shape[1]
+        prio = 4.0 + torch.arange(m, 0, -1, device=valid.device, dtype=scores.dtype)  # column 0 first
+        scores.scatter_(1, forced.to(valid.device), prio.expand(B, m))
     return scores.topk(kk, dim=1).indices
 
 
-def _check_positions(pos, valid, k) -> torch.Tensor:
+def _first_real(valid: torch.Tensor) -> torch.Tensor:
+    return valid.to(torch.uint8).argmax(1)
+
+
+def _last_real(valid: torch.Tensor) -> torch.Tensor:
+    return valid.shape[1] - 1 - valid.flip(1).to(torch.uint8).argmax(1)
+
+
+def _forced_mask(valid: torch.Tensor, decoder: bool, forced: torch.Tensor | None) -> torch.Tensor:
+    """B×L: the positions every selection takes first (``forced``, the first real token, decoders: the last)."""
+    rows = torch.arange(valid.shape[0], device=valid.device)
+    must = torch.zeros_like(valid, dtype=torch.bool)
+    must[rows, _first_real(valid)] = True
+    if decoder:
+        must[rows, _last_real(valid)] = True
+    if forced is not None and forced.shape[1]:
+        must.scatter_(1, forced.to(valid.device), True)
+    return must
+
+
+def _check_positions(pos, valid, k, forced=None) -> torch.Tensor:
     B, L = valid.shape
     kk = min(k, L)
     if not isinstance(pos, torch.Tensor) or pos.shape != (B, kk) or pos.dtype not in (torch.int64, torch.int32):
@@ -151,6 +207,11 @@ def _check_positions(pos, valid, k) -> torch.Tensor:
     pos = pos.to(device=valid.device, dtype=torch.long)
     if bool(((pos < 0) | (pos >= L)).any()) or bool((pos.sort(1).values.diff(dim=1) == 0).any()):
         raise ValueError("tokentune selector must return distinct positions in [0, L) per row")
+    if forced is not None and forced.shape[1]:
+        chosen = torch.zeros_like(valid, dtype=torch.bool).scatter_(1, pos, True)
+        if not bool(chosen.gather(1, forced.to(valid.device)).all()):
+            raise ValueError(f"tokentune selector must include the positions the model's head reads "
+                             f"({forced.tolist()} per row); or convert with pool='mean'")
     return pos
 
 
@@ -166,8 +227,12 @@ def tokentune_state(model: nn.Module) -> TokenTuneState:
 
 
 # ------------------------------------------------------------------------------------------------------ conversion
-def checked_options(k: int | float = 16, seed: int | None = None) -> tuple[int | float, int | None]:
-    """``k`` (an integer-valued float such as 16.0 becomes the count 16) and ``seed``, or ValueError."""
+POOLS = ("model", "mean")
+
+
+def checked_options(k: int | float = 16, seed: int | None = None,
+                    pool: str = "model") -> tuple[int | float, int | None, str]:
+    """``k`` (an integer-valued float such as 16.0 becomes the count 16), ``seed`` and ``pool``, or ValueError."""
     if isinstance(k, float) and k.is_integer() and k >= 1:
         k = int(k)
     if isinstance(k, bool) or not (isinstance(k, int) and k >= 1 or isinstance(k, float) and 0 < k < 1):
@@ -175,13 +240,17 @@ def checked_options(k: int | float = 16, seed: int | None = None) -> tuple[int |
                          f"fraction 0 < k < 1 of the real tokens (e.g. 0.3), got {k!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"tokentune: seed must be None (global RNG) or an int, got {seed!r}")
-    return k, seed
+    if pool not in POOLS:
+        raise ValueError(f"tokentune: pool must be 'model' (the head reads what the model's own head reads, of the "
+                         f"selected tokens) or 'mean' (the mean of the selected tokens), got {pool!r}")
+    return k, seed, pool
 
 
 @register("tokentune", "selective-token fine-tuning: gradients through k tokens per sequence (TokenTune)",
-          options={"k": 16, "seed": None}, order=40, kinds={"k": (int, float)}, check=checked_options)
-def apply_tokentune(model: nn.Module, k: int | float = 16, seed: int | None = None) -> nn.Module:
-    k, seed = checked_options(k, seed)
+          options={"k": 16, "seed": None, "pool": "model"}, order=40, kinds={"k": (int, float)},
+          check=checked_options)
+def apply_tokentune(model: nn.Module, k: int | float = 16, seed: int | None = None, pool: str = "model") -> nn.Module:
+    k, seed, pool = checked_options(k, seed, pool)
     from lowmembp.models import get_layout
     layout = get_layout(model)
     driver = layout.tokentune
@@ -195,8 +264,13 @@ def apply_tokentune(model: nn.Module, k: int | float = 16, seed: int | None = No
         fam.check_block(b)
     if getattr(base, "_tokentune", None) is not None:
         raise RuntimeError("tokentune was already applied to this model")
-    state = TokenTuneState(k=k, family=driver, task="classification", seed=seed, blocks=blocks,
-                           sites=list(layout.blocks))
+    state = TokenTuneState(k=k, family=driver, task="classification", seed=seed, pool=pool,
+                           reads=layout.head_reads, lead=layout.head_lead, blocks=blocks, sites=list(layout.blocks))
+    if isinstance(k, int) and k < state.min_count():
+        raise ValueError(f"tokentune: k={k} is less than the {state.min_count()} tokens the head of "
+                         f"{type(base).__name__} needs: its {state.lead} leading class / register tokens (read or "
+                         f"set apart by position){' and one token to pool' if state.reads == 'pool' else ''}; use "
+                         f"k >= {state.min_count()}, or pool='mean'")
     name = type(base).__name__
     if driver == "vit":
         if not all(hasattr(base, a) for a in ("patch_embed", "_pos_embed", "norm_pre", "norm", "forward_features")):
@@ -213,6 +287,9 @@ def apply_tokentune(model: nn.Module, k: int | float = 16, seed: int | None = No
     else:  # llama
         if name.endswith("ForCausalLM"):
             state.task = "causal_lm"
+            if pool != "model":
+                raise ValueError(f"tokentune: pool={pool!r} is for classification heads; {name}'s logits are per "
+                                 f"position (leave pool at 'model')")
         elif not name.endswith("ForSequenceClassification"):
             raise TypeError(f"tokentune supports LLaMA-like *ForCausalLM and *ForSequenceClassification; got {name}")
         state.owner = base.model
@@ -289,6 +366,31 @@ def _masked_mean(hs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (hs * w).sum(1) / w.sum(1).clamp_min(1)
 
 
+def _read_positions(state: TokenTuneState, model: nn.Module, input_ids, B: int, L: int, device) -> torch.Tensor:
+    """B: the position the model's own head reads in each sequence (the layout's ``head_reads``)."""
+    if state.reads == "first":
+        return torch.zeros(B, dtype=torch.long, device=device)
+    if state.reads == "last":
+        from lowmembp.models.hf_models import last_token_positions
+        return last_token_positions(model.config, input_ids, B, L, device)
+    raise TypeError(f"tokentune: the adapter of {type(model).__name__} says its head reads {state.reads!r}, not one "
+                    f"token ('first' / 'last'); convert with pool='mean' or add the rule to its adapter")
+
+
+def _forced(state: TokenTuneState, read: torch.Tensor | None) -> torch.Tensor | None:
+    """The positions the selection must take for the head (none under ``pool='mean'``)."""
+    return read[:, None] if state.pool == "model" and read is not None else None
+
+
+def _head_feature(state: TokenTuneState, hs: torch.Tensor, sel: Selection, read: torch.Tensor) -> torch.Tensor:
+    """B×d, what the head reads from the selected rows ``hs`` (B×k×d, positions ``sel.positions``): the row at the
+    model's own read position ``read`` (selected: forced), or under ``pool='mean'`` the mean of the valid rows."""
+    if state.pool == "mean":
+        return _masked_mean(hs, sel.valid)
+    j = (sel.positions == read[:, None]).to(torch.uint8).argmax(1)
+    return take(hs, j[:, None])[:, 0]
+
+
 def _embed_rows(emb: torch.Tensor, sel: Selection) -> torch.Tensor:
     """Hidden state 0 from embeddings computed on all rows: the graph kept only on the selected rows."""
     if not emb.requires_grad:
@@ -303,12 +405,17 @@ def _vit_forward_features(self, state, x, attn_mask=None, is_causal=False):
         raise TypeError("tokentune training forward does not take attn_mask / is_causal for timm ViT")
     emb = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
     B, L, d = emb.shape
-    sel = state.select(torch.ones(B, L, dtype=torch.bool, device=emb.device), decoder=False)
+    lead = min(state.lead, L) if state.pool == "model" else 0
+    forced = torch.arange(lead, device=emb.device).expand(B, lead) if lead else None
+    sel = state.select(torch.ones(B, L, dtype=torch.bool, device=emb.device), decoder=False, forced=forced)
     fam = FAMILIES["vit"]
     ctx = make_context(fam, sel, L, None)
     h = run_blocks(fam, state.blocks, _embed_rows(emb, sel), ctx, state.checkpoint_flags())
-    pooled = _masked_mean(self.norm(take(h, sel.positions)), sel.valid)
-    return pooled[:, None, :].expand(B, L, d)
+    hs = self.norm(take(h, sel.positions))
+    if state.pool == "mean":
+        pooled = _masked_mean(hs, sel.valid)
+        return pooled[:, None, :].expand(B, L, d)
+    return hs  # B×k×d, ascending, the `lead` class/register rows first: forward_head pools them as it pools all
 
 
 def _bert_forward(self, state, input_ids=None, attention_mask=None, token_type_ids=None,
@@ -321,7 +428,8 @@ def _bert_forward(self, state, input_ids=None, attention_mask=None, token_type_i
     B, L = ref.shape[:2]
     device = ref.device
     valid = _valid_tokens(attention_mask, B, L, device)
-    sel = state.select(valid, decoder=False)
+    read = _read_positions(state, self, input_ids, B, L, device) if state.pool == "model" else None
+    sel = state.select(valid, decoder=False, forced=_forced(state, read))
     emb_mod = self.embeddings
     if position_ids is None:
         if hasattr(emb_mod, "create_position_ids_from_input_ids"):  # RoBERTa: positions count real tokens
@@ -346,8 +454,8 @@ def _bert_forward(self, state, input_ids=None, attention_mask=None, token_type_i
     fam = FAMILIES["bert"]
     ctx = make_context(fam, sel, L, valid if attention_mask is not None else None)
     h = run_blocks(fam, state.blocks, h, ctx, state.checkpoint_flags())
-    pooled = _masked_mean(take(h, sel.positions), sel.valid)
-    last = pooled[:, None, :].expand(B, L, pooled.shape[-1])
+    feature = _head_feature(state, take(h, sel.positions), sel, read)
+    last = feature[:, None, :].expand(B, L, feature.shape[-1])  # the pooler / head reads token 0: this row
     pooler = getattr(self, "pooler", None)
     return BaseModelOutputWithPoolingAndCrossAttentions(last_hidden_state=last,
                                                         pooler_output=pooler(last) if pooler is not None else None)
@@ -374,7 +482,10 @@ def _llama_forward(self, state, input_ids=None, attention_mask=None, position_id
     if window and L > window:
         raise TypeError(f"tokentune: sequence length {L} exceeds the sliding window {window}; sliding-window "
                         f"attention is not supported (use sequences of at most {window} tokens)")
-    sel = state.select(valid, decoder=True)
+    read = None
+    if state.task != "causal_lm" and state.pool == "model":
+        read = _read_positions(state, self, input_ids, B, L, emb.device)
+    sel = state.select(valid, decoder=True, forced=_forced(state, read))
     if position_ids is None:
         position_ids = torch.arange(L, device=emb.device)[None]
     cos, sin = backbone.rotary_emb(emb, position_ids=position_ids.to(emb.device))
@@ -393,7 +504,7 @@ def _llama_forward(self, state, input_ids=None, attention_mask=None, position_id
                                    ignore_index=-100)
         out = CausalLMOutputWithPast(loss=loss, logits=logits)
     else:
-        logits = self.score(_masked_mean(hs, sel.valid))
+        logits = self.score(_head_feature(state, hs, sel, read))
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
         out = SequenceClassifierOutputWithPast(loss=loss, logits=logits)

@@ -120,8 +120,10 @@ def detect_bert(model: nn.Module, base: nn.Module) -> ModelLayout | None:
         "ELECTRA's embedding projection (embeddings_project) is not part of TokenTune's BERT driver" if proj is not None
         else f"tokentune supports BERT/RoBERTa sequence classification models (BertForSequenceClassification, "
              f"RobertaForSequenceClassification); got {type(base).__name__}")
+    reads = "first" if type(base).__name__.endswith("ForSequenceClassification") and base is not inner else None
     return ModelLayout("bert", model, base, bl, at, norms, acts, prev, head, attention_style="hf",
-                       checkpoint_switch=_hf_switch(base), tokentune="bert" if tt else None, tokentune_why=why)
+                       checkpoint_switch=_hf_switch(base), tokentune="bert" if tt else None, tokentune_why=why,
+                       head_reads=reads, head_lead=1 if reads else 0)  # pooler / classification head: token 0
 
 
 def _hf_switch(base: nn.Module) -> str | None:
@@ -176,5 +178,25 @@ def detect_llama(model: nn.Module, base: nn.Module) -> ModelLayout | None:
                          f"{mtype!r} is not one of {', '.join(_TOKENTUNE_LLAMA)}" if task_ok else
                          f"tokentune supports LLaMA-like *ForCausalLM and *ForSequenceClassification; got "
                          f"{type(base).__name__}")
+    reads = None if base is inner else "each" if type(base).__name__.endswith("ForCausalLM") else \
+        "last" if type(base).__name__.endswith("ForSequenceClassification") else None
     return ModelLayout("llama", model, base, bl, at, norms, acts, final, head, attention_style="hf",
-                       checkpoint_switch=_hf_switch(base), tokentune="llama" if tt else None, tokentune_why=why)
+                       checkpoint_switch=_hf_switch(base), tokentune="llama" if tt else None, tokentune_why=why,
+                       head_reads=reads)
+
+
+def last_token_positions(config, input_ids, batch: int, length: int, device):
+    """The position transformers' decoder ``*ForSequenceClassification`` head reads, per sequence (its rule, in
+    ``GenericForSequenceClassification.forward``): the rightmost token of ``input_ids`` that is not
+    ``config.pad_token_id`` (left or right padding alike); the last position when only ``inputs_embeds`` are given
+    or the config has no pad token (then only one sequence: transformers refuses a batch, and so does this)."""
+    import torch
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    pad = getattr(text, "pad_token_id", None)
+    if pad is None and batch != 1:
+        raise ValueError("Cannot handle batch sizes > 1 if no padding token is defined (set config.pad_token_id, "
+                         "as transformers' *ForSequenceClassification needs it to find each sequence's last token)")
+    if pad is None or input_ids is None:
+        return torch.full((batch,), length - 1, dtype=torch.long, device=device)
+    non_pad = (input_ids.to(device) != pad).to(torch.int32)
+    return (torch.arange(length, device=device, dtype=torch.int32) * non_pad).argmax(-1).long()

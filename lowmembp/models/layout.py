@@ -156,6 +156,14 @@ class ModelLayout:
       ``"transformers"`` (``gradient_checkpointing_enable``) or None (the checkpointing method wraps each block).
     - ``tokentune``: the TokenTune training-forward driver for this model (``"vit"``, ``"bert"``, ``"llama"``, keys of
       ``lowmembp.methods.tokentune_forward.FAMILIES``) or None, then ``tokentune_why`` says what is missing.
+    - ``head_reads``: which rows of the last hidden state the task head reads (what TokenTune selects and hands to
+      it in training): ``"first"`` (position 0: BERT's pooler, RoBERTa's classification head, timm's class-token
+      pool), ``"last"`` (the last non-padding token by ``input_ids`` and ``config.pad_token_id``:
+      transformers' ``*ForSequenceClassification`` decoders, :func:`lowmembp.models.hf_models.last_token_positions`),
+      ``"pool"`` (the model pools the tokens itself: timm ``global_pool`` avg/max/avgmax or attention pooling),
+      ``"each"`` (every position: causal LM, timm ``global_pool=''``) or None (not known).
+    - ``head_lead``: for ``"pool"``, the leading rows (class / register tokens) the pool sets apart; they must be
+      the first rows of what it is given (0: none).
     - ``origin``: ``"adapter"`` or ``"dataflow"`` (found by the traced forward of :mod:`lowmembp.models.dataflow`).
     """
     family: str
@@ -172,6 +180,8 @@ class ModelLayout:
     checkpoint_switch: str | None = None
     tokentune: str | None = None
     tokentune_why: str = ""
+    head_reads: str | None = None
+    head_lead: int = 0
     origin: str = "adapter"
     notes: list[str] = field(default_factory=list)
 

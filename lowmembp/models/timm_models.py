@@ -89,9 +89,22 @@ def detect_vit(model: nn.Module, base: nn.Module) -> ModelLayout | None:
             final.foldable, final.why = False, "no classifier head (num_classes=0): the features are the output"
         elif not pooled_ok:
             final.foldable, final.why = False, f"pooling {getattr(base, 'global_pool', '?')!r} is not linear"
+    reads, lead = _vit_head_rows(base)
     return ModelLayout("vit", model, base, bl, at, norms, acts, final, head, attention_style="timm",
                        checkpoint_switch="timm" if hasattr(base, "set_grad_checkpointing") else None,
-                       tokentune="vit")
+                       tokentune="vit", head_reads=reads, head_lead=lead)
+
+
+def _vit_head_rows(base: nn.Module) -> tuple[str, int]:
+    """(``head_reads``, ``head_lead``) of a timm ViT's ``forward_head``: the class-token pool reads row 0 (distilled
+    DeiT rows 0 and 1); avg/max/avgmax and attention pools reduce the rows after the ``num_prefix_tokens`` class /
+    register tokens (all rows with ``pool_include_prefix``); ``global_pool=''`` keeps every row."""
+    pool = getattr(base, "global_pool", "token")
+    if getattr(base, "attn_pool", None) is None and pool == "token":
+        return "first", 2 if getattr(base, "dist_token", None) is not None else 1
+    if getattr(base, "attn_pool", None) is None and pool == "":
+        return "each", 0
+    return "pool", 0 if getattr(base, "pool_include_prefix", False) else int(getattr(base, "num_prefix_tokens", 0))
 
 
 @register_adapter("swin", BUILTIN_PRIORITY)
