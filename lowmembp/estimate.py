@@ -144,7 +144,8 @@ def block_names(model: nn.Module) -> list[str]:
 def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: int | None = None,
              seq_len: int | None = None, dtype: str | None = None, layers: int | None = None,
              overrides: dict | None = None, device: str = "fake", peak: bool = True, seed: int = 0,
-             attention: str = "sdpa", flops: bool = False, world_size: int = 1, **method_options) -> dict:
+             attention: str = "sdpa", flops: bool = False, world_size: int = 1, weights: str = "fp32",
+             **method_options) -> dict:
     """Saved-for-backward bytes (whole model and one middle block) and the peak of one training step.
 
     ``model``: a key of :data:`MODELS` or a :class:`ModelSpec`; ``batch_size``/``seq_len``/``dtype`` default to the
@@ -154,6 +155,12 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     of the measured step (forward, backward with any recomputation) with :func:`lowmembp.flops.step_flop_counter`
     (result key ``"flops"``; ``None`` otherwise). A :class:`ModelSpec` of family ``"hf"`` is a transformers
     config.json on disk (:func:`lowmembp.hf_config.hf_spec`).
+
+    ``weights``: the dtype the model's parameters are stored in. ``"fp32"`` (default): fp32 weights, computed in
+    ``dtype`` under autocast, as the training job trains; ``"bf16"`` / ``"fp16"``: the model loaded in that dtype
+    (``from_pretrained(torch_dtype=...)``), so frozen weights, gradients and AdamW state of trained weights take 2
+    bytes an element — peft's LoRA / LoRA-FA adapters stay fp32, as peft makes them on a 16-bit base
+    (``autocast_adapter_dtype``).
 
     ``world_size=N`` (> 1): the peak of one rank of FSDP2 training (``fully_shard`` per block, then the root; see
     :func:`fsdp_peak`) with ``batch_size`` samples *per rank* (activations stay per rank; the training job's
@@ -174,7 +181,7 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     torch.manual_seed(seed)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if device == "fake" else contextlib.nullcontext()
     model_ = prepare_model(spec, method, mode, layers=layers, overrides=overrides, device=device,
-                           attention=attention, **method_options)
+                           attention=attention, weights=weights, **method_options)
     with mode:
         batch = _batch(spec, model_, bs, L, (overrides or {}).get("vocab_size"))
         opt = make_optimizer(model_)
@@ -210,16 +217,18 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
                 per_block[row["kind"]] += row["bytes"]
     tokens = L if spec.family != "timm" else _timm_tokens(model_)
     return {"model": spec.arch, "method": method, "batch_size": bs, "seq_len": tokens, "dtype": dtype,
-            "layers": len(blocks), "saved": acc.report(), "per_block": per_block, "peak": pk,
+            "weights": weights, "layers": len(blocks), "saved": acc.report(), "per_block": per_block, "peak": pk,
             "flops": int(counter.get_total_flops()) if counter is not None else None}
 
 
 def prepare_model(spec: ModelSpec, method: str, mode, *, layers: int | None = None, overrides: dict | None = None,
-                  device: str = "fake", attention: str = "sdpa", **method_options) -> nn.Module:
+                  device: str = "fake", attention: str = "sdpa", weights: str = "fp32",
+                  **method_options) -> nn.Module:
     """:func:`estimate`'s model before its step: built (meta device for ``device="fake"``, else the CPU), the peft
     methods applied there, then inside ``mode`` (the ``FakeTensorMode``, or a null context on the CPU) moved to fake
     CPU storage, the other methods applied, in train mode. The caller seeds torch and enters ``mode`` again for the
-    step (the planner runs several steps on one such model: :mod:`lowmembp.plan.steps`)."""
+    step (the planner runs several steps on one such model: :mod:`lowmembp.plan.steps`). ``weights``: see
+    :func:`estimate` (the built model is cast before any method, as a model loaded in that dtype)."""
     import lowmembp
     from lowmembp.methods.registry import method_options as options_of
 
@@ -231,8 +240,12 @@ def prepare_model(spec: ModelSpec, method: str, mode, *, layers: int | None = No
     late = "+".join(n for n, p in zip(names, plain) if p not in _PEFT_METHODS + ("baseline",)) or None
     opts_early = {k: v for k, v in method_options.items() if early and k in options_of(early)}
     opts_late = {k: v for k, v in method_options.items() if k not in opts_early}
+    if weights not in DTYPES:
+        raise ValueError(f"weights must be one of {list(DTYPES)} (the parameters' dtype), got {weights!r}")
     model_ = build(spec, layers=layers, overrides=overrides, device="meta" if device == "fake" else "cpu",
                    attention=attention)
+    if DTYPES[weights] is not None:
+        model_ = model_.to(DTYPES[weights])
     if early:
         model_ = lowmembp.apply(model_, early, **opts_early)
     with mode:

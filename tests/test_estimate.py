@@ -1,9 +1,11 @@
 """Paper-scale estimates (lowmembp.estimate): fake tensors reproduce real CPU runs on small configs."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lowmembp.estimate import MODELS, block_names, build, estimate, estimate_by_depth, full_depth
+from lowmembp.estimate import MODELS, block_names, build, estimate, estimate_by_depth, full_depth, prepare_model
 from lowmembp.memory_kinds import KINDS
 from lowmembp.peak import profiler_peak
 
@@ -122,3 +124,31 @@ def test_errors():
         estimate("vit_b16", dtype="fp8", **{k: VIT_SMALL[k] for k in ("layers", "overrides")})
     with pytest.raises(ValueError, match="device"):
         estimate("vit_b16", device="cuda")
+
+
+@pytest.mark.parametrize("method", ["baseline", "lora", "lora+lowmembp"])
+def test_weights_in_16_bits(method):
+    """``weights="bf16"``: the model as loaded in bf16 — every base parameter 2 bytes, peft's adapters fp32 (as peft
+    makes them on a 16-bit base), AdamW state in its parameter's dtype; fake and real CPU steps agree."""
+    import torch
+
+    kw = dict(LLAMA_SMALL, batch_size=2)
+    fp32 = estimate("llama_7b", method, **kw)
+    bf16 = estimate("llama_7b", method, weights="bf16", **kw)
+    real = estimate("llama_7b", method, weights="bf16", device="cpu", **kw)
+    assert bf16["peak"]["bytes"] == real["peak"]["bytes"] and bf16["weights"] == "bf16"
+    model = prepare_model(MODELS["llama_7b"], method, contextlib.nullcontext(), layers=kw.get("layers"),
+                          overrides=kw["overrides"], device="cpu", weights="bf16")
+    by_dtype = {}
+    for n, p in model.named_parameters():
+        by_dtype.setdefault("adapter" if "lora_" in n else "base", set()).add(p.dtype)
+    assert by_dtype["base"] == {torch.bfloat16}
+    assert by_dtype.get("adapter", {torch.float32}) == {torch.float32}
+    params = sum(p.numel() * p.element_size() for p in (*model.parameters(), *model.buffers()))
+    assert bf16["peak"]["by_category"]["parameters"] == params  # the tracker counts buffers with the parameters
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert bf16["peak"]["by_category"]["optimizer_state"] == 2 * trained + 4 * sum(
+        1 for p in model.parameters() if p.requires_grad)  # exp_avg, exp_avg_sq in the parameter's dtype; fp32 step
+    assert bf16["peak"]["bytes"] < fp32["peak"]["bytes"]
+    with pytest.raises(ValueError, match="weights must be one of"):
+        estimate("llama_7b", method, weights="int8", **kw)

@@ -179,6 +179,15 @@ def test_cli_prints_table_json_and_csv(tiny_config, tmp_path, capsys):
     else:
         assert main(args + ["--world-size", "2"]) == 2
         assert "world_size" in capsys.readouterr().err
+    assert main(args + ["--weights", "bf16", "--json"]) == 0  # the model loaded in bf16: estimate's weights=
+    doc = json.loads(capsys.readouterr().out)
+    spec = hf_spec(tiny_config, seq_len=16)
+    assert doc["settings"]["weights"] == "bf16"
+    for r in doc["rows"]:
+        assert r["peak_bytes"] == estimate(spec, r["method"], batch_size=2, dtype="bf16",
+                                           weights="bf16")["peak"]["bytes"]
+    with pytest.raises(SystemExit):  # argparse: not a dtype
+        main(args + ["--weights", "fp8"])
 
 
 @pytest.mark.parametrize("name", ["vit", "bert", "llama"])

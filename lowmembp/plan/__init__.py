@@ -78,7 +78,7 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
          reserved: int | str | None = None, margin_file=None, runs=None, jobs: int = 1,
          overrides: dict | None = None, num_classes: int | None = None, image_size: int | None = None,
          max_batch: int = 1 << 16, depth: str = "auto", combos: list[str] | None = None,
-         more_gpus: list[str | int] | None = None, progress=None) -> Plan:
+         more_gpus: list[str | int] | None = None, weights: str = "fp32", progress=None) -> Plan:
     """Plan every valid method combination (see the module doc). ``methods``/``exclude``/``max_methods`` narrow the
     combinations; ``options``: sweeps, ``{"tokentune": {"k": [16, 256]}}``; ``margin``/``reserved``: the allocator
     fraction and the fixed reserve (default: ``results/gpu/margin.json`` if present, else rules of thumb);
@@ -86,6 +86,8 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
     (small test models); ``depth``: ``"auto"`` (extend 2- and 3-block builds) or ``"full"`` (estimate the whole
     model: slow at paper scale); ``combos``: exactly these combinations instead of every valid one;
     ``more_gpus``: other GPU sizes, each row then also has ``largest_batch_by_gpu`` (the same estimates reused);
+    ``weights``: the parameters' dtype (``"fp32"``, or ``"bf16"``/``"fp16"``: the model loaded in that dtype, see
+    :func:`lowmembp.estimate.estimate`);
     ``progress``: called with each finished row."""
     t0 = time.perf_counter()
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -95,6 +97,9 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
     extra = _world_size_kwargs(world_size)
     spec, where = resolve_model(model, seq_len=seq_len, num_classes=num_classes, image_size=image_size)
     dtype = dtype or spec.dtype
+    from lowmembp.estimate import DTYPES
+    if weights not in DTYPES:
+        raise ValueError(f"weights must be one of {list(DTYPES)} (the parameters' dtype), got {weights!r}")
     budget = parse_bytes(gpu_memory)
     mg = margin_of(margin, reserved, margin_file=margin_file)
     capacity = (budget - mg["reserved_bytes"]) / (1 + mg["fraction"])
@@ -106,7 +111,7 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
         combos, skipped = combinations(methods, exclude, max_methods)
     more = {str(g): (parse_bytes(g) - mg["reserved_bytes"]) / (1 + mg["fraction"]) for g in more_gpus or []}
     common = dict(spec=spec, batch_size=batch_size, seq_len=spec.seq_len, dtype=dtype, overrides=overrides,
-                  shallow=shallow, depth=blocks, capacity=capacity, margin=mg, max_batch=max_batch, extra=extra, more=more)
+                  shallow=shallow, depth=blocks, capacity=capacity, weights=weights, margin=mg, max_batch=max_batch, extra=extra, more=more)
     singles = [c for c in combos if "+" not in c]
     with _pool(jobs, len(combos)) as pool:
         rows = _run([dict(common, method=c, options=o) for c in singles for o in option_grid(c, options)], pool,
@@ -123,7 +128,7 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
     for i, r in enumerate(rows, 1):
         r["rank"] = i
     settings = {"model": spec.arch, "model_source": where, "family": spec.family, "batch_size": batch_size,
-                "seq_len": spec.seq_len, "dtype": dtype, "gpu_memory_bytes": budget,
+                "seq_len": spec.seq_len, "dtype": dtype, "weights": weights, "gpu_memory_bytes": budget,
                 "capacity_bytes": int(capacity), "world_size": world_size, "margin": mg, "combinations": len(rows),
                 "jobs": jobs}
     sources = {"peak": PEAK_SOURCE.format(depth=depth_note), "margin": mg["source"], "flops": FLOPS_SOURCE,
@@ -145,7 +150,8 @@ def evaluate(job: dict) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             peaks = Peaks(spec, method, shallow=job["shallow"], depth=job["depth"], seq_len=job["seq_len"],
-                          dtype=job["dtype"], overrides=job["overrides"], **job["extra"], **opts)
+                          dtype=job["dtype"], overrides=job["overrides"], weights=job.get("weights", "fp32"),
+                          **job["extra"], **opts)
             first = peaks.direct(bs, flops=True)
             pk, cats = first["peak"]["bytes"], first["peak"]["by_category"]
             static = sum(cats.get(k, 0) for k in _STATIC)

@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (text models)")
     ap.add_argument("--image-size", type=int, default=None, help="image side in pixels (timm models)")
     ap.add_argument("--dtype", choices=list(DTYPES), default=None, help="autocast dtype (default: the model's)")
+    ap.add_argument("--weights", choices=list(DTYPES), default="fp32",
+                    help="the dtype the weights are stored in: fp32 (default: fp32 weights under autocast, as the "
+                         "training job) or bf16/fp16 (the model loaded in that dtype; LoRA adapters stay fp32)")
     ap.add_argument("--world-size", type=int, default=1,
                     help="GPUs sharing the model (FSDP2: one rank's peak, the batch per GPU; "
                          "lowmembp.estimate.fsdp_peak)")
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                  world_size=a.world_size, methods=names(a.methods), exclude=names(a.exclude),
                  max_methods=a.max_methods, options=parse_option_sweeps(a.option), margin=a.margin,
                  reserved=a.reserved, runs=a.runs, jobs=a.jobs, image_size=a.image_size,
-                 more_gpus=names(a.also_gpu), progress=_progress if a.progress else None)
+                 more_gpus=names(a.also_gpu), weights=a.weights, progress=_progress if a.progress else None)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

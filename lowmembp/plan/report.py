@@ -28,7 +28,8 @@ def _x(v) -> str:
 def text_table(p) -> str:
     s = p.settings
     head = (f"What fits: {s['model_source']}, batch {s['batch_size']}, "
-            + (f"{s['seq_len']} tokens, " if s.get("seq_len") else "") + f"{s['dtype']}, "
+            + (f"{s['seq_len']} tokens, " if s.get("seq_len") else "") + f"{s['dtype']} autocast, "
+            f"{s.get('weights', 'fp32')} weights, "
             f"{_size(s['gpu_memory_bytes'])} GPU (tensors up to {_size(s['capacity_bytes'])} after the margin), "
             f"{s['world_size']} GPU")
     more = next((list(r.get("largest_batch_by_gpu", {})) for r in p.rows if r["status"] == "ok"), [])
