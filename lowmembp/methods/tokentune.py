@@ -13,13 +13,13 @@ and returned (a peft wrapper stays the object you use).
 ``pool="model"``), then the first real token (ViT: the class token; BERT: [CLS]) always; for decoders (LLaMA) also
 the last real token (when k ≥ 2); the rest uniformly at random among the real (non-padding, ``attention_mask`` = 1)
 tokens. So a LLaMA ``ForSequenceClassification`` with k = 1 selects the token its head reads (the last one), not the
-first. The same positions in every block. A sequence with fewer than k real
-tokens selects all of them (and fills up with padding positions that are flagged ``valid=False`` and never used); k
-≥ L selects every position, which is plain full fine-tuning. ``k`` may also be a fraction ``0 < k < 1`` of the real
-tokens, as the official scripts' ``--prefix_length 0.3`` (facebookresearch/tokentune
-``tokentune/llama_tokentune.py:108-125``): the forced tokens (the head's rows, the first; decoders: and the last) plus ``int(k · (n −
-forced))`` of the others, with ``n`` the real tokens of the batch's longest sequence (one count per batch: positions
-are a B×k tensor; rows of equal length, the usual case after padding to length, get exactly the official count).
+first. The same positions in every block. A sequence with fewer than k real tokens selects all of them (and fills up
+with padding positions that are flagged ``valid=False`` and never used); k ≥ L selects every position, which is plain
+full fine-tuning. ``k`` may also be a fraction ``0 < k < 1`` of the real tokens, as the official scripts'
+``--prefix_length 0.3`` (facebookresearch/tokentune ``tokentune/llama_tokentune.py:108-125``): the forced tokens (the
+head's rows, the first; decoders: and the last) plus ``int(k · (n − forced))`` of the others, with ``n`` the real
+tokens of the batch's longest sequence (one count per batch: positions are a B×k tensor; rows of equal length, the
+usual case after padding to length, get exactly the official count).
 Randomness: the global torch RNG by default (so ``torch.manual_seed`` reproduces it); with option ``seed=<int>`` a
 private ``torch.Generator`` per device, seeded once at conversion. ``tokentune_state(model).selector`` may be set to
 ``fn(valid: BoolTensor[B, L], k: int, decoder: bool, generator) -> LongTensor[B, k]`` to choose positions yourself
@@ -39,7 +39,8 @@ stop-gradient on every unselected hidden state (at every block input). Outputs:
     classification head as usual; LLaMA-like ``ForSequenceClassification`` the last non-padding token by
     ``input_ids`` and ``config.pad_token_id`` (transformers' rule,
     :func:`lowmembp.models.hf_models.last_token_positions`); timm: ``forward_head`` gets the selected rows (B×k×d,
-    ascending, the class / register tokens first — they are forced: k must be at least their number) and pools them
+    ascending, the class / register tokens first — they are forced: k must be at least their number, one more for
+    a pool that sets them apart) and pools them
     as it pools every token: the class token (``global_pool="token"``), the mean / max of the selected patch tokens
     (``"avg"``, ...). The rows read are always selected, so with k ≥ L training is plain full fine-tuning, equal to
     the unconverted model's training step.
