@@ -16,6 +16,13 @@
   against a copy of the original on random inputs (lowmembp.methods._verify); a mismatch raises
   ``ConversionCheckError`` naming the site. ``lowmembp_report["sites"]`` lists every site: converted or kept, and why.
 - ``lowmembp``: both.
+- Option ``norm_dtype`` (``lowmembp`` and ``lowmembp-norm``; spec ``"lowmembp@norm_dtype=fp32"``): the dtype the MS
+  norms emit and save (lowmembp.ops.ms_norm ``OUT_DTYPES``). ``"auto"`` (default): the autocast dtype under
+  autocast, so the next linear's input cast is a no-op and one 16-bit tensor is saved for both. ``"fp32"`` /
+  ``"input"``: what the official lomem kernel does (``lomem/csrc/layer_norm.cpp:20``, the output in the input's
+  dtype: fp32 under AMP), 4 bytes per element saved; the LoRA layers and the trainable plain ``nn.Linear`` readers
+  then save that same fp32 storage (``lowmembp.ops.shared_linear``, ``save_wide_input``; a frozen linear saves no
+  input either way). For reproducing the official numbers (lowmembp.repro.fig1); it costs memory.
 
 Exact in the forward (fp32: to rounding) with these stated exceptions, which are kept or reported, never silent:
 
@@ -63,13 +70,14 @@ def _refuse_twice(base: nn.Module, acts: bool, norms: bool) -> None:
                            "applied); convert the original model once")
 
 
-def _ms_norm_like(ns) -> nn.Module:
+def _ms_norm_like(ns, out_dtype: str = "auto") -> nn.Module:
     """The MS norm taking the place of the norm at site ``ns`` (kind, width and eps from the layout)."""
     from lowmembp.ops.ms_norm import MSLayerNorm, MSRMSNorm
     width, eps = ns.width(), ns.eps
     if width is None or eps is None:
         raise UnsupportedModelError(f"{ns.path}: cannot read the width / eps of {type(ns.get()).__name__}")
-    new = MSLayerNorm((width,), eps=eps) if ns.kind == "layernorm" else MSRMSNorm(width, eps=eps)
+    new = (MSLayerNorm((width,), eps=eps, out_dtype=out_dtype) if ns.kind == "layernorm"
+           else MSRMSNorm(width, eps=eps, out_dtype=out_dtype))
     w = getattr(ns.get(), "weight", None)
     return new.to(w.device) if isinstance(w, torch.Tensor) and not w.is_meta else new
 
@@ -100,12 +108,17 @@ def _approx_for(kind: str):
 
 
 def convert(model: nn.Module, *, acts: bool = True, norms: bool = True, share_lora_inputs: bool = True,
-            verify: bool = True) -> nn.Module:
+            verify: bool = True, norm_dtype: str = "auto") -> nn.Module:
     """Convert ``model`` in place (see the module docstring); returns it, with ``lowmembp_report`` on the base.
 
     ``verify`` (default True): every converted site is checked against a copy of the original on random inputs
-    (lowmembp.methods._verify); a mismatch raises naming the site."""
+    (lowmembp.methods._verify); a mismatch raises naming the site. ``norm_dtype``: the MS norms' output dtype
+    (module doc)."""
     from lowmembp.methods._verify import check_act, check_norm, snapshot_norm
+    from lowmembp.ops.ms_norm import check_out_dtype
+
+    check_out_dtype(norm_dtype, "lowmembp: norm_dtype")
+    wide = norm_dtype != "auto"
 
     lay = get_layout(model)
     _refuse_twice(lay.base, acts, norms)
@@ -134,10 +147,14 @@ def convert(model: nn.Module, *, acts: bool = True, norms: bool = True, share_lo
                 lin = c.get()
                 untied |= any(id(p) in shared for p in lin.parameters())
                 fold_into(lin, gamma, beta, c.path, shared)
+                if wide and type(lin) is nn.Linear:  # save the norm's wide output itself, not autocast's copy
+                    from lowmembp.ops.shared_linear import CastWeightLinear
+                    lin.__class__ = CastWeightLinear
+                    lin.save_wide_input = True
             for i, r in enumerate(ns.residual_consumers):
                 arg = ns.residual_args[i] if i < len(ns.residual_args) else 1
                 install_residual_affine(r.get(), gamma, beta, arg=arg)
-            ns.set(_ms_norm_like(ns))
+            ns.set(_ms_norm_like(ns, norm_dtype))
             if snap is not None:
                 check_norm(ns, snap)
             report["norms"].append(ns.path)
@@ -148,7 +165,7 @@ def convert(model: nn.Module, *, acts: bool = True, norms: bool = True, share_lo
             _untie_config(lay.base)
         if share_lora_inputs and any(hasattr(m, "lora_A") for m in lay.base.modules()):
             from lowmembp.ops.shared_linear import share_lora_inputs as _share
-            _share(lay.base)
+            _share(lay.base, save_wide_inputs=wide)
     if acts:
         for a in lay.acts:
             old = a.get()
@@ -182,14 +199,20 @@ def _refuse_dtype(base: nn.Module) -> None:
             f".half() / .bfloat16()) first")
 
 
-_OPTS = {"share_lora_inputs": True}
+_OPTS = {"share_lora_inputs": True, "norm_dtype": "auto"}
+
+
+def _check_options(share_lora_inputs=True, norm_dtype="auto"):
+    from lowmembp.ops.ms_norm import check_out_dtype
+    check_out_dtype(norm_dtype, "lowmembp: norm_dtype")
 
 
 @register("lowmembp", "LowMemoryBP: ReGELU2/ReSiLU2 activations + MS-LayerNorm/MS-RMSNorm with γ/β folded into the "
-          "next linears (exact forward, less activation memory)", options=_OPTS, order=20,
-          excludes=("lowmembp-act", "lowmembp-norm", "mesa-gelu-ln"), parts=("lowmembp-act", "lowmembp-norm"))
-def apply_lowmembp(model, share_lora_inputs=True):
-    return convert(model, acts=True, norms=True, share_lora_inputs=share_lora_inputs)
+          "next linears (exact forward, less activation memory; option norm_dtype)", options=_OPTS, order=20,
+          excludes=("lowmembp-act", "lowmembp-norm", "mesa-gelu-ln"), parts=("lowmembp-act", "lowmembp-norm"),
+          check=_check_options)
+def apply_lowmembp(model, share_lora_inputs=True, norm_dtype="auto"):
+    return convert(model, acts=True, norms=True, share_lora_inputs=share_lora_inputs, norm_dtype=norm_dtype)
 
 
 @register("lowmembp-act", "LowMemoryBP activations only: GELU→ReGELU2, SiLU→ReSiLU2 (2-bit codes saved)",
@@ -198,7 +221,8 @@ def apply_lowmembp_act(model):
     return convert(model, acts=True, norms=False)
 
 
-@register("lowmembp-norm", "LowMemoryBP norms only: LayerNorm/RMSNorm→MS-norms with γ/β folded into the next linears",
-          options=_OPTS, order=20, excludes=("lowmembp", "mesa-gelu-ln"))
-def apply_lowmembp_norm(model, share_lora_inputs=True):
-    return convert(model, acts=False, norms=True, share_lora_inputs=share_lora_inputs)
+@register("lowmembp-norm", "LowMemoryBP norms only: LayerNorm/RMSNorm→MS-norms with γ/β folded into the next linears "
+          "(option norm_dtype)", options=_OPTS, order=20, excludes=("lowmembp", "mesa-gelu-ln"),
+          check=_check_options)
+def apply_lowmembp_norm(model, share_lora_inputs=True, norm_dtype="auto"):
+    return convert(model, acts=False, norms=True, share_lora_inputs=share_lora_inputs, norm_dtype=norm_dtype)

@@ -16,6 +16,14 @@ Under autocast the norm therefore emits the autocast dtype (``torch.get_autocast
 cast is a no-op; outside autocast it emits the input's dtype. The gradient is returned in the input's dtype.
 peft LoRA layers cast their input to the adapter weight dtype; see ``lowmembp.ops.shared_linear`` for that case.
 
+The output dtype is an option (``out_dtype`` of the modules and functions, one of :data:`OUT_DTYPES`):
+``"auto"`` (default, the above), ``"input"`` (always the input's dtype: what the official lomem kernel does,
+``lomem/csrc/layer_norm.cpp:20`` allocates the output with ``input.options()``, so under AMP with an fp32 residual
+stream it emits and saves fp32) and ``"fp32"`` (always float32). With ``"input"`` / ``"fp32"`` under fp16/bf16
+autocast the saved output is 4 bytes per element instead of 2, and the next linear shares it only if it saves its
+input as given: ``lowmembp.ops.shared_linear.linear_sharing_input`` does (a trainable ``nn.Linear`` under autocast
+saves its own 16-bit copy; a frozen one saves no input).
+
 Backends (``lowmembp._backend.backend_for``): Triton kernels on CUDA tensors (one program per few rows, a block of
 next_power_of_2(N) columns, 64-bit row offsets), the PyTorch reference elsewhere (vectorised: ``native_layer_norm`` /
 ``_fused_rms_norm`` on fp32). Rows wider than ``MAX_TRITON_N`` use the
@@ -33,7 +41,8 @@ product of the leading dims:
     ms_norm_bwd_triton(g, y, rstd, kind, dx_dtype)    -> dx of y's shape
     ms_norm_fwd_ref / ms_norm_bwd_ref                   same signatures, PyTorch
     ms_norm_bytes(rows, N, x_dtype, y_dtype, kind)      -> (forward bytes moved, backward bytes moved)
-``kind`` is ``"layernorm"`` or ``"rmsnorm"``.
+``kind`` is ``"layernorm"`` or ``"rmsnorm"``. The autograd functions ``ms_layer_norm(x, eps, out_dtype="auto")`` /
+``ms_rms_norm`` and the modules ``MSLayerNorm`` / ``MSRMSNorm`` take ``out_dtype`` as above.
 """
 from __future__ import annotations
 
@@ -52,6 +61,7 @@ except Exception:  # pragma: no cover - triton missing or broken: reference only
     triton = None
 
 KINDS = ("layernorm", "rmsnorm")
+OUT_DTYPES = ("auto", "input", "fp32")  # the norm's output (and saved) dtype; see the module doc
 MAX_TRITON_N = 32768  # widest row held in one block; wider rows use the reference
 _TILE = 4096  # elements per program (rows * BLOCK) for narrow rows
 
@@ -212,8 +222,22 @@ def _use_triton(x: torch.Tensor, n: int) -> bool:
     return backend_for(x) == "triton" and n <= MAX_TRITON_N
 
 
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    """The autocast dtype when autocast is on for x's device (so the next linear shares y), else x's dtype."""
+def check_out_dtype(out_dtype: str, where: str = "ms_norm") -> str:
+    """``out_dtype`` if it is one of :data:`OUT_DTYPES`, else ValueError saying the choices."""
+    if not isinstance(out_dtype, str) or out_dtype not in OUT_DTYPES:
+        raise ValueError(f"{where}: out_dtype must be one of {', '.join(map(repr, OUT_DTYPES))} ('auto': the autocast "
+                         f"dtype under autocast, else the input's; 'input': the input's, as the official lomem "
+                         f"kernel; 'fp32': float32), got {out_dtype!r}")
+    return out_dtype
+
+
+def _out_dtype(x: torch.Tensor, mode: str = "auto") -> torch.dtype:
+    """The dtype the norm emits (and saves) for ``mode`` (:data:`OUT_DTYPES`); ``"auto"``: the autocast dtype when
+    autocast is on for x's device (so the next linear shares y), else x's dtype."""
+    if mode == "input":
+        return x.dtype
+    if mode == "fp32":
+        return torch.float32
     dev = x.device.type
     try:
         if torch.is_autocast_enabled(dev):
@@ -293,25 +317,28 @@ torch.library.register_autograd("lowmembp::ms_norm_fwd", _fwd_backward, setup_co
 torch.library.register_autograd("lowmembp::ms_norm_bwd", _bwd_backward, setup_context=_bwd_setup)
 
 
-def _ms_norm(x: torch.Tensor, eps: float, kind: str, op: str) -> torch.Tensor:
+def _ms_norm(x: torch.Tensor, eps: float, kind: str, op: str, out_dtype: str = "auto") -> torch.Tensor:
     check_float_input(x, op)
+    check_out_dtype(out_dtype, op)
     if x.dim() == 0:
         raise ValueError(f"{op}: expected at least 1 dimension (normalised over the last), got a 0-d tensor")
     eps = float(eps)
     if not eps >= 0.0:
         raise ValueError(f"{op}: eps must be a non-negative float, got {eps}")
     refuse_functorch_transforms(x, op, "torch.nn.functional." + ("layer_norm" if kind == "layernorm" else "rms_norm"))
-    return _ms_norm_fwd_op(x, kind, eps, _out_dtype(x))[0]
+    return _ms_norm_fwd_op(x, kind, eps, _out_dtype(x, out_dtype))[0]
 
 
-def ms_layer_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """LayerNorm over the last dim without affine; saves only its output (shared with the next linear) and rstd."""
-    return _ms_norm(x, eps, "layernorm", "ms_layer_norm")
+def ms_layer_norm(x: torch.Tensor, eps: float = 1e-5, out_dtype: str = "auto") -> torch.Tensor:
+    """LayerNorm over the last dim without affine; saves only its output (shared with the next linear) and rstd.
+    ``out_dtype``: one of :data:`OUT_DTYPES` (module doc)."""
+    return _ms_norm(x, eps, "layernorm", "ms_layer_norm", out_dtype)
 
 
-def ms_rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """RMSNorm over the last dim without affine; saves only its output (shared with the next linear) and rstd."""
-    return _ms_norm(x, eps, "rmsnorm", "ms_rms_norm")
+def ms_rms_norm(x: torch.Tensor, eps: float = 1e-6, out_dtype: str = "auto") -> torch.Tensor:
+    """RMSNorm over the last dim without affine; saves only its output (shared with the next linear) and rstd.
+    ``out_dtype``: one of :data:`OUT_DTYPES` (module doc)."""
+    return _ms_norm(x, eps, "rmsnorm", "ms_rms_norm", out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------- modules
@@ -330,10 +357,11 @@ def _hidden(shape, cls: str) -> int:
 class _MSNormBase(nn.Module):
     _kind = "layernorm"
 
-    def __init__(self, normalized_shape, eps: float):
+    def __init__(self, normalized_shape, eps: float, out_dtype: str = "auto"):
         super().__init__()
         self.normalized_shape = (_hidden(normalized_shape, type(self).__name__),)
         self.eps = float(eps)
+        self.out_dtype = check_out_dtype(out_dtype, type(self).__name__)
         self.elementwise_affine = False
         self.register_parameter("weight", None)
         self.register_parameter("bias", None)
@@ -342,28 +370,31 @@ class _MSNormBase(nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.normalized_shape[0]:
             raise ValueError(f"{type(self).__name__}: expected the last dimension to be {self.normalized_shape[0]}, "
                              f"got input of shape {tuple(x.shape)}")
-        return _ms_norm(x, self.eps, self._kind, type(self).__name__)
+        return _ms_norm(x, self.eps, self._kind, type(self).__name__, getattr(self, "out_dtype", "auto"))
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}"
+        dt = getattr(self, "out_dtype", "auto")
+        return f"{self.normalized_shape}, eps={self.eps}" + ("" if dt == "auto" else f", out_dtype={dt!r}")
 
 
 class MSLayerNorm(_MSNormBase):
     """Drop-in for ``nn.LayerNorm(normalized_shape, elementwise_affine=False)`` that saves only its output + rstd.
 
-    Fold γ/β of a trained LayerNorm into the following linear layers first (DESIGN §2.2; lowmembp.methods)."""
+    Fold γ/β of a trained LayerNorm into the following linear layers first (DESIGN §2.2; lowmembp.methods).
+    ``out_dtype``: the dtype it emits and saves, one of :data:`OUT_DTYPES` (module doc)."""
     _kind = "layernorm"
 
-    def __init__(self, normalized_shape, eps: float = 1e-5):
-        super().__init__(normalized_shape, eps)
+    def __init__(self, normalized_shape, eps: float = 1e-5, out_dtype: str = "auto"):
+        super().__init__(normalized_shape, eps, out_dtype)
 
 
 class MSRMSNorm(_MSNormBase):
-    """RMSNorm without a weight (LLaMA's with γ folded into the next linears) that saves only its output + rstd."""
+    """RMSNorm without a weight (LLaMA's with γ folded into the next linears) that saves only its output + rstd.
+    ``out_dtype``: the dtype it emits and saves, one of :data:`OUT_DTYPES` (module doc)."""
     _kind = "rmsnorm"
 
-    def __init__(self, hidden_size, eps: float = 1e-6):
-        super().__init__(hidden_size, eps)
+    def __init__(self, hidden_size, eps: float = 1e-6, out_dtype: str = "auto"):
+        super().__init__(hidden_size, eps, out_dtype)
 
     @property
     def variance_epsilon(self) -> float:  # the attribute name transformers' LlamaRMSNorm uses
@@ -371,4 +402,5 @@ class MSRMSNorm(_MSNormBase):
 
 
 __all__ = ["ms_layer_norm", "ms_rms_norm", "MSLayerNorm", "MSRMSNorm", "ms_norm_fwd_triton", "ms_norm_bwd_triton",
-           "ms_norm_fwd_ref", "ms_norm_bwd_ref", "ms_norm_bytes", "KINDS", "MAX_TRITON_N"]
+           "ms_norm_fwd_ref", "ms_norm_bwd_ref", "ms_norm_bytes", "KINDS", "MAX_TRITON_N", "OUT_DTYPES",
+           "check_out_dtype"]

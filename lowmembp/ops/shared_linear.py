@@ -23,6 +23,17 @@ their *weights* to the input dtype instead (``CastWeightLinear``). Effect: the L
 (bf16/fp16 matmuls instead of fp32 for the rank-r path; gradients still reach the fp32 adapter weights in fp32);
 outputs match peft's within the input dtype's rounding. DoRA and other LoRA variants are left unchanged.
 ``lora_dropout > 0`` defeats sharing whatever you do: the dropout output is a new tensor.
+
+* An input wider than the autocast dtype (an MS-norm with ``out_dtype="fp32"`` / ``"input"`` emitting fp32 under
+  fp16/bf16 autocast, as the official lomem kernel does): autocast would cast it for the matmul and save that 16-bit
+  copy beside the norm's fp32 output. With ``save_wide_input=True`` (``linear_sharing_input``'s argument, a
+  ``CastWeightLinear``'s attribute, ``share_lora_inputs(model, save_wide_inputs=True)``, which lowmembp's
+  ``norm_dtype="fp32"`` / ``"input"`` uses) the matmul runs in the autocast dtype through an autograd function that
+  saves the input as given (the norm's fp32 storage, 4 bytes per element, counted once) and casts it again in
+  backward (a temporary). Only when the weight needs a gradient: a frozen weight's ``F.linear`` saves no input
+  anyway, and then the plain path (autocast's) runs. Outputs and gradients equal autocast's ``F.linear`` (the same
+  casts and matmuls; the bias gradient is summed in fp32). Off by default: for a wide input nothing else saves
+  (e.g. a kept ``nn.LayerNorm``'s fp32 output) saving it as given costs 4 bytes per element instead of 2.
 """
 from __future__ import annotations
 
@@ -31,8 +42,55 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def linear_sharing_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that casts the weight (and bias) to x's dtype instead of x to the weight's: saves x itself."""
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype when autocast is on for x's device, else None."""
+    dev = x.device.type
+    try:
+        return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    except (RuntimeError, ValueError, TypeError):  # a device type autocast does not know
+        return None
+
+
+class _LinearSavingInput(torch.autograd.Function):
+    """``F.linear`` computed in ``dtype`` (autocast off inside) that saves ``x`` as given, not its ``dtype`` copy."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype):
+        with torch.autocast(x.device.type, enabled=False):
+            out = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(x, weight)
+        ctx.dtype, ctx.has_bias = dtype, bias is not None
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        dt = ctx.dtype
+        gx = gw = gb = None
+        with torch.autocast(g.device.type, enabled=False):
+            g = g.to(dt)
+            g2 = g.reshape(-1, g.shape[-1])
+            if ctx.needs_input_grad[0]:
+                gx = (g @ weight.to(dt)).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                gw = (g2.t() @ x.reshape(-1, x.shape[-1]).to(dt)).to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                gb = g2.sum(0, dtype=torch.float32)
+        return gx, gw, gb, None
+
+
+def linear_sharing_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                         save_wide_input: bool = False) -> torch.Tensor:
+    """``F.linear`` that casts the weight (and bias) to x's dtype instead of x to the weight's: saves x itself.
+
+    ``save_wide_input``: under autocast with an input wider than the autocast dtype (an fp32 norm output) and a
+    weight that needs a gradient, the matmul in the autocast dtype saving x as given (module doc)."""
+    if save_wide_input:
+        low = _autocast_dtype(x)
+        if (low is not None and x.is_floating_point() and x.dtype != low and torch.is_grad_enabled()
+                and weight.requires_grad):
+            return _LinearSavingInput.apply(x, weight, bias, low)
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
     if bias is not None and bias.dtype != x.dtype:
@@ -43,15 +101,19 @@ def linear_sharing_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 class CastWeightLinear(nn.Linear):
     """``nn.Linear`` whose forward runs in the input's dtype (weights cast, input untouched), so the saved input is
     the caller's tensor. Same parameters and state dict as ``nn.Linear``; an ``nn.Linear`` instance can be switched
-    in place with ``module.__class__ = CastWeightLinear``."""
+    in place with ``module.__class__ = CastWeightLinear``. ``save_wide_input`` (attribute, default False): see
+    :func:`linear_sharing_input`."""
+
+    save_wide_input = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_sharing_input(x, self.weight, self.bias)
+        return linear_sharing_input(x, self.weight, self.bias, save_wide_input=self.save_wide_input)
 
 
-def share_lora_inputs(model: nn.Module) -> int:
+def share_lora_inputs(model: nn.Module, save_wide_inputs: bool = False) -> int:
     """Make every vanilla peft LoRA ``Linear`` in ``model`` save its input as given; returns how many it changed.
 
+    ``save_wide_inputs``: also an input wider than the autocast dtype (fp32 MS-norm outputs; module doc).
     Idempotent. Raises ImportError with advice if peft is not installed."""
     try:
         from peft.tuners.lora.layer import Linear as LoraLinear
@@ -66,6 +128,8 @@ def share_lora_inputs(model: nn.Module) -> int:
             for sub in container.values():
                 if type(sub) is nn.Linear:
                     sub.__class__ = CastWeightLinear
+                if type(sub) is CastWeightLinear and save_wide_inputs:
+                    sub.save_wide_input = True
         changed += 1
     return changed
 
