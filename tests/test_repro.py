@@ -52,6 +52,7 @@ def test_fig1_small():
     assert list(df["setting"]) == ["lora_qv (default)"] * 4 + ["lora_all"] * 4
     assert list(df["paper_MiB"]) == [3827, 1252, 2853, 2717] * 2
     assert (df["ratio"] == df["ours_MiB"] / df["paper_MiB"]).all()
+    assert (df["official_ratio"] == df["official_code_MiB"] / df["paper_MiB"]).all()
     for setting, rows in df.groupby("setting"):
         saved = rows.set_index("spec")["saved_for_backward_MiB"]
         # at this tiny scale fixed costs (Mesa's ranges) can dominate the peak; what is saved for backward shrinks
@@ -62,17 +63,25 @@ def test_fig1_small():
     assert qv.loc["lora", "saved_for_backward_MiB"] < all_.loc["lora", "saved_for_backward_MiB"]
 
 
-def test_fig1_official_differences_are_the_counted_bytes():
-    """official_code_MiB = ours + b·s·d·2 bytes per counted unit and block (ViT-B: 197 tokens, d 768)."""
-    from lowmembp.repro.fig1 import differences
-    unit = 64 * 197 * 768 * 2 / 2 ** 20
-    assert sum(m for _, m in differences("lora_qv", "lora")) == pytest.approx(12 * unit)
-    assert sum(m for _, m in differences("lora_qv", "lora+lowmembp")) == pytest.approx(24 * unit)
-    assert sum(m for _, m in differences("lora_all", "lora", batch_size=32)) == pytest.approx(12 * unit)
-    df = run("fig1", small=True, settings=("lora_qv",))
-    extra = df["official_code_MiB"] - df["ours_MiB"]
-    unit2 = 2 * 197 * 768 * 2 / 2 ** 20
-    assert extra.iloc[0] == pytest.approx(2 * unit2) and extra.iloc[3] == pytest.approx(4 * unit2)
+def test_fig1_official_code_is_measured_and_adds_up():
+    """official_code_MiB is a measured step: its saved bytes exceed ours by what the emulated differences keep (b=2,
+    2 blocks, unit b·s·d·2 bytes): LoRA row +1 unit per block (the LoraFunction's fp32 LN output instead of peft's
+    fp16 copy) less peft's lora_B input (b·s·r·2) it does not keep; LowMemoryBP row +5 units (norm1, norm2, final
+    norm in fp32, each once) + the head's fp16 class-token copy, less the lora_B inputs. The diffs add up."""
+    from lowmembp.repro.fig1 import DIFFERENCES, differences
+    assert differences("lora") == ("lora_function",) and differences("lora+lowmembp") == tuple(DIFFERENCES)
+    df = run("fig1", small=True, settings=("lora_qv",)).set_index("spec")
+    unit, lora_b_in, head = 2 * 197 * 768 * 2, 2 * 197 * 4 * 2, 2 * 768 * 2
+    extra = (df["official_saved_for_backward_MiB"] - df["saved_for_backward_MiB"]) * 2 ** 20
+    assert extra["lora"] == pytest.approx(2 * (unit - lora_b_in), abs=64)
+    assert extra["lora+lowmembp"] == pytest.approx(5 * unit + head - 2 * lora_b_in, abs=64)
+    parts = df[[c for c in df.columns if c.startswith("diff_")]].sum(axis=1)
+    assert (parts + df["ours_MiB"] - df["official_code_MiB"]).abs().max() < 1e-6
+    assert (df["unexplained_MiB"] == df["paper_MiB"] - df["official_code_MiB"]).all()
+    assert (df.loc[["lora", "lora+checkpointing", "lora+mesa-gelu-ln"], "diff_msln_fp32_MiB"] == 0).all()
+    assert df.loc["lora+lowmembp", "diff_msln_fp32_MiB"] > 0
+    assert df["note"].str.contains("MiB measured: their LoraFunction saves x").all()
+    assert df.loc["lora+lowmembp", "note"].count("lomem/csrc/layer_norm.cpp:20") == 1
 
 
 def test_headline_small():

@@ -38,25 +38,37 @@ def _unit(col: str) -> str:
 
 def side_by_side(df: pd.DataFrame, ax, title: str) -> None:
     """Bars of the first numeric paper* column against the first numeric ours* column, one pair per row; the
-    ratio ours / paper written on top of each pair."""
+    ratio ours / paper written on top of each pair. A numeric ``official_code*`` column (fig1: the same step with
+    the official code's choices emulated) is a third bar, its ratio written below ours."""
     p, o = (_numeric(df, "paper") or [None])[0], (_numeric(df, "ours") or [None])[0]
     if p is None or o is None:
         raise SystemExit(f"{title}: no numeric paper/ours columns in {list(df.columns)}")
+    off = (_numeric(df, "official_code") or [None])[0]
     text = [c for c in df.columns if not pd.api.types.is_numeric_dtype(df[c])
             and c not in ("note", "spec", "paper", "check")]
     labels = [" / ".join(str(v) for v in row) for row in df[text].itertuples(index=False)]
     up, uo = _unit(p), _unit(o)
     x = np.arange(len(df))
-    ax.bar(x - 0.2, df[p], 0.4, label=f"paper, as published ({up or p})", color="0.65")
-    ax.bar(x + 0.2, df[o], 0.4, label=f"ours, estimated on fake tensors on the CPU ({uo or o})", color="C0")
+    w = 0.4 if off is None else 0.27
+    ax.bar(x - w / 2 * (1 if off is None else 2), df[p], w, label=f"paper, as published ({up or p})", color="0.65")
+    ax.bar(x + (w / 2 if off is None else 0), df[o], w, label=f"ours, estimated on fake tensors on the CPU ({uo or o})",
+           color="C0")
+    if off is not None:
+        ax.bar(x + w, df[off], w, color="C1",
+               label=f"ours with the official code's choices emulated, fake tensors ({_unit(off) or off})")
     for xi, (pv, ov) in enumerate(zip(df[p], df[o])):
         if pd.notna(pv) and pd.notna(ov) and pv:
-            ax.text(xi, max(pv, ov), f"ours / paper\n{ov / pv:.2f}", ha="center", va="bottom", fontsize=7)
+            fv = df[off].iloc[xi] if off is not None else np.nan
+            top = max(pv, ov, fv) if pd.notna(fv) else max(pv, ov)
+            label = (f"ours / paper\n{ov / pv:.2f}" if pd.isna(fv)
+                     else f"ours / paper {ov / pv:.2f}\nofficial / paper {fv / pv:.2f}")
+            ax.text(xi, top, label, ha="center", va="bottom", fontsize=7 if pd.isna(fv) else 6)
     ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
     unit = up if up == uo else " / ".join(u for u in (up, uo) if u)
     what = "peak memory saved" if "saving" in p else "peak training memory"
     ax.set_ylabel(f"{what} ({unit or 'as in the columns'})")
-    ax.set_ylim(0, np.nanmax(np.r_[df[p].to_numpy(dtype=float), df[o].to_numpy(dtype=float)]) * 1.18)
+    tops = [df[c].to_numpy(dtype=float) for c in (p, o, off) if c is not None]
+    ax.set_ylim(0, np.nanmax(np.concatenate(tops)) * (1.18 if off is None else 1.75))
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
 

@@ -477,7 +477,9 @@ REPRO_CAPTIONS = {
                        "width; 1 unit = 2·b·s·d bytes), by op kind; `paper_*` the paper's idealised accounting, "
                        "`real_*` the real timm / transformers code measured on fake tensors.",
     "fig1": "Peak memory in MiB (paper: CUDA allocator on a GPU; ours: estimated on fake tensors on the CPU); "
-            "`ratio` = ours / paper.",
+            "`ratio` = ours / paper; `official_code_MiB`: the same step measured with the official code's choices "
+            "emulated (its LoraFunction, lomem's fp32 MS-LN output), `diff_*_MiB` each choice's measured share, "
+            "`unexplained_MiB` = paper − official.",
     "mesa_table": "Training memory in MB as the Mesa README gives it, ours estimated on fake tensors; `ratio` = "
                   "ours / paper.",
     "tokentune_memory": "Peak memory of a training step in MiB per batch size (fake tensors on the CPU).",
