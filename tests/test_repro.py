@@ -45,8 +45,14 @@ def test_block_breakdown_small():
     assert "|" in to_markdown(df)
 
 
-def test_fig1_small():
-    df = run("fig1", small=True)
+@pytest.fixture(scope="module")
+def fig1_small():
+    """One small fig1 run (b=2, 2 blocks, 20 fake steps) for the fig1 tests."""
+    return run("fig1", small=True)
+
+
+def test_fig1_small(fig1_small):
+    df = fig1_small
     specs = ["lora", "lora+checkpointing", "lora+mesa-gelu-ln", "lora+lowmembp"]
     assert list(df["spec"]) == specs * 2
     assert list(df["setting"]) == ["lora_qv (default)"] * 4 + ["lora_all"] * 4
@@ -63,14 +69,14 @@ def test_fig1_small():
     assert qv.loc["lora", "saved_for_backward_MiB"] < all_.loc["lora", "saved_for_backward_MiB"]
 
 
-def test_fig1_official_code_is_measured_and_adds_up():
+def test_fig1_official_code_is_measured_and_adds_up(fig1_small):
     """official_code_MiB is a measured step: its saved bytes exceed ours by what the emulated differences keep (b=2,
     2 blocks, unit b·s·d·2 bytes): LoRA row +1 unit per block (the LoraFunction's fp32 LN output instead of peft's
     fp16 copy) less peft's lora_B input (b·s·r·2) it does not keep; LowMemoryBP row +5 units (norm1, norm2, final
     norm in fp32, each once) + the head's fp16 class-token copy, less the lora_B inputs. The diffs add up."""
     from lowmembp.repro.fig1 import DIFFERENCES, differences
     assert differences("lora") == ("lora_function",) and differences("lora+lowmembp") == tuple(DIFFERENCES)
-    df = run("fig1", small=True, settings=("lora_qv",)).set_index("spec")
+    df = fig1_small[fig1_small.setting.str.startswith("lora_qv")].set_index("spec")
     unit, lora_b_in, head = 2 * 197 * 768 * 2, 2 * 197 * 4 * 2, 2 * 768 * 2
     extra = (df["official_saved_for_backward_MiB"] - df["saved_for_backward_MiB"]) * 2 ** 20
     assert extra["lora"] == pytest.approx(2 * (unit - lora_b_in), abs=64)
