@@ -207,3 +207,31 @@ def test_spec_option_reaches_the_estimate():
     assert method_options("lowmembp-norm")["norm_dtype"] == "auto"
     with pytest.raises(ValueError, match="norm_dtype"):
         check_options("lowmembp", {"norm_dtype": "half"})
+
+
+def test_linear_saving_wide_input_equals_autocast_linear():
+    """save_wide_input under fp16 autocast: F.linear's values and gradients, but the fp32 input itself is saved
+    (no fp16 copy); a frozen weight takes autocast's path (nothing of x saved)."""
+    from lowmembp.ops.shared_linear import linear_sharing_input
+    x0, w0, b0 = _x((3, 5, 16), seed=6), _x((7, 16), seed=7) * 0.3, _x((7,), seed=8)
+    g = _x((3, 5, 7), seed=9).to(F16)
+    res = {}
+    for wide in (False, True):
+        x, w, b = (t.clone().requires_grad_(True) for t in (x0, w0, b0))
+        with torch.autocast("cpu", dtype=F16):
+            fn = (lambda: linear_sharing_input(x, w, b, save_wide_input=True)) if wide else (lambda: F.linear(x, w, b))
+            y, st = _saved_storages(fn)
+        y.backward(g)
+        res[wide] = (y.detach(), x.grad, w.grad, b.grad, st, x.untyped_storage().data_ptr())
+    y0, gx0, gw0, gb0, st0, p0 = res[False]
+    y1, gx1, gw1, gb1, st1, p1 = res[True]
+    assert y1.dtype == F16 and p1 in st1 and p0 not in st0
+    assert not any(dt == F16 and nb == x0.numel() * 2 for nb, dt in st1.values())
+    torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+    torch.testing.assert_close(gx1, gx0, rtol=0, atol=0)
+    torch.testing.assert_close(gw1, gw0, rtol=0, atol=0)
+    torch.testing.assert_close(gb1, gb0, rtol=1e-3, atol=1e-3)
+    x = x0.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=F16):
+        _, st = _saved_storages(lambda: linear_sharing_input(x, w0, None, save_wide_input=True))  # frozen weight
+    assert x.untyped_storage().data_ptr() not in st
