@@ -118,6 +118,20 @@ def test_repro_figures_say_units_and_ours_over_paper(stem):
         assert "(MiB)" in t and "batch size" in t
 
 
+def test_fig1_figure_draws_the_official_code_emulated_beside_ours():
+    """fig1 rows with official_code_MiB (lowmembp.repro.fig1): a third bar set, its ratio to the paper on top."""
+    df = pd.DataFrame({"setting": ["lora_qv", "lora_qv"], "method": ["LoRA", "LoRA + MS-LN"], "spec": ["a", "b"],
+                       "paper_MiB": [100.0, 80.0], "ours_MiB": [90.0, 60.0], "official_code_MiB": [99.0, 78.0],
+                       "ratio": [0.9, 0.75], "note": ["", ""]})
+    fig = plots_repro.figure("fig1", df)
+    t = texts(fig)
+    _no_column_names(t)
+    assert "official code's choices emulated" in t and "official / paper 0.99" in t and "ours / paper 0.75" in t
+    assert len(fig.axes[0].patches) == 6
+    two = plots_repro.figure("fig1", df.drop(columns="official_code_MiB"))
+    assert len(two.axes[0].patches) == 4 and "official" not in texts(two)
+
+
 def test_synthetic_one_seed_cells_and_failed_cell_are_drawn():
     """A sweep with one batch size and one seed: no 'hollow' memory cells, '1 seed', a failed cell marked."""
     rows = []
