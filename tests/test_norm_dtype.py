@@ -144,7 +144,8 @@ def test_lora_saves_the_fp32_norm_output_once_and_gradients_hold():
         pre = f"base_model.model.{name}."
         lin = F.linear(h64, ps[pre + "base_layer.weight"], ps[pre + "base_layer.bias"])
         scale = getattr(inner, name).scaling["default"]
-        out64 = out64 + lin + scale * (h64 @ ps[pre + "lora_A.default.weight"].t()) @ ps[pre + "lora_B.default.weight"].t()
+        A, B = ps[pre + "lora_A.default.weight"], ps[pre + "lora_B.default.weight"]
+        out64 = out64 + lin + scale * (h64 @ A.t()) @ B.t()
     (out64 * w.double()).sum().backward()
     ref = {n: p.grad for n, p in ps.items() if p.requires_grad}
     ref["x"] = x64.grad

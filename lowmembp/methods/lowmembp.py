@@ -221,8 +221,8 @@ def apply_lowmembp_act(model):
     return convert(model, acts=True, norms=False)
 
 
-@register("lowmembp-norm", "LowMemoryBP norms only: LayerNorm/RMSNorm→MS-norms with γ/β folded into the next linears "
-          "(option norm_dtype)", options=_OPTS, order=20, excludes=("lowmembp", "mesa-gelu-ln"),
+@register("lowmembp-norm", "LowMemoryBP norms only: LayerNorm/RMSNorm→MS-norms with γ/β folded into the next "
+          "linears (option norm_dtype)", options=_OPTS, order=20, excludes=("lowmembp", "mesa-gelu-ln"),
           check=_check_options)
 def apply_lowmembp_norm(model, share_lora_inputs=True, norm_dtype="auto"):
     return convert(model, acts=False, norms=True, share_lora_inputs=share_lora_inputs, norm_dtype=norm_dtype)
