@@ -10,7 +10,7 @@ from lowmembp.repro.block_breakdown import theory
 def test_registry_names():
     assert set(REPROS) == {"block-breakdown", "fig1", "mesa-table", "tokentune-memory", "stacked", "headline",
                            "mesa-attribution", "tokentune-vs-ckpt",
-                           "tokentune-k", "compiled-saving"}
+                           "tokentune-k", "compiled-saving", "compiled-budget"}
     with pytest.raises(ValueError, match="unknown reproduction"):
         run("fig2")
 

@@ -83,6 +83,11 @@ REPRODUCTIONS = (
                  "Eager vs torch.compile: each method's saving in saved-for-backward bytes both ways, and the share "
                  "that survives compilation (small ViT / BERT / LLaMA, CPU)",
                  how="real tensors on the CPU, eager and torch.compile (inductor)"),
+    Reproduction("compiled-budget", "compiled_budget",
+                 "torch.compile's activation memory budget vs LowMemoryBP: saved-for-backward bytes and CPU step "
+                 "time of baseline, lowmembp and lora+lowmembp against the budget, eager beside (small ViT / BERT / "
+                 "LLaMA, CPU)",
+                 how="real tensors on the CPU, eager and torch.compile (inductor's partitioner)"),
 )
 REPRO_SCRIPT = "repro.py"  # reproduction -> repro/<name>.csv
 REPRO_TABLE_SCRIPT = "tables.py"

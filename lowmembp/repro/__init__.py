@@ -12,8 +12,10 @@ Mesa-table baselines' gap to the README, difference by difference in MiB), ``tok
 against gradient checkpointing: peak and CPU step time at growing batch sizes), ``tokentune-k`` (TokenTune's
 accuracy against k, beside full fine-tuning and LoRA, on a synthetic task trained on the CPU), ``compiled-saving``
 (every method's saved-for-backward bytes eager vs ``torch.compile``d on small ViT / BERT / LLaMA: how much of each
-saving survives compilation; small real models on the CPU). The paper-scale ones run the real timm / transformers
-code on fake tensors (:mod:`lowmembp.estimate`): no GPU, nothing large allocated.
+saving survives compilation; small real models on the CPU), ``compiled-budget`` (baseline, lowmembp and
+lora+lowmembp at torch.compile memory budgets below 1: saved bytes and CPU step time, eager beside). The
+paper-scale ones run the real timm / transformers code on fake tensors (:mod:`lowmembp.estimate`): no GPU,
+nothing large allocated.
 Every table puts the paper's value (where there is one), ours and their ratio side by side, and a ``note`` says why
 where they differ by more than 5 %.
 """
@@ -25,6 +27,7 @@ import pandas as pd
 
 from lowmembp.repro._common import MiB, ratio, to_markdown
 from lowmembp.repro.block_breakdown import block_breakdown
+from lowmembp.repro.compiled_budget import compiled_budget
 from lowmembp.repro.compiled_saving import compiled_saving
 from lowmembp.repro.fig1 import fig1
 from lowmembp.repro.headline import headline
@@ -41,7 +44,7 @@ REPROS: dict[str, Callable[..., pd.DataFrame]] = {
     "block-breakdown": block_breakdown, "fig1": fig1, "mesa-table": mesa_table,
     "tokentune-memory": tokentune_memory, "stacked": stacked, "headline": headline,
     "mesa-attribution": mesa_attribution, "tokentune-vs-ckpt": tokentune_vs_ckpt,
-    "tokentune-k": tokentune_k, "compiled-saving": compiled_saving}
+    "tokentune-k": tokentune_k, "compiled-saving": compiled_saving, "compiled-budget": compiled_budget}
 
 
 def run(name: str, **kwargs) -> pd.DataFrame:

@@ -84,7 +84,9 @@ def _is_param(source: str) -> bool:
 def partitioner_saved(model: nn.Module, forward, memory_budget: float | None = None) -> list[dict]:
     """Compile ``model`` in place with :func:`recording_backend`, run ``forward()`` (returns the loss) and its
     backward once, and return one row per storage the compiled forward saves for backward (see the module doc).
-    ``memory_budget``: ``torch._functorch.config.activation_memory_budget`` while partitioning (None: torch's)."""
+    ``memory_budget``: ``torch._functorch.config.activation_memory_budget`` while partitioning (None: torch's).
+    Only this first call runs under it: a later call that recompiles (a guard fails; BERT's first call sets
+    ``config.problem_type``) partitions at whatever budget is in force then."""
     import torch._functorch.config as functorch_config
 
     store: dict = {}

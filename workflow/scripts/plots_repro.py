@@ -6,6 +6,8 @@
 - tokentune_memory: peak memory against batch size per method (the slope is what TokenTune changes).
 - stacked: per model, the peak memory of each row (each adds one technique to the row before), change annotated.
 - compiled_saving: per model family, each method's saving (%) eager beside compiled, the share kept on top.
+- compiled_budget: per model family, saved-for-backward KiB and step time against torch.compile's memory budget, one
+  line per method, eager dashed.
 Any other table with a numeric ``paper...`` and ``ours...`` column gets the side-by-side bars.
 
 Run by Snakemake (rule repro_figure) or by hand: ``python plots_repro.py NAME REPRO.csv OUT.png``.
@@ -180,6 +182,32 @@ def compiled_saving(df: pd.DataFrame, fig) -> None:
     axes[0].legend(fontsize=8, loc="upper left")
 
 
+def compiled_budget(df: pd.DataFrame, fig) -> None:
+    """Per model family (columns): saved-for-backward KiB (top) and CPU step time / the eager baseline's (bottom)
+    against torch.compile's activation_memory_budget, one line per method; the eager value of each method dashed in
+    the same colour."""
+    families = list(dict.fromkeys(df["family"]))
+    methods = list(dict.fromkeys(df["method"]))
+    axes = fig.subplots(2, len(families), squeeze=False, sharex=True)
+    for j, family in enumerate(families):
+        for i, method in enumerate(methods):
+            sub = df[(df["family"] == family) & (df["method"] == method)]
+            comp = sub[sub["mode"] == "compiled"].sort_values("memory_budget")
+            eager = sub[sub["mode"] == "eager"]
+            for ax, col in zip(axes[:, j], ("saved_KiB", "step_vs_eager")):
+                ax.plot(comp["memory_budget"], comp[col], marker="o", color=f"C{i}", label=f"{method}, compiled")
+                if len(eager):
+                    ax.axhline(float(eager[col].iloc[0]), ls="--", lw=1, color=f"C{i}", label=f"{method}, eager")
+        axes[0, j].set_title(f"{family} (fp32, CPU)", fontsize=10)
+        axes[0, j].set_ylim(bottom=0)
+        axes[1, j].set_xlabel("activation_memory_budget")
+        for ax in axes[:, j]:
+            ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("saved for backward (KiB)")
+    axes[1, 0].set_ylabel("CPU step time /\nthe eager baseline's")
+    axes[0, 0].legend(fontsize=7, loc="upper left")
+
+
 def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
     """The figure of reproduction ``name`` (a table stem) from its rows."""
     if name == "block_breakdown":
@@ -188,6 +216,9 @@ def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
     elif name == "compiled_saving" and "compiled_saving_%" in df.columns:
         fig = plt.figure(figsize=(4.2 * df["family"].nunique(), 4.6))
         compiled_saving(df, fig)
+    elif name == "compiled_budget" and "memory_budget" in df.columns:
+        fig = plt.figure(figsize=(4.2 * df["family"].nunique(), 6.4))
+        compiled_budget(df, fig)
     elif name == "stacked" and "peak_MiB" in df.columns:
         fig = plt.figure(figsize=(6.5 * df["model"].nunique(), 0.45 * df.groupby("model").size().max() + 1.8))
         stacked(df, fig)
