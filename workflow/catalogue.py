@@ -84,9 +84,8 @@ REPRODUCTIONS = (
                  "that survives compilation (small ViT / BERT / LLaMA, CPU)",
                  how="real tensors on the CPU, eager and torch.compile (inductor)"),
     Reproduction("compiled-budget", "compiled_budget",
-                 "torch.compile's activation memory budget vs LowMemoryBP: saved-for-backward bytes and CPU step "
-                 "time of baseline, lowmembp and lora+lowmembp against the budget, eager beside (small ViT / BERT / "
-                 "LLaMA, CPU)",
+                 "torch.compile's memory budget vs LowMemoryBP: saved-for-backward KiB and CPU step time against "
+                 "the budget, eager dashed (small ViT / BERT / LLaMA)",
                  how="real tensors on the CPU, eager and torch.compile (inductor's partitioner)"),
 )
 REPRO_SCRIPT = "repro.py"  # reproduction -> repro/<name>.csv

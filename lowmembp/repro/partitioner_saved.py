@@ -4,6 +4,7 @@
     # [{"graph": 0, "name": "mm_4", "module": "model.layers.0.mlp.gate_proj", "op": "aten.mm.default",
     #   "shape": (128, 172), "dtype": "float32", "bytes": 88064, "graph_input": "", "aliases": ...}, ...]
     python -m lowmembp.repro.partitioner_saved --family llama --method lowmembp --block 0   # one block, as a table
+    python -m lowmembp.repro.partitioner_saved --family bert --method baseline --memory-budget 0.9
 
 How: the model is compiled (``nn.Module.compile``, ``dynamic=False``) with a backend that is
 ``aot_eager_decomp_partition`` with its graphs recorded: AOT autograd with inductor's decompositions and the min-cut
@@ -137,10 +138,12 @@ def main(argv=None) -> int:
     ap.add_argument("--method", default="lowmembp")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--block", type=int, default=None, help="only the rows of this block (modules '*.<i>.*')")
+    ap.add_argument("--memory-budget", type=float, default=None,
+                    help="torch's activation_memory_budget while partitioning, in [0, 1] (default: torch's, 1)")
     a = ap.parse_args(argv)
     model, forward = build(a.family, a.seq_len)
     model = convert(model, a.method)
-    rows = partitioner_saved(model, lambda: forward(model))
+    rows = partitioner_saved(model, lambda: forward(model), memory_budget=a.memory_budget)
     if a.block is not None:
         rows = [r for r in rows if re.search(rf"\.{a.block}(\.|$)", r["module"])]
     print("| module | op | shape | dtype | bytes | also saved as |")
