@@ -98,6 +98,20 @@ def test_headline_small():
     assert df["ours_saving_pct"].tolist() == pytest.approx((100 * (1 - df["lowmembp_MiB"] / df["baseline_MiB"])).tolist())
     assert df["spec"].str.contains("QLoRA").tolist() == [False, True, False]
     assert df["note"].str.len().gt(20).all()
+    assert "from the bf16 build" in df["note"][1]  # QLoRA: the model loaded in bf16, as the official script
+
+
+def test_headline_qlora_delta_is_bf16_to_nf4():
+    """The LLaMA rows subtract, per frozen block linear, its bf16 bytes minus its NF4 bytes (fp32 build: 4 bytes)."""
+    from lowmembp.estimate import nf4_weight_bytes
+    from lowmembp.repro.headline import _qlora_delta
+
+    over = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 160, "num_key_value_heads": 4}
+    n = 2 * (4 * 64 * 64 + 3 * 64 * 160)  # 2 blocks: q, k, v, o and gate, up, down
+    per = [(64 * 64, 4), (64 * 160, 3)]
+    nf4 = 2 * sum(c * nf4_weight_bytes(k) for k, c in per)
+    assert _qlora_delta("llama_7b", 2, over, "bf16") == 2 * n - nf4
+    assert _qlora_delta("llama_7b", 2, over) == 4 * n - nf4
 
 
 def test_nf4_weight_bytes():

@@ -8,12 +8,14 @@ where that has none (BERT, Swin, ViT-L LoRA), the suite's paper spec (:data:`low
 
 Ours: the peak of one steady training step (AdamW) on fake tensors, each model measured on 2- and 3-block builds and
 extended to its depth (:func:`lowmembp.estimate.estimate_by_depth`); Swin-T (depth per stage) is built whole at a
-reduced batch. LLaMA rows are QLoRA: the frozen block linears are stored as bitsandbytes NF4 with double quantisation
-(:func:`lowmembp.estimate.nf4_weight_bytes`: packed 4-bit weight N·K/2 bytes + 8-bit absmax per 64 + fp32 per 256
-absmax), in place of the fp32 weights the fake-tensor build holds; the bf16 compute copy of each weight is a temporary
-in both (autocast's cast there, bitsandbytes' dequantisation in the real run). What the model does not reproduce of
-the real QLoRA run: the residual stream is fp32 under autocast here (bf16 weights and activations in qlora.py), LoRA
-dropout 0.1 (``llama_exp/scripts/finetune_llama_7b.sh:32``) is 0 here.
+reduced batch. LLaMA rows are QLoRA: the model is loaded in bf16 as the official script does (``estimate(weights=
+"bf16")``: embeddings, norms, head and the residual stream in bf16, peft's adapters fp32), and the frozen block
+linears are stored as bitsandbytes NF4 with double quantisation (:func:`lowmembp.estimate.nf4_weight_bytes`: packed
+4-bit weight N·K/2 bytes + 8-bit absmax per 64 + fp32 per 256 absmax), in place of the bf16 weights the fake-tensor
+build holds (bitsandbytes cannot run on fake tensors); the bf16 compute copy of each weight is a temporary in the
+real run (bitsandbytes' dequantisation), which the bf16 build does not make. What the model does not reproduce of
+the real QLoRA run: that dequantised temporary, and LoRA dropout 0.1 (``llama_exp/scripts/finetune_llama_7b.sh:32``)
+is 0 here.
 """
 from __future__ import annotations
 
@@ -35,9 +37,9 @@ ROWS = {
                    "no official ViT-L LoRA config; the ViT-B lora_qv setting", {}),
     "llama_7b": ("LLaMA-7B QLoRA r64 α16 (all linears)", "llama_7b", "lora", {"rank": 64, "alpha": 16}, 29.0,
                  "llama_exp/scripts/finetune_llama_7b.sh:9 (source 512), :30-37 (r 64, α 16, all, nf4, double "
-                 "quant, bf16), :41 (batch 4)", {"qlora": True}),
+                 "quant, bf16), :41 (batch 4)", {"qlora": True, "weights": "bf16"}),
     "llama_13b": ("LLaMA-13B QLoRA r64 α16 (all linears)", "llama_13b", "lora", {"rank": 64, "alpha": 16}, 29.0,
-                  "llama_exp/scripts/finetune_llama_13b.sh (as 7B)", {"qlora": True}),
+                  "llama_exp/scripts/finetune_llama_13b.sh (as 7B)", {"qlora": True, "weights": "bf16"}),
     "roberta_base": ("RoBERTa-base LoRA r64 α16 (query, key)", "roberta_base", "lora",
                      {"rank": 64, "alpha": 16, "targets": "query,key"}, 21.0,
                      "roberta_exp/scripts/finetune_roberta.sh:12-13,22-23 (len 256, batch 32, r 64, α 16); "
@@ -49,13 +51,15 @@ ROWS = {
 }
 
 
-def _qlora_delta(model_key: str, layers: int | None, overrides: dict | None) -> int:
-    """Bytes to subtract from the fake build's peak for NF4 storage of the frozen block linears (fp32 -> NF4)."""
+def _qlora_delta(model_key: str, layers: int | None, overrides: dict | None, weights: str = "fp32") -> int:
+    """Bytes to subtract from the fake build's peak for NF4 storage of the frozen block linears (``weights`` -> NF4)."""
     import torch.nn as nn
 
-    from lowmembp.estimate import MODELS, block_names, build, nf4_weight_bytes
+    from lowmembp.estimate import DTYPES, MODELS, block_names, build, nf4_weight_bytes
 
     model = build(MODELS[model_key], layers=layers, overrides=overrides, device="meta")
+    if DTYPES[weights] is not None:
+        model = model.to(DTYPES[weights])
     names = block_names(model)
     delta = 0
     for blk in names:
@@ -95,7 +99,8 @@ def headline(small: bool = False, rows: tuple[str, ...] | None = None) -> pd.Dat
         for method in (base, with_):
             est = run(key, method, **kw)
             peaks[method] = est["peak"]["bytes"]
-        delta = _qlora_delta(key, kw.get("layers") if small else None, kw.get("overrides")) if qlora else 0
+        delta = (_qlora_delta(key, kw.get("layers") if small else None, kw.get("overrides"), kw.get("weights", "fp32"))
+                 if qlora else 0)
         b, w = (peaks[base] - delta) / MiB, (peaks[with_] - delta) / MiB
         ours = 100 * (1 - w / b)
         out.append({"model": label, "paper_saving_pct": paper, "ours_saving_pct": ours,
@@ -103,8 +108,8 @@ def headline(small: bool = False, rows: tuple[str, ...] | None = None) -> pd.Dat
                     "band_low_pct": PAPER_BAND[0], "band_high_pct": PAPER_BAND[1],
                     "in_band": bool(PAPER_BAND[0] <= ours <= PAPER_BAND[1]),
                     "spec": f"{base} vs {with_}" + (" (QLoRA NF4 storage)" if qlora else ""),
-                    "note": cited + (f"; NF4 frozen linears: −{delta / MiB:.0f} MiB from the fp32 build" if qlora
-                                     else "")})
+                    "note": cited + (f"; NF4 frozen linears: −{delta / MiB:.0f} MiB from the "
+                                     f"{kw.get('weights', 'fp32')} build" if qlora else "")})
     df = pd.DataFrame(out)
     df.attrs["caption"] = ("LowMemoryBP headline: peak of one training step without / with LowMemoryBP (fake "
                            "tensors; ViT, Swin fp16 autocast, LLaMA bf16 autocast, BERT / RoBERTa fp32). paper: "
