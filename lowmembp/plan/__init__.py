@@ -31,7 +31,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-from lowmembp.estimate import ModelSpec, build, estimate, full_depth
+from lowmembp.estimate import DTYPES, ModelSpec, build, estimate, full_depth
 from lowmembp.methods.registry import parse
 from lowmembp.plan.combination import Peaks
 from lowmembp.plan.combos import combinations, key_of, option_grid
@@ -97,7 +97,6 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
     extra = _world_size_kwargs(world_size)
     spec, where = resolve_model(model, seq_len=seq_len, num_classes=num_classes, image_size=image_size)
     dtype = dtype or spec.dtype
-    from lowmembp.estimate import DTYPES
     if weights not in DTYPES:
         raise ValueError(f"weights must be one of {list(DTYPES)} (the parameters' dtype), got {weights!r}")
     budget = parse_bytes(gpu_memory)
@@ -111,7 +110,8 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
         combos, skipped = combinations(methods, exclude, max_methods)
     more = {str(g): (parse_bytes(g) - mg["reserved_bytes"]) / (1 + mg["fraction"]) for g in more_gpus or []}
     common = dict(spec=spec, batch_size=batch_size, seq_len=spec.seq_len, dtype=dtype, overrides=overrides,
-                  shallow=shallow, depth=blocks, capacity=capacity, weights=weights, margin=mg, max_batch=max_batch, extra=extra, more=more)
+                  shallow=shallow, depth=blocks, capacity=capacity, weights=weights, margin=mg, max_batch=max_batch,
+                  extra=extra, more=more)
     singles = [c for c in combos if "+" not in c]
     with _pool(jobs, len(combos)) as pool:
         rows = _run([dict(common, method=c, options=o) for c in singles for o in option_grid(c, options)], pool,
