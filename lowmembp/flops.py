@@ -51,10 +51,15 @@ class StepFlops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.count(func, args, kwargs, out)
+        return out
+
+    def count(self, func, args, kwargs, out) -> None:
+        """Add ``func``'s FLOPs (its call with ``args``/``kwargs`` gave ``out``); for a mode that already runs the
+        ops and counts with this one instead of stacking another (:class:`lowmembp.plan.steps.EventTracker`)."""
         formula = self._registry.get(func._overloadpacket)
         if formula is not None:
             self.total += int(formula(*args, **kwargs, out_val=out))
-        return out
 
     def get_total_flops(self) -> int:
         return self.total

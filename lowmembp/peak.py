@@ -53,6 +53,7 @@ __all__ = ["StorageTracker", "measure_step_peak", "prime_optimizer", "profiler_p
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
 _HOST = "host"  # not a category: host storages are kept out of the device total
 _ACTIVE: list["StorageTracker"] = []
+_DEVICE = torch.ops.prim.device.default  # returns a device, never a storage: passed straight through
 
 
 def note_host(t: torch.Tensor) -> None:
@@ -163,6 +164,15 @@ class StorageTracker(TorchDispatchMode):
 
     # -- mode -----------------------------------------------------------------------------------------------
     def __enter__(self):
+        self._start()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._stop()
+        return super().__exit__(*exc)
+
+    def _start(self) -> None:
+        """Everything but the dispatch mode itself: the optimizer hooks, and :func:`note_host` reaching us."""
         def pre(opt, args, kwargs):
             self._in_opt = True
 
@@ -172,28 +182,32 @@ class StorageTracker(TorchDispatchMode):
 
         self._handles += [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
         _ACTIVE.append(self)
-        return super().__enter__()
 
-    def __exit__(self, *exc):
+    def _stop(self) -> None:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is _DEVICE:  # most calls on fake tensors (autograd and autocast asking a tensor's device)
+            return out
+        self._note(out)
+        return out
+
+    def _note(self, out) -> None:
+        """Track the storages of an op's outputs that are not tracked yet (activations, or temporaries)."""
         if self._in_opt:
             cat = "temporaries"
         elif torch._C._current_graph_task_id() != -1:
             cat = "temporaries"
         else:
             cat = "activations"
-        for t in tree_flatten(out)[0]:
+        for t in ((out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]):
             if isinstance(t, torch.Tensor) and self._key(t) not in self._live:
                 self.track(t, cat)
-        return out
 
     @staticmethod
     def _key(t):
