@@ -19,7 +19,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 METHODS = ("baseline", "lowmembp", "mesa", "tokentune", "checkpointing")
@@ -53,6 +52,7 @@ def interleaved_step_times(methods, k: int, batch_size: int, max_len: int, round
 
     import lowmembp
     from experiments.tasks import tweets_sentiment
+    from lowmembp.timing import time_interleaved
 
     cfg = argparse.Namespace(seed=0, limit=None, eval_limit=8, max_len=max_len)
     built = {}
@@ -65,18 +65,14 @@ def interleaved_step_times(methods, k: int, batch_size: int, max_len: int, round
         built[m] = (setup, model, opt)
     setup = built[methods[0]][0]
     batches = [setup.collate(setup.train[i * batch_size:(i + 1) * batch_size]) for i in range(rounds + warmup)]
-    times: dict = {m: [] for m in methods}
-    for r in range(rounds + warmup):
-        shift = r % len(methods)
-        for m in list(methods[shift:]) + list(methods[:shift]):
-            setup, model, opt = built[m]
-            t0 = time.perf_counter()
+    def step(setup, model, opt):
+        def run(r):
             setup.loss(model, batches[r]).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if r >= warmup:
-                times[m].append(time.perf_counter() - t0)
-    return times
+        return run
+
+    return time_interleaved({m: step(*built[m]) for m in methods}, rounds=rounds, warmup=warmup, rotate=True)
 
 
 def table(records: dict, methods, seeds, k: int, times: dict) -> str:

@@ -1,6 +1,7 @@
 """Step time after warm-up: p20 / p50 / p80 over repeats.
 
     stats = time_steps(step, warmup=3, repeats=20)   # {"p20", "p50", "p80", "n", "how"}, seconds
+    times = time_interleaved({"a": step_a, "b": step_b}, rounds=10)   # {"a": [s, ...], "b": [...]}: taking turns
 
 CUDA: each step is bracketed by CUDA events (``elapsed_time`` after a synchronise), so asynchronous kernels are
 counted where they run. CPU: ``torch.cuda``-free, ``time.perf_counter`` around the step (CPU ops are synchronous;
@@ -10,12 +11,12 @@ Percentiles use linear interpolation between order statistics (``numpy.percentil
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["time_steps", "summarize", "throughput"]
+__all__ = ["time_steps", "time_interleaved", "summarize", "throughput"]
 
 
 def summarize(samples: Sequence[float], how: str = "") -> dict:
@@ -54,6 +55,30 @@ def time_steps(step: Callable[[], object], *, warmup: int = 3, repeats: int = 20
         step()
         times.append(time.perf_counter() - t0)
     return summarize(times, "cpu perf_counter")
+
+
+def time_interleaved(steps: Mapping[str, Callable[[int], object]], *, rounds: int, warmup: int = 1,
+                     rotate: bool = False) -> dict[str, list[float]]:
+    """``{name: [seconds of each timed round]}`` for ``steps`` (``{name: step(round)}``) run in turns: one step of
+    each per round, ``warmup`` rounds untimed first. Taking turns, every step sees the same changes of a shared
+    machine's load, which back-to-back repeats of one step and then the other would not. ``rotate``: each round
+    starts one name later, so that no step always runs right after the same one. CPU steps (``time.perf_counter``;
+    the ops are synchronous)."""
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"time_interleaved: need rounds >= 1 and warmup >= 0, got rounds={rounds}, warmup={warmup}")
+    names = list(steps)
+    if not names:
+        raise ValueError("time_interleaved: no steps given")
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + rounds):
+        shift = r % len(names) if rotate else 0
+        for n in names[shift:] + names[:shift]:
+            t0 = time.perf_counter()
+            steps[n](r)
+            dt = time.perf_counter() - t0
+            if r >= warmup:
+                times[n].append(dt)
+    return times
 
 
 def throughput(step_time_s: dict, batch_size: int, tokens_per_sample: int | None = None) -> dict:

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from lowmembp.timing import summarize, throughput, time_steps
+from lowmembp.timing import summarize, throughput, time_interleaved, time_steps
 
 
 def test_summarize_percentiles_linear_interpolation():
@@ -44,3 +44,27 @@ def test_throughput():
     t = throughput({"p50": 0.5}, batch_size=8, tokens_per_sample=197)
     assert t == {"samples_per_s": 16.0, "tokens_per_s": 16.0 * 197}
     assert throughput({"p50": 2.0}, 4)["tokens_per_s"] is None
+
+
+def test_time_interleaved_takes_turns_rotates_and_skips_warmup():
+    calls = []
+
+    def step(name):
+        return lambda r: calls.append((name, r))
+
+    times = time_interleaved({"a": step("a"), "b": step("b"), "c": step("c")}, rounds=3, warmup=2, rotate=True)
+    assert [len(t) for t in times.values()] == [3, 3, 3] and all(x >= 0 for t in times.values() for x in t)
+    # one step of each per round, each round starting one name later; warm-up rounds run but are not timed
+    assert calls == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1), ("c", 2), ("a", 2), ("b", 2),
+                     ("a", 3), ("b", 3), ("c", 3), ("b", 4), ("c", 4), ("a", 4)]
+    calls.clear()
+    time_interleaved({"a": step("a"), "b": step("b")}, rounds=2)
+    assert calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+
+
+@pytest.mark.parametrize("kw", [dict(rounds=0), dict(rounds=2, warmup=-1)])
+def test_time_interleaved_rejects_bad_counts(kw):
+    with pytest.raises(ValueError, match="time_interleaved"):
+        time_interleaved({"a": lambda r: None}, **kw)
+    with pytest.raises(ValueError, match="no steps"):
+        time_interleaved({}, rounds=1)

@@ -32,7 +32,6 @@ lowmembp graph at budget b is held to b of its own, smaller, budget-1 bytes.
 from __future__ import annotations
 
 import statistics
-import time
 
 import pandas as pd
 import torch
@@ -51,19 +50,20 @@ def _step_ms(model, forward, ref, steps: int, budget: float | None = None) -> tu
     ``config.problem_type``, a guard of the graph) partitions at the budget measured."""
     import torch._functorch.config as functorch_config
 
-    pair = ((model, forward), ref)
-    times: tuple[list, list] = ([], [])
+    from lowmembp.timing import time_interleaved
+
+    def step(m, f):
+        def run(_round):
+            m.zero_grad(set_to_none=True)
+            f(m).backward()
+        return run
+
     patch = {} if budget is None else {"activation_memory_budget": budget}
     with functorch_config.patch(**patch):
-        for _ in range(steps + 1):
-            for (m, f), t in zip(pair, times):
-                m.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
-                f(m).backward()
-                t.append(time.perf_counter() - t0)
-    for m, _ in pair:
+        times = time_interleaved({"model": step(model, forward), "ref": step(*ref)}, rounds=steps)
+    for m in (model, ref[0]):
         m.zero_grad(set_to_none=True)
-    return tuple(1e3 * statistics.median(t[1:]) for t in times)
+    return 1e3 * statistics.median(times["model"]), 1e3 * statistics.median(times["ref"])
 
 
 def _count(model, forward, budget: float | None = None) -> int:

@@ -11,7 +11,6 @@ unselected rows without a graph.
 """
 from __future__ import annotations
 
-import time
 
 import pandas as pd
 
@@ -35,6 +34,7 @@ def step_ms(methods, batch_size: int, *, seq_len: int = 128, k: int = 16, layers
 
     import lowmembp
     from lowmembp.estimate import MODELS, _batch, _loss, build
+    from lowmembp.timing import time_interleaved
 
     spec = MODELS["bert_large"]
     threads = torch.get_num_threads()
@@ -50,16 +50,15 @@ def step_ms(methods, batch_size: int, *, seq_len: int = 128, k: int = 16, layers
             batch = _batch(spec, model, batch_size, seq_len, (overrides or {}).get("vocab_size"))
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
             runs[method] = (model, batch, opt)
-        best = {m: float("inf") for m in methods}
-        for i in range(rounds + 1):
-            for method, (model, batch, opt) in runs.items():
-                t0 = time.perf_counter()
+        def step(model, batch, opt):
+            def run(_round):
                 _loss(spec, model, batch).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                if i:
-                    best[method] = min(best[method], 1000 * (time.perf_counter() - t0))
-        return best
+            return run
+
+        times = time_interleaved({m: step(*r) for m, r in runs.items()}, rounds=rounds)
+        return {m: 1000 * min(t) for m, t in times.items()}
     finally:
         torch.set_num_threads(threads)
 
