@@ -217,3 +217,48 @@ def test_a_composite_is_its_parts_and_is_listed_once(name):
     assert "lora+lowmembp" in combos and "lowmembp-act" in combos and "lowmembp-norm" in combos
     without, _ = combinations(exclude=["lowmembp"])  # no composite: its parts together stand for it
     assert "lowmembp-act+lowmembp-norm" in without
+
+
+def test_progress_bar_counts_every_combination(monkeypatch):
+    """progress="bar" (the command line's default): one tick per row, the total the rows actually planned."""
+    import sys
+
+    seen = {"n": 0}
+
+    class Recorder:
+        def __init__(self, total):
+            seen["total"] = [total]
+
+        def __call__(self, row):
+            seen["n"] += 1
+
+        def set_total(self, total):
+            seen["total"].append(total)
+
+        def close(self):
+            seen["closed"] = True
+
+    monkeypatch.setattr(sys.modules["lowmembp.plan"], "Bar", Recorder)
+    p = plan("bert_large", batch_size=2, gpu_memory="8MiB", methods=["checkpointing", "lora"], progress="bar",
+             **BERT)
+    assert seen["n"] == len(p.rows) == seen["total"][-1] == 4 and seen["closed"]
+
+
+def test_progress_bar_on_a_terminal(monkeypatch):
+    import io
+    import sys
+
+    from lowmembp.plan.progress import Bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    bar = Bar(5)
+    bar({"label": "lora"})
+    bar.set_total(2)
+    bar({"label": "lora+checkpointing"})
+    bar.close()
+    out = sys.stderr.getvalue()
+    assert "plan" in out and "2/2" in out and "lora+checkpointing" in out

@@ -36,6 +36,7 @@ from lowmembp.methods.registry import parse
 from lowmembp.plan.combination import Peaks
 from lowmembp.plan.combos import combinations, key_of, option_grid
 from lowmembp.plan.models import resolve_model
+from lowmembp.plan.progress import Bar
 from lowmembp.plan.search import largest_batch
 from lowmembp.plan.sources import GiB, margin as margin_of, measured_ratios, parse_bytes
 
@@ -88,7 +89,8 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
     ``more_gpus``: other GPU sizes, each row then also has ``largest_batch_by_gpu`` (the same estimates reused);
     ``weights``: the parameters' dtype (``"fp32"``, or ``"bf16"``/``"fp16"``: the model loaded in that dtype, see
     :func:`lowmembp.estimate.estimate`);
-    ``progress``: called with each finished row."""
+    ``progress``: called with each finished row, or ``"bar"``: a progress bar on stderr
+    (:class:`lowmembp.plan.progress.Bar`, shown when stderr is a terminal)."""
     t0 = time.perf_counter()
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -112,16 +114,23 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
     common = dict(spec=spec, batch_size=batch_size, seq_len=spec.seq_len, dtype=dtype, overrides=overrides,
                   shallow=shallow, depth=blocks, capacity=capacity, weights=weights, margin=mg, max_batch=max_batch,
                   extra=extra, more=more)
-    singles = [c for c in combos if "+" not in c]
-    with _pool(jobs, len(combos)) as pool:
-        rows = _run([dict(common, method=c, options=o) for c in singles for o in option_grid(c, options)], pool,
-                    progress)
-        failed = {r["method"]: r["reason"] for r in rows if r["status"] != "ok" and r["method"] != "baseline"}
-        skipped.update({m: f"its estimate fails: {why}" for m, why in failed.items()})
-        rows = [r for r in rows if r["method"] not in failed]
-        multi = [c for c in combos if "+" in c and not set(c.split("+")) & set(failed)]
-        rows += _run([dict(common, method=c, options=o) for c in multi for o in option_grid(c, options)], pool,
-                     progress)
+    singles = [dict(common, method=c, options=o) for c in combos if "+" not in c for o in option_grid(c, options)]
+    n_multi = sum(len(option_grid(c, options)) for c in combos if "+" in c)
+    bar = Bar(len(singles) + n_multi) if progress == "bar" else None
+    try:
+        with _pool(jobs, len(combos)) as pool:
+            rows = _run(singles, pool, bar or progress)
+            failed = {r["method"]: r["reason"] for r in rows if r["status"] != "ok" and r["method"] != "baseline"}
+            skipped.update({m: f"its estimate fails: {why}" for m, why in failed.items()})
+            rows = [r for r in rows if r["method"] not in failed]
+            multi = [dict(common, method=c, options=o) for c in combos
+                     if "+" in c and not set(c.split("+")) & set(failed) for o in option_grid(c, options)]
+            if bar is not None:
+                bar.set_total(len(singles) + len(multi))
+            rows += _run(multi, pool, bar or progress)
+    finally:
+        if bar is not None:
+            bar.close()
     measured, runs_file = measured_ratios(runs)
     _add_costs(rows, measured)
     rows.sort(key=_rank)
@@ -233,9 +242,14 @@ def _pool(jobs: int, n_tasks: int):
 
 
 def _init_worker() -> None:
+    import logging
+
     import torch
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
+    # bitsandbytes (imported through peft) logs on CPUs with AVX512-BF16 that its optional CPU 4-bit matmul kernel
+    # cannot be downloaded; fake-tensor steps never run a 4-bit matmul, so that line would only confuse the output
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def _world_size_kwargs(world_size: int) -> dict:

@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes (default 2)")
     ap.add_argument("--also-gpu", default=None, metavar="SIZES",
                     help="other GPU sizes for the max-batch column, e.g. 40GiB,80GiB (the same estimates reused)")
-    ap.add_argument("--progress", action="store_true", help="print each finished combination to stderr")
+    ap.add_argument("--progress", action="store_true",
+                    help="print each finished combination to stderr (default: a progress bar there, on a terminal)")
     ap.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of the table")
     ap.add_argument("--csv", default=None, metavar="FILE", help="also write the rows as CSV to FILE")
     a = ap.parse_args(argv)
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                  world_size=a.world_size, methods=names(a.methods), exclude=names(a.exclude),
                  max_methods=a.max_methods, options=parse_option_sweeps(a.option), margin=a.margin,
                  reserved=a.reserved, runs=a.runs, jobs=a.jobs, image_size=a.image_size,
-                 more_gpus=names(a.also_gpu), weights=a.weights, progress=_progress if a.progress else None)
+                 more_gpus=names(a.also_gpu), weights=a.weights, progress=_progress if a.progress else "bar")
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
