@@ -52,6 +52,11 @@ BAD = {
                      ["sweeps.lm", "init 'nope' is not under `bases:` (bases: b)"]),
     "unknown reproduction": (lambda c: c.setdefault("repro", {}).update(names=["fig2"]),
                              ["repro.names", "'fig2'", "block-breakdown"]),
+    "one method written two ways": (lambda c: c["sweeps"]["a"]["methods"].extend(["tokentune@k=4", "tokentune@k=4.0"]),
+                                    ["sweeps.a.methods", "'tokentune@k=4.0' trains the same as 'tokentune@k=4'",
+                                     "write it one way"]),
+    "methods in another order": (lambda c: c["sweeps"]["a"]["methods"].append("lowmembp+lora"),
+                                 ["'lowmembp+lora' trains the same as 'lora+lowmembp' (sweeps.a)"]),
     "missing train_config": (lambda c: c["sweeps"]["a"].update(train_config="experiments/configs/nope.yaml"),
                              ["sweeps.a.train_config", "no such file"]),
 }

@@ -7,7 +7,8 @@ of every entry against the training job's own registries, run when the Snakefile
 
 What :func:`check` asks the job (``experiments``, ``lowmembp``), so that ``snakemake -n`` fails at once instead of a
 job failing hours later: tasks (``experiments.tasks``) and the task's models; method specs
-(``lowmembp.methods.registry.parse``, exclusions included); ``method_options`` keys (``registry.method_options``) and
+(``lowmembp.methods.registry.parse``, exclusions included; one method written two ways, e.g. ``tokentune@k=4`` and
+``tokentune@k=4.0``, is refused: it would run as two cells); ``method_options`` keys (``registry.method_options``) and
 values (converted as the job converts them); ``train_args`` (the job's own argparse parser, without running; flags
 the pipeline sets from the sweep's keys are refused there); ``train_config`` files; bases (task, model, method; a base
 must be trained by a method that leaves the model's weights as they are, see :data:`CHANGE_WEIGHTS`); ``init``; the
@@ -208,6 +209,25 @@ def _check_argv(job: _Job, where: str, argv: list[str], method: str, problems: l
                    problems)
 
 
+def _trains(job: _Job, sw: dict, spec: str) -> tuple | None:
+    """What ``spec`` trains in sweep ``sw``: its methods in the registry's order, each with its options (written in
+    the spec, or the sweep's ``method_options``) read as the job reads them, so ``tokentune@k=4`` and
+    ``tokentune@k=4.0``, or ``lora+tokentune`` and ``tokentune+lora``, are the same. None when an option does not
+    read (reported by the option checks)."""
+    parts = dict(job.registry.spec_parts(spec))
+    extra = {k: _text(v) for k, v in options_for(sw, spec).items()}
+    out = []
+    for m in job.registry.parse(spec):
+        opts = dict(parts.get(m.name, {}))
+        opts.update({k: v for k, v in extra.items() if k in m.options and k not in opts})
+        try:
+            values = job.args.method_values(m.name, opts)
+        except ValueError:
+            return None
+        out.append((m.name, tuple(sorted(values.items()))))
+    return tuple(out)
+
+
 def _check_train_args(where: str, train_args: list, problems: list[str]) -> None:
     for a in train_args or []:
         flag = str(a).split("=", 1)[0]
@@ -237,6 +257,7 @@ def check(config: dict, root: Path = ROOT) -> None:
                             f"a fresh model; train a base with {', '.join(keep)} (e.g. baseline)")
         elif b["task"] in job.task_names and b["model"] in job.models(b["task"]):
             _check_argv(job, where, base_argv(b), b["method"], problems)
+    written: dict[tuple, tuple[str, str]] = {}  # what a method trains -> (sweep, spec as first written)
     for name, sw in config["sweeps"].items():
         where = f"sweeps.{name}"
         for tm in sw["tasks"]:
@@ -247,6 +268,13 @@ def check(config: dict, root: Path = ROOT) -> None:
             if err:
                 bad_methods.add(m)
                 problems.append(f"{where}.methods: {err}")
+                continue
+            key = _trains(job, sw, m)
+            first = written.setdefault(key, (name, m)) if key is not None else (name, m)
+            if first[1] != m:
+                problems.append(f"{where}.methods: {m!r} trains the same as {first[1]!r} (sweeps.{first[0]}): the "
+                                "same methods with the same options, written another way, would run as separate "
+                                "cells with separate records; write it one way")
         for key, opts in (sw.get("method_options") or {}).items():
             err = job.method_error(key)
             if err:
