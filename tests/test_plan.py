@@ -262,3 +262,31 @@ def test_progress_bar_on_a_terminal(monkeypatch):
     bar.close()
     out = sys.stderr.getvalue()
     assert "plan" in out and "2/2" in out and "lora+checkpointing" in out
+
+
+def _row(label, fits, best, peak, floor, flops=1.0):
+    return {"label": label, "status": "ok", "fits": fits, "largest_batch": best, "peak_bytes": peak,
+            "floor_bytes": floor, "flops_ratio": flops, "largest_batch_how": f"checked: {best} fits"}
+
+
+@pytest.mark.parametrize("rows,weights,words", [
+    ([_row("lora+checkpointing", True, 6, 17 * 2**30, 13 * 2**30, 1.02), _row("lora+tokentune", True, 9, 15 * 2**30,
+      13 * 2**30, 0.4), _row("lora", False, 0, 65 * 2**30, 13 * 2**30, 0.69)], "bf16",
+     ["2 of 3 combinations fit batch 4", "the least compute: lora+checkpointing (FLOPs 1.02x)",
+      "the largest batch: lora+tokentune (9)"]),
+    ([_row("lora", False, 2, 25 * 2**30, 13 * 2**30)], "bf16",
+     ["No combination fits batch 4; 1 fit a smaller batch, the largest 2 with lora"]),
+    ([_row("lora", False, 0, 90 * 2**30, 25 * 2**30), _row("baseline", False, 0, 146 * 2**30, 100 * 2**30)], "fp32",
+     ["Nothing fits at any batch", "(lora: 25.0 GiB) already exceed the 20.0 GiB", "--weights bf16"]),
+    ([_row("lora", False, 0, 117 * 2**30, 12 * 2**30)], "bf16",
+     ["Nothing fits, not even batch 1", "(lora: 12.0 GiB of 20.0 GiB)", "at batch 4: lora (117.0 GiB)"]),
+])
+def test_verdict_says_what_fits_or_why_nothing_does(rows, weights, words):
+    from lowmembp.plan import Plan
+    from lowmembp.plan.report import verdict
+
+    p = Plan({"capacity_bytes": 20 * 2**30, "batch_size": 4, "weights": weights}, rows, {}, {})
+    got = verdict(p)
+    for w in words:
+        assert w in got, got
+    assert ("--weights bf16" in got) == (weights == "fp32" and not any(r["largest_batch"] for r in rows))

@@ -6,7 +6,7 @@ import json
 
 from lowmembp.plan.sources import GiB
 
-__all__ = ["text_table", "to_json", "write_csv", "CSV_COLUMNS"]
+__all__ = ["text_table", "verdict", "to_json", "write_csv", "CSV_COLUMNS"]
 
 CSV_COLUMNS = ["rank", "label", "method", "status", "peak_bytes", "need_bytes", "fits", "largest_batch",
                "largest_batch_how", "largest_batch_by_gpu", "flops", "flops_ratio", "measured_ratio",
@@ -50,7 +50,7 @@ def text_table(p) -> str:
     def line(cells):
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
-    out = [head, "", line(cols), line(["-" * w for w in widths])] + [line(b) for b in body]
+    out = [head, verdict(p), "", line(cols), line(["-" * w for w in widths])] + [line(b) for b in body]
     bad = [r for r in p.rows if r["status"] != "ok"]
     if bad:
         out += ["", "Not estimated:"] + [f"  {r['label']}: {r['reason']}" for r in bad]
@@ -72,8 +72,39 @@ def text_table(p) -> str:
     return "\n".join(out)
 
 
+def verdict(p) -> str:
+    """The decision in one line: what fits at the requested batch (cheapest, and the largest batch), else what fits
+    a smaller batch, else why nothing fits (the smallest weights + optimizer state over the usable memory)."""
+    s, ok = p.settings, [r for r in p.rows if r["status"] == "ok"]
+    if not ok:
+        return "Nothing could be estimated (see below)."
+    cap, bs = s["capacity_bytes"], s["batch_size"]
+    fit = [r for r in ok if r["fits"]]
+    if fit:  # rows are ranked: fitting ones first, by FLOP ratio
+        most = max(fit, key=lambda r: r["largest_batch"])
+        return (f"{len(fit)} of {len(ok)} combinations fit batch {bs}; the least compute: {fit[0]['label']} "
+                f"(FLOPs {_x(fit[0].get('flops_ratio'))}x); the largest batch: {most['label']} "
+                f"({most['largest_batch']}{'+' if most['largest_batch_how'].startswith('at least') else ''}).")
+    smaller = [r for r in ok if r["largest_batch"] > 0]
+    if smaller:
+        most = max(smaller, key=lambda r: r["largest_batch"])
+        return (f"No combination fits batch {bs}; {len(smaller)} fit a smaller batch, the largest "
+                f"{most['largest_batch']} with {most['label']}.")
+    low = min(ok, key=lambda r: (r["floor_bytes"], len(r["label"])))  # a tie: the plainest combination
+    hint = (" The weights are fp32: --weights bf16 plans the model loaded in bf16 (half their bytes)."
+            if s.get("weights", "fp32") == "fp32" else "")
+    if low["floor_bytes"] > cap:
+        return (f"Nothing fits at any batch: the smallest weights + optimizer state ({low['label']}: "
+                f"{_size(low['floor_bytes'])}) already exceed the {_size(cap)} the tensors may use.{hint}")
+    least = min(ok, key=lambda r: r["peak_bytes"])
+    return (f"Nothing fits, not even batch 1: the weights and optimizer state would ({low['label']}: "
+            f"{_size(low['floor_bytes'])} of {_size(cap)}), the activations do not; the least memory at batch {bs}: "
+            f"{least['label']} ({_size(least['peak_bytes'])}).{hint}")
+
+
 def to_json(p) -> str:
-    return json.dumps({"settings": p.settings, "rows": p.rows, "skipped": p.skipped, "sources": p.sources,
+    return json.dumps({"settings": p.settings, "verdict": verdict(p), "rows": p.rows, "skipped": p.skipped,
+                       "sources": p.sources,
                        "elapsed_s": p.elapsed_s, "load_average": list(p.load)}, indent=1, default=str)
 
 
