@@ -16,6 +16,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from adjustText import adjust_text  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
@@ -67,12 +68,12 @@ def pareto(runs: pd.DataFrame, out: Path) -> None:
         front = pareto_front(sub)
         ax.step(front["time"] * 1e3, front["peak"] / MiB, where="post", color="0.6", lw=1, zorder=1,
                 label="Pareto front")
+        labels = []
         for _, r in sub.iterrows():
             on = r.name in front.index
             ax.scatter(r["time"] * 1e3, r["peak"] / MiB, s=46 if on else 26, color=colors[r["method"]],
                        edgecolor="k" if on else "none", zorder=3)
-            ax.annotate(r["method"], (r["time"] * 1e3, r["peak"] / MiB), fontsize=6.5, xytext=(3, 3),
-                        textcoords="offset points")
+            labels.append(ax.text(r["time"] * 1e3, r["peak"] / MiB, r["method"], fontsize=6.5, zorder=4))
             if r["host"] == r["host"] and r["host"] > 0:  # not NaN: device + host of an offloading method
                 total = (r["peak"] + r["host"]) / MiB
                 ax.scatter(r["time"] * 1e3, total, s=30, facecolor="none", edgecolor=colors[r["method"]], zorder=2)
@@ -85,6 +86,9 @@ def pareto(runs: pd.DataFrame, out: Path) -> None:
         ax.margins(x=0.18, y=0.12)  # room for the labels of the outermost points
         ax.set_ylim(0, ((sub["peak"] + sub["host"].fillna(0)) / MiB).max() * 1.12)  # from 0: a small saving looks small
         ax.legend(fontsize=7, loc="best")
+        # labels moved apart (adjustText) once the axes are final, each tied to its point by a thin line
+        adjust_text(labels, x=(sub["time"] * 1e3).tolist(), y=(sub["peak"] / MiB).tolist(), ax=ax,
+                    arrowprops=dict(arrowstyle="-", color="0.5", lw=0.5), time_lim=5)
     devs = ", ".join(sorted(set(runs["device"].dropna().astype(str)))) if "device" in runs else ""
     dtypes = ", ".join(sorted(set(runs["dtype"].dropna().astype(str)))) if "dtype" in runs else ""
     steps = "/".join(str(int(v)) for v in sorted(set(runs.merge(pts[["task", "model", "batch_size"]].drop_duplicates())
