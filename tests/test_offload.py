@@ -155,3 +155,27 @@ def test_saved_tensors_come_back_with_their_strides_sac_on_fake_tensors():
     both = estimate("llama_7b", "sac+offload", **small)
     assert both["saved"]["total"] == sac["saved"]["total"]
     assert both["peak"]["host"]["bytes"] > 0.5 * sac["saved"]["total"]
+
+
+def test_a_new_tensor_where_a_freed_one_was_gets_its_own_copy():
+    """Each distinct view is copied once, but only while its storage lives: a tensor the allocator puts where a freed,
+    offloaded one was (same shape, the next block's) must get its own host copy, not the freed tensor's (which would
+    come back in its place in the backward). On fake tensors, where freed storages' addresses are reused at once."""
+    import torch.nn as nn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lowmembp.methods.offload import HostLedger, Offloader
+
+    off = Offloader(nn.Linear(2, 2), min_bytes=0, ledger=HostLedger())
+    with FakeTensorMode():
+        with off.hooks():
+            helds = []
+            for _ in range(64):
+                t = torch.empty(32, 48)
+                helds.append(off.pack(t))
+                del t                                   # its storage dies; the next one may take its address
+            x = torch.empty(16, 8)
+            same = off.pack(x), off.pack(x), off.pack(x.view(8, 16))
+        off.done()
+    assert len({id(h) for h in helds}) == 64 and all(h.moved for h in helds)
+    assert same[0] is same[1] and same[2] is not same[0]    # one copy per distinct view of a live storage

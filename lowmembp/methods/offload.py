@@ -7,7 +7,8 @@ Where: the forward of the module that runs the block loop (the parent of the lay
 model, a transformers ``*Model`` backbone or ``*Encoder``) runs under ``saved_tensors_hooks``; the layout's head
 linears run under no-op hooks (torchtune keeps the LM head's output on the device), and whatever the task model
 does after the backbone (a transformers causal LM's loss) is outside. Every saved tensor of at least ``min_bytes``
-(default 1024) that is not a parameter or buffer (nor a view of one) is offloaded; each distinct view is copied once.
+(default 1024) that is not a parameter or buffer (nor a view of one) is offloaded; each distinct view of a live
+storage is copied once (a tensor that the allocator puts where a freed one was gets its own copy).
 
 How, by device:
 
@@ -159,11 +160,14 @@ class Offloader:
         if key in self._skip:
             return t
         view = (key, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        held = self._copies.get(view)
-        held = held() if held is not None else None
+        entry = self._copies.get(view)
+        held = entry[1]() if entry is not None and not entry[0].expired() else None
         if held is None:
             held = self._offload(t)
-            self._copies[view] = weakref.ref(held)
+            # The storage's weak reference keeps its address from being reused while the entry lives: without it a
+            # new tensor the allocator puts where a freed, offloaded one was (same shape: the next block's) would
+            # find the old copy here and be restored with the old values in the backward.
+            self._copies[view] = (StorageWeakRef(t.untyped_storage()), weakref.ref(held))
         return held
 
     def unpack(self, p):
