@@ -65,6 +65,7 @@ def interleaved_step_times(methods, k: int, batch_size: int, max_len: int, round
         built[m] = (setup, model, opt)
     setup = built[methods[0]][0]
     batches = [setup.collate(setup.train[i * batch_size:(i + 1) * batch_size]) for i in range(rounds + warmup)]
+
     def step(setup, model, opt):
         def run(r):
             setup.loss(model, batches[r]).backward()

@@ -16,9 +16,10 @@ LLAMA = dict(overrides={"hidden_size": 32, "intermediate_size": 56, "num_attenti
 SINGLES = [c for c in combinations(max_methods=1)[0]]
 NO_MARGIN = dict(margin=0.0, reserved=0)
 # At this width offload's default min_bytes (1024) is crossed between batch 3 and 4 (more saved tensors are
-# offloaded at 4: a batch-dependent op sequence, no line; the chunked-ce test covers that case), so its line is tested
-# with every saved tensor offloaded. (Its storage count also used to differ from step to step at one batch, 531/533/532,
-# while it reused a freed tensor's host copy for the next tensor at the same address: fixed, and tested in test_offload.)
+# offloaded at 4: a batch-dependent op sequence, no line; the chunked-ce test covers that case), so its line is
+# tested with every saved tensor offloaded. (Its storage count also used to differ from step to step at one batch,
+# 531/533/532, while it reused a freed tensor's host copy for the next tensor at the same address: fixed, and tested
+# in test_offload.)
 TINY_OPTIONS = {"offload": {"min_bytes": 0}}
 
 

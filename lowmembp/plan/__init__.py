@@ -174,7 +174,8 @@ def evaluate(job: dict) -> dict:
         return row
     mg = job["margin"]
     row.update(peak_bytes=pk, need_bytes=int(pk * (1 + mg["fraction"]) + mg["reserved_bytes"]), fits=pk <= cap,
-               static_bytes=static, floor_bytes=floor, largest_batch=best, largest_batch_how=how, largest_batch_by_gpu=by_gpu,
+               static_bytes=static, floor_bytes=floor, largest_batch=best, largest_batch_how=how,
+               largest_batch_by_gpu=by_gpu,
                flops=first["flops"], batch_line=bool(lined and peaks.lines is not None),
                estimates=peaks.steps_run, seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0)
     return row

@@ -11,9 +11,9 @@ depth (:func:`lowmembp.estimate.prepare_model`, the optimizer state made by :fun
 and every step is :func:`lowmembp.estimate.train_step` under a :class:`lowmembp.peak.StorageTracker` with the same
 registrations as :func:`lowmembp.peak.measure_step_peak` (riding in the fake mode, :class:`RecordingFakeMode`, rather
 than stacked above it as a second dispatch mode: the same ops, less dispatch), so the peak is ``estimate()``'s to the
-byte (its first step
-is exactly estimate's procedure; a later step on the same model starts from the same state: optimizer state made,
-gradients ``None``). ``tests/test_plan_fast.py`` checks both against ``estimate()`` for every method.
+byte (its first step is exactly estimate's procedure; a later step on the same model starts from the same state:
+optimizer state made, gradients ``None``). ``tests/test_plan_fast.py`` checks both against ``estimate()`` for every
+method.
 
 :class:`BatchLine`: a step's live bytes are a running sum of storages; when two steps at batches ``b`` and ``b + 1``
 create the same number of storages (the op sequence does not depend on the batch), every creation event ``i`` has a

@@ -11,7 +11,6 @@ unselected rows without a graph.
 """
 from __future__ import annotations
 
-
 import pandas as pd
 
 from lowmembp.repro._common import MiB
@@ -50,6 +49,7 @@ def step_ms(methods, batch_size: int, *, seq_len: int = 128, k: int = 16, layers
             batch = _batch(spec, model, batch_size, seq_len, (overrides or {}).get("vocab_size"))
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
             runs[method] = (model, batch, opt)
+
         def step(model, batch, opt):
             def run(_round):
                 _loss(spec, model, batch).backward()
