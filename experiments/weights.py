@@ -9,13 +9,21 @@ built model and fails with the missing / unexpected names otherwise.
 Written atomically (``lowmembp.atomic``: a temporary file in the destination's directory, fsync'ed, then
 ``os.replace``) — a killed run leaves either no file or a whole one. The file is serialised in memory first
 (``safetensors.torch.save``), which is fine for the small bases this is for.
+
+Byte for byte the same for the same weights and metadata, so that its sha256 (the record's ``base.sha256``) names
+them: safetensors writes its metadata map in a hash map's order, which changes with every save (20 saves of one
+state dict with 8 metadata keys gave 20 different files), so the metadata is stored as one entry, ``lowmembp``, a
+JSON object with sorted keys; :func:`read_metadata` unpacks it (and reads files with plain metadata as they are).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import torch.nn as nn
+
+_META_KEY = "lowmembp"  # the one metadata entry: every value of the run's metadata, as sorted JSON (module doc)
 
 
 def sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -34,14 +42,17 @@ def save_weights(model: nn.Module, path: str | os.PathLike, metadata: dict | Non
 
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    atomic_write(path, save(state, metadata=meta))
+    atomic_write(path, save(state, metadata={_META_KEY: json.dumps(meta, sort_keys=True)}))
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
+        meta = dict(f.metadata() or {})
+    if set(meta) == {_META_KEY}:
+        return json.loads(meta[_META_KEY])
+    return meta
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> dict:

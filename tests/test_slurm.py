@@ -27,10 +27,9 @@ PARTITION = "gpu"  # a partition of tests/slurm_cluster.sh's cluster that is not
 GPU_SWEEP = "tiny-lm"  # its one cell asks for gpu: 1
 TIMEOUT = 1800  # seconds per snakemake run; on an idle 2-core machine the whole test takes a few minutes
 # runs.csv columns that depend on timing, on when / where / from which commit a run ran, or on the process's memory
-# as the OS counts it (RSS); and base_sha256, the sha256 of the base's .safetensors file, whose metadata block is
-# written in a different key order by each process (safetensors keeps it in a hash map; the tensors are equal).
-# Everything else (cells, status, losses, metrics, exact tensor bytes, settings, versions) must be equal.
-NOT_COMPARED = re.compile(r"^step_time_p\d+$|_per_s$|^(started|finished)_at$|^hostname$|^host_peak_bytes$|^git_|^base_sha256$")
+# as the OS counts it (RSS). Everything else (cells, status, losses, metrics, exact tensor bytes, settings, versions,
+# and base_sha256: the base's file is the same bytes for the same weights, experiments/weights.py) must be equal.
+NOT_COMPARED = re.compile(r"^step_time_p\d+$|_per_s$|^(started|finished)_at$|^hostname$|^host_peak_bytes$|^git_")
 
 
 def _run(cmd, timeout=60, **kw):

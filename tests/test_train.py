@@ -328,6 +328,21 @@ def test_bad_base_arguments_fail_at_once(argv, needle, tmp_path, capsys):
     assert needle in capsys.readouterr().err and not out.exists()
 
 
+def test_saved_weights_are_the_same_bytes_every_time(tmp_path):
+    """The same weights and metadata give the same file, so the record's base sha256 names them (safetensors alone
+    writes its metadata in a new order on every save)."""
+    from experiments.weights import read_metadata, save_weights, sha256
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    meta = {f"key{i}": i for i in range(8)} | {"task": "tweets-lm"}
+    paths = [tmp_path / f"w{i}.safetensors" for i in range(6)]
+    for p in paths:
+        save_weights(model, p, meta)
+    assert len({sha256(p) for p in paths}) == 1
+    assert read_metadata(paths[0]) == {k: str(v) for k, v in meta.items()}
+
+
 def test_save_weights_leaves_nothing_when_writing_fails(tmp_path, monkeypatch):
     from experiments.weights import save_weights
 
