@@ -53,7 +53,9 @@ __all__ = ["StorageTracker", "measure_step_peak", "prime_optimizer", "profiler_p
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
 _HOST = "host"  # not a category: host storages are kept out of the device total
 _ACTIVE: list["StorageTracker"] = []
-_DEVICE = torch.ops.prim.device.default  # returns a device, never a storage: passed straight through
+# answers a tensor's device (most ops on fake tensors: autograd and autocast asking): no storage, no FLOPs, so the
+# trackers pass it straight through (here and lowmembp.plan.steps)
+DEVICE_QUERY = torch.ops.prim.device.default
 
 
 def note_host(t: torch.Tensor) -> None:
@@ -192,7 +194,7 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is _DEVICE:  # most calls on fake tensors (autograd and autocast asking a tensor's device)
+        if func is DEVICE_QUERY:
             return out
         self._note(out)
         return out

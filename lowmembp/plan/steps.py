@@ -34,11 +34,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lowmembp.estimate import (ModelSpec, _batch, block_names, fsdp_peak, make_optimizer, prepare_model,
                                train_step)
-from lowmembp.peak import CATEGORIES, StorageTracker, prime_optimizer
+from lowmembp.peak import CATEGORIES, DEVICE_QUERY, StorageTracker, prime_optimizer
 
 __all__ = ["Steps", "StepRun", "BatchLine", "EventTracker", "RecordingFakeMode", "MIN_BATCH"]
-
-_DEVICE = torch.ops.prim.device.default  # answers a tensor's device: no storage, no FLOPs
 
 MIN_BATCH = 2  # the smallest batch a line is fitted on or gives (module doc: batch 1 is stepped)
 
@@ -65,7 +63,7 @@ class RecordingFakeMode(FakeTensorMode):
             out = super().__torch_dispatch__(func, types, args, kwargs)
         finally:
             self._depth -= 1
-        if func is not _DEVICE:
+        if func is not DEVICE_QUERY:
             self.observer(func, args, kwargs, out)
         return out
 
@@ -84,7 +82,7 @@ class EventTracker(StorageTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func is not _DEVICE:
+        if func is not DEVICE_QUERY:
             self.observe(func, args, kwargs, out)
         return out
 
