@@ -4,12 +4,13 @@
     est -> {"model", "method", "batch_size", "seq_len", "dtype", "layers", "saved": <memory.SavedTensorAccountant
             report>, "per_block": {kind: bytes} (one middle block), "peak": <peak.measure_step_peak result>}
 
-How: the model is built on the meta device (timm calls ``.item()`` at construction, which fake tensors refuse; real runs build on the CPU),
-``lora`` (peft) wraps it there, then ``to_empty`` moves it into a ``FakeTensorMode`` (fake tensors carry shapes,
-dtypes and storages but no data), the remaining methods are applied there, and one training step (forward, loss,
-backward, fused AdamW step: no per-tensor temporaries) runs for real on the fake tensors, under the saved-tensor
-accountant (forward) and the peak tracker (whole step), after the optimizer state is created by one step on zero
-gradients (so the measured step is a steady one). Nothing large is allocated; ViT-B at batch 64 takes a few seconds on one core.
+How: the model is built on the meta device (timm calls ``.item()`` at construction, which fake tensors refuse; real
+runs build on the CPU), ``lora`` (peft) wraps it there, then ``to_empty`` moves it into a ``FakeTensorMode``
+(:class:`lowmembp.fake_mode.StepFakeMode`; fake tensors carry shapes, dtypes and storages but no data), the remaining
+methods are applied there, and one training step (forward, loss, backward, fused AdamW step: no per-tensor
+temporaries) runs for real on the fake tensors, under the saved-tensor accountant (forward) and the peak tracker
+(whole step), after the optimizer state is created by one step on zero gradients (so the measured step is a steady
+one). Nothing large is allocated; ViT-B at batch 64 takes a few seconds on one core.
 ``device="cpu"`` runs the identical procedure on real tensors (small configs: the tests compare the two).
 
 Numbers are exact storage bytes of the CPU kernels' choices under CPU autocast (flash attention saves q, k, v, o and
@@ -33,8 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from lowmembp.fake_mode import StepFakeMode
 from lowmembp.memory import SavedTensorAccountant
 from lowmembp.memory_kinds import KINDS
 from lowmembp.peak import measure_step_peak, prime_optimizer
@@ -179,7 +180,7 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     bs = batch_size or spec.batch_size
     L = seq_len or spec.seq_len
     torch.manual_seed(seed)
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if device == "fake" else contextlib.nullcontext()
+    mode = StepFakeMode(allow_non_fake_inputs=True) if device == "fake" else contextlib.nullcontext()
     model_ = prepare_model(spec, method, mode, layers=layers, overrides=overrides, device=device,
                            attention=attention, weights=weights, **method_options)
     with mode:
@@ -250,13 +251,27 @@ def prepare_model(spec: ModelSpec, method: str, mode, *, layers: int | None = No
         model_ = lowmembp.apply(model_, early, **opts_early)
     with mode:
         if device == "fake":
-            model_ = model_.to_empty(device="cpu")
+            model_ = to_fake_cpu(model_)
         if late:
             model_ = lowmembp.apply(model_, late, **opts_late)
         elif opts_late:
             raise TypeError(f"options {sorted(opts_late)} given but no method takes them")
         model_.train()
     return model_
+
+
+def to_fake_cpu(model: nn.Module) -> nn.Module:
+    """``model.to_empty(device="cpu")`` for a meta-device model inside a fake mode, each dense tensor made by
+    ``empty_strided`` from its own size and strides (what ``empty_like`` makes of it), not by ``empty_like``, which
+    the fake mode runs only after turning the meta tensor into a fake one (half of a LoRA model's build)."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        if not dense(t):
+            return torch.empty_like(t, device="cpu")
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu")
+
+    return model._apply(fresh)
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer | None:

@@ -118,7 +118,7 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
     n_multi = sum(len(option_grid(c, options)) for c in combos if "+" in c)
     bar = Bar(len(singles) + n_multi) if progress == "bar" else None
     try:
-        with _pool(jobs, len(combos)) as pool:
+        with _pool(jobs, len(combos), _modules_needed(spec, overrides, combos)) as pool:
             rows = _run(singles, pool, bar or progress)
             failed = {r["method"]: r["reason"] for r in rows if r["status"] != "ok" and r["method"] != "baseline"}
             skipped.update({m: f"its estimate fails: {why}" for m, why in failed.items()})
@@ -223,9 +223,9 @@ def _run(jobs_: list[dict], pool, progress=None) -> list[dict]:
 
 
 @contextlib.contextmanager
-def _pool(jobs: int, n_tasks: int):
-    """Worker processes for the rows (None: plan in this process). Forked from a fork server that has torch and the
-    planner imported (each worker then starts without importing them again; not forked from this process, which may
+def _pool(jobs: int, n_tasks: int, preload: list[str]):
+    """Worker processes for the rows (None: plan in this process). Forked from a fork server that has imported
+    ``preload`` (each worker then starts without importing them again; not forked from this process, which may
     have run autograd already: torch refuses autograd in a child forked after that), else spawned."""
     if jobs <= 1 or n_tasks <= 1:
         yield None
@@ -235,11 +235,25 @@ def _pool(jobs: int, n_tasks: int):
 
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["lowmembp.plan.steps", "transformers"])
+        ctx.set_forkserver_preload(preload)
     else:
         ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker) as ex:
         yield ex
+
+
+def _modules_needed(spec: ModelSpec, overrides, combos: list[str]) -> list[str]:
+    """What every worker would import: the planner, the model's own modules (transformers' LLaMA alone takes ~2.4 s)
+    and peft when a combination uses it (~1.3 s); imported once in the fork server instead."""
+    from lowmembp.estimate import _PEFT_METHODS
+
+    try:
+        model = build(spec, layers=2, overrides=overrides, device="meta")
+    except ValueError:  # depth per stage (Swin): the whole model, still on the meta device
+        model = build(spec, overrides=overrides, device="meta")
+    own = sorted({type(m).__module__ for m in model.modules()} - {"__main__"})
+    uses_peft = any(part in _PEFT_METHODS for c in combos for part in c.split("+"))
+    return ["lowmembp.plan.steps", "transformers", *own, *(["peft"] if uses_peft else [])]
 
 
 def _init_worker() -> None:

@@ -30,10 +30,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-
 from lowmembp.estimate import (ModelSpec, _batch, block_names, fsdp_peak, make_optimizer, prepare_model,
                                train_step)
+from lowmembp.fake_mode import StepFakeMode
 from lowmembp.peak import CATEGORIES, DEVICE_QUERY, StorageTracker, prime_optimizer
 
 __all__ = ["Steps", "StepRun", "BatchLine", "EventTracker", "RecordingFakeMode", "MIN_BATCH"]
@@ -41,8 +40,8 @@ __all__ = ["Steps", "StepRun", "BatchLine", "EventTracker", "RecordingFakeMode",
 MIN_BATCH = 2  # the smallest batch a line is fitted on or gives (module doc: batch 1 is stepped)
 
 
-class RecordingFakeMode(FakeTensorMode):
-    """A ``FakeTensorMode`` that hands every op it runs for its caller to ``observer(func, args, kwargs, out)``
+class RecordingFakeMode(StepFakeMode):
+    """A :class:`lowmembp.fake_mode.StepFakeMode` that hands every op it runs for its caller to ``observer(func, args, kwargs, out)``
     while one is set (not the ops of its own decompositions, which a dispatch mode stacked above it would not see
     either; not ``prim.device``, which only answers a tensor's device).
 

@@ -1,0 +1,123 @@
+"""lowmembp.fake_mode.StepFakeMode: torch's FakeTensorMode with a one-pass cache key. It must give what
+FakeTensorMode gives, op for op: a whole training step (every single method on a tiny LLaMA, a few on ViT and BERT)
+runs the same ops with the same output metadata in both modes, calls that differ only in one fact of an argument
+(strides, storage offset, storage size, requires_grad, dtype, a scalar's type) are told apart, and what the key
+form does not cover goes to torch's key code (real tensors, constants) and still works. The fast key must also be
+in use (keys in its form in the cache), or these tests would compare torch with itself."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from lowmembp.estimate import MODELS, _batch, make_optimizer, prepare_model, train_step
+from lowmembp.fake_mode import KEY_MARK, StepFakeMode
+from lowmembp.peak import prime_optimizer
+from lowmembp.plan.combos import combinations
+
+SMALL = {
+    "llama_7b": dict(overrides={"hidden_size": 32, "intermediate_size": 56, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "vocab_size": 61}, seq_len=9, dtype="bf16"),
+    "vit_b16": dict(overrides={"img_size": 32, "embed_dim": 48, "num_heads": 3}, seq_len=None, dtype="fp16"),
+    "bert_base": dict(overrides={"hidden_size": 48, "intermediate_size": 96, "num_attention_heads": 4,
+                                 "vocab_size": 101}, seq_len=13, dtype="fp16"),
+}
+CASES = ([("llama_7b", m) for m in combinations(max_methods=1)[0]]
+         + [("llama_7b", m) for m in ("lora+lowmembp+sac", "lora-fa+mesa+checkpointing", "tokentune+offload")]
+         + [(model, m) for model in ("vit_b16", "bert_base") for m in ("baseline", "lora+lowmembp", "mesa")])
+
+
+def _meta(x):
+    if isinstance(x, FakeTensor):
+        return ("fake", x.dtype, tuple(x.shape), x.stride(), str(x.fake_device), x.storage_offset(),
+                x.untyped_storage().nbytes(), x.requires_grad, x.is_conj(), x.is_neg())
+    if isinstance(x, (list, tuple)):
+        return tuple(_meta(y) for y in x)
+    return repr(x) if isinstance(x, (int, float, bool, str, type(None), torch.dtype)) else type(x).__name__
+
+
+def _recording(base):
+    class Recording(base):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs or {})
+            self.ops.append((str(func), _meta(out)))
+            return out
+    return Recording
+
+
+def _step_ops(base, model_name, method):
+    spec, kw = MODELS[model_name], SMALL[model_name]
+    torch.manual_seed(0)
+    mode = _recording(base)(allow_non_fake_inputs=True)
+    model = prepare_model(spec, method, mode, layers=2, overrides=kw["overrides"])
+    with mode:
+        opt = make_optimizer(model)
+        prime_optimizer(opt)
+        batch = _batch(spec, model, 3, kw["seq_len"], kw["overrides"].get("vocab_size"))
+        train_step(spec, model, batch, opt, kw["dtype"])
+        train_step(spec, model, batch, opt, kw["dtype"])  # a second step: the cache's hits
+    return mode.ops
+
+
+def _fast_keys():
+    return sum(1 for k in FakeTensorMode.cache if KEY_MARK in k.key)
+
+
+@pytest.mark.parametrize("model_name,method", CASES, ids=[f"{a}:{b}" for a, b in CASES])
+def test_a_training_step_runs_the_same_ops_with_the_same_outputs(model_name, method):
+    try:
+        want = _step_ops(FakeTensorMode, model_name, method)
+    except Exception as e:  # noqa: BLE001  a method that cannot run on this model: it must refuse in both modes
+        with pytest.raises(type(e)):
+            _step_ops(StepFakeMode, model_name, method)
+        return
+    before = _fast_keys()
+    got = _step_ops(StepFakeMode, model_name, method)
+    assert len(got) == len(want) > 50
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"op {i}: {g} != {w}"
+    assert _fast_keys() >= before  # (the cache may have held them from another case)
+    assert _fast_keys() > 0
+
+
+def _both(fn):
+    """``fn()`` in a plain fake mode and in a StepFakeMode: the outputs' metadata."""
+    out = []
+    for base in (FakeTensorMode, StepFakeMode):
+        with base(allow_non_fake_inputs=True):
+            out.append(_meta(fn()))
+    return out
+
+
+@pytest.mark.parametrize("name,fn", [
+    # the same op on arguments that differ in one fact only, in one call so that the second could hit the first's
+    # cache entry; the results differ (first vs second) in the plain mode, and must in the fast one alike
+    ("strides", lambda: [torch.empty(4, 6).clone(), torch.empty(6, 4).t().clone()]),
+    ("storage offset", lambda: [torch.empty(10)[2:6].view(2, 2), torch.empty(10)[3:7].view(2, 2)]),
+    ("storage size", lambda: [torch.ops.aten.alias(torch.empty(10)[:4]), torch.ops.aten.alias(torch.empty(12)[:4])]),
+    ("requires_grad", lambda: [torch.empty(3, requires_grad=True) * 2, torch.empty(3) * 2]),
+    ("dtype", lambda: [torch.empty(3, dtype=torch.float16) * 2, torch.empty(3, dtype=torch.float32) * 2]),
+    ("scalar type", lambda: [torch.ones(3, dtype=torch.bool) + 1, torch.ones(3, dtype=torch.bool) + 1.0,
+                             torch.ones(3, dtype=torch.bool) + True]),
+    ("size list", lambda: [torch.empty(6).view([2, 3]), torch.empty(6).view([3, 2]), torch.empty(6).view((6,))]),
+    ("kwargs", lambda: [torch.empty(2, 3).sum(dim=0), torch.empty(2, 3).sum(dim=1, keepdim=True)]),
+])
+def test_arguments_that_differ_in_one_fact_are_told_apart(name, fn):
+    plain, fast = _both(fn)
+    assert len(set(plain)) == len(plain), f"{name}: the cases are not distinct in torch's own mode"
+    assert fast == plain
+
+
+def test_what_the_key_form_does_not_cover_goes_to_torch():
+    real = torch.arange(6.0)  # a real tensor argument (allow_non_fake_inputs): torch bypasses its cache
+    plain, fast = _both(lambda: [torch.empty(6) + real, torch.tensor([1.0, 2.0]) * 3])  # and a constant
+    assert fast == plain
+    with StepFakeMode() as mode:
+        x = torch.empty(3)
+        key_args = []
+        mode._prep_args_for_hash(key_args, (x, 2), None, [])
+        assert key_args[0] is KEY_MARK                      # fake tensors and plain values: the one-pass key
+        with pytest.raises(Exception):
+            mode._prep_args_for_hash([], (real,), None, [])  # torch's code: bypasses the cache for a real tensor
