@@ -290,3 +290,18 @@ def test_verdict_says_what_fits_or_why_nothing_does(rows, weights, words):
     for w in words:
         assert w in got, got
     assert ("--weights bf16" in got) == (weights == "fp32" and not any(r["largest_batch"] for r in rows))
+
+
+def test_the_fork_server_imports_what_the_workers_need_once():
+    import logging
+
+    from lowmembp.plan import _modules_needed
+    spec, _ = resolve_model("llama_7b", seq_len=None, num_classes=None, image_size=None)
+    with_lora = _modules_needed(spec, None, ["baseline", "lora+lowmembp"])
+    assert with_lora[0] == "lowmembp.plan.worker"          # first: its logger setting holds for what follows
+    assert "transformers.models.llama.modeling_llama" in with_lora and "peft" in with_lora
+    assert "peft" not in _modules_needed(spec, None, ["baseline", "mesa+checkpointing"])
+    swin, _ = resolve_model("swin_t", seq_len=None, num_classes=None, image_size=None)  # depth per stage
+    assert "timm.models.swin_transformer" in _modules_needed(swin, None, ["baseline"])
+    # the worker module quietens bitsandbytes' "cannot download the CPU 4-bit kernel" line, here and in workers
+    assert logging.getLogger("bitsandbytes.backends.cpu.ops").level == logging.ERROR

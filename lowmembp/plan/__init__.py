@@ -36,6 +36,7 @@ from lowmembp.methods.registry import parse
 from lowmembp.plan.combination import Peaks
 from lowmembp.plan.combos import combinations, key_of, option_grid
 from lowmembp.plan.models import resolve_model
+from lowmembp.plan import worker
 from lowmembp.plan.progress import Bar
 from lowmembp.plan.search import largest_batch
 from lowmembp.plan.sources import GiB, margin as margin_of, measured_ratios, parse_bytes
@@ -238,7 +239,7 @@ def _pool(jobs: int, n_tasks: int, preload: list[str]):
         ctx.set_forkserver_preload(preload)
     else:
         ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker) as ex:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=worker.init) as ex:
         yield ex
 
 
@@ -253,18 +254,7 @@ def _modules_needed(spec: ModelSpec, overrides, combos: list[str]) -> list[str]:
         model = build(spec, overrides=overrides, device="meta")
     own = sorted({type(m).__module__ for m in model.modules()} - {"__main__"})
     uses_peft = any(part in _PEFT_METHODS for c in combos for part in c.split("+"))
-    return ["lowmembp.plan.steps", "transformers", *own, *(["peft"] if uses_peft else [])]
-
-
-def _init_worker() -> None:
-    import logging
-
-    import torch
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    # bitsandbytes (imported through peft) logs on CPUs with AVX512-BF16 that its optional CPU 4-bit matmul kernel
-    # cannot be downloaded; fake-tensor steps never run a 4-bit matmul, so that line would only confuse the output
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    return ["lowmembp.plan.worker", "lowmembp.plan.steps", "transformers", *own, *(["peft"] if uses_peft else [])]
 
 
 def _world_size_kwargs(world_size: int) -> dict:

@@ -1,0 +1,22 @@
+"""The planner's worker processes: what each needs before its first row.
+
+Imported first in the fork server (:func:`lowmembp.plan._pool`), before the modules it preloads, so that what it
+sets holds for every worker forked from there; :func:`init` then runs in each worker.
+"""
+import logging
+import warnings
+
+# bitsandbytes (imported through peft) logs on CPUs with AVX512-BF16 that its optional CPU 4-bit matmul kernel
+# cannot be downloaded; fake-tensor steps never run a 4-bit matmul, so that line would only confuse the output
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+def init() -> None:
+    """One thread per worker (the workers are the parallelism), no warnings from the methods' fake steps (nor
+    transformers' log lines, e.g. "use_cache=True is incompatible with gradient checkpointing" once per worker:
+    said of a training run, not of an estimate; transformers sets its logger's level when first imported, so this
+    runs after that)."""
+    import torch
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
