@@ -64,12 +64,12 @@ class SavedTensorAccountant:
         self._names: dict[int, str] = {}
         self._kind_cache: dict[int, str | None] = {}
         self._excluded: set[int] = set()
-        self._cast_seen: set[int] = set()
+        self._cast_seen: dict[int, StorageWeakRef] = {}  # storage key -> the cast's storage (while it lives)
         self._hooks_ctx = None
 
     # -- context --------------------------------------------------------------------------------------------
     def __enter__(self) -> "SavedTensorAccountant":
-        self.storages, self._index, self.param_cast_bytes, self._cast_seen = [], {}, 0, set()
+        self.storages, self._index, self.param_cast_bytes, self._cast_seen = [], {}, 0, {}
         self._stack, self._excluded = [], set()
         if self.model is not None:
             for t in list(self.model.parameters()) + list(self.model.buffers()):
@@ -117,8 +117,9 @@ class SavedTensorAccountant:
         if nbytes == 0:
             return
         if self._is_param_cast(t):
-            if key not in self._cast_seen:
-                self._cast_seen.add(key)
+            seen = self._cast_seen.get(key)
+            if seen is None or seen.expired():  # a dead cast's address taken by a new one counts again
+                self._cast_seen[key] = StorageWeakRef(st)
                 self.param_cast_bytes += nbytes
             return
         kind = classify(self._stack, self._kind_cache) if self.model is not None else "other"

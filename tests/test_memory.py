@@ -74,6 +74,19 @@ def test_autocast_weight_casts_are_reported_apart():
     assert rep["param_casts"] == h * d * 2        # the bf16 copy of the weight
 
 
+def test_a_weight_cast_where_a_freed_one_was_is_counted_too():
+    # without autocast's cache every forward casts the weight anew; each cast dies with its graph, and the next one
+    # may get the dead one's storage address: it is a new storage, counted again (it used to be taken as seen)
+    B, d, h, n = 4, 6, 10, 20
+    model = nn.Sequential(nn.Linear(d, h))
+    x = torch.randn(B, d, requires_grad=True)
+    with SavedTensorAccountant(model) as acc, torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        for _ in range(n):
+            y = model(x)
+            del y
+    assert acc.report()["param_casts"] == n * h * d * 2
+
+
 class TinyMLP(nn.Module):
     def __init__(self, d, h):
         super().__init__()
