@@ -115,8 +115,9 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
     common = dict(spec=spec, batch_size=batch_size, seq_len=spec.seq_len, dtype=dtype, overrides=overrides,
                   shallow=shallow, depth=blocks, capacity=capacity, weights=weights, margin=mg, max_batch=max_batch,
                   extra=extra, more=more)
-    singles = [dict(common, method=c, options=o) for c in combos if "+" not in c for o in option_grid(c, options)]
-    n_multi = sum(len(option_grid(c, options)) for c in combos if "+" in c)
+    grids = {c: option_grid(c, options) for c in combos}
+    singles = [dict(common, method=c, options=o) for c in combos if "+" not in c for o in grids[c]]
+    n_multi = sum(len(grids[c]) for c in combos if "+" in c)
     bar = Bar(len(singles) + n_multi) if progress == "bar" else None
     try:
         with _pool(jobs, len(combos), _modules_needed(spec, overrides, combos)) as pool:
@@ -125,7 +126,7 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
             skipped.update({m: f"its estimate fails: {why}" for m, why in failed.items()})
             rows = [r for r in rows if r["method"] not in failed]
             multi = [dict(common, method=c, options=o) for c in combos
-                     if "+" in c and not set(c.split("+")) & set(failed) for o in option_grid(c, options)]
+                     if "+" in c and not set(c.split("+")) & set(failed) for o in grids[c]]
             if bar is not None:
                 bar.set_total(len(singles) + len(multi))
             rows += _run(multi, pool, bar or progress)
