@@ -101,6 +101,32 @@ def test_with_lora_and_untouched_without_labels():
     torch.testing.assert_close(model(input_ids=batch["input_ids"]).logits, ref(input_ids=batch["input_ids"]).logits)
 
 
+def test_with_mesa_the_head_is_computed_here():
+    # mesa makes lm_head a MesaLinear (forward exactly F.linear, 8-bit input saved); chunked-ce computes it itself:
+    # the loss is the plain model's, lm_head's gradient the exact one (not Mesa's from the 8-bit input), and every
+    # other gradient Mesa's (the same gradient reaches the last hidden state)
+    model, inputs = build("llama")
+    batch = _lm_batch(inputs)
+    out = {}
+    for spec in ("baseline", "mesa", "mesa+chunked-ce"):
+        torch.manual_seed(0)
+        m = lowmembp.apply(copy.deepcopy(model), spec, **({"chunk": 4} if "chunked" in spec else {})).train()
+        torch.manual_seed(1)
+        loss = m(**batch).loss
+        loss.backward()
+        out[spec] = (loss.detach(), grads(m), m)
+    assert type(out["mesa+chunked-ce"][2].lm_head).__name__ == "MesaLinear"
+    torch.testing.assert_close(out["mesa+chunked-ce"][0], out["baseline"][0], rtol=1e-6, atol=1e-6)
+    head = "lm_head.weight"
+    g_plain, g_mesa, g_both = out["baseline"][1], out["mesa"][1], out["mesa+chunked-ce"][1]
+    torch.testing.assert_close(g_both[head], g_plain[head], rtol=1e-5, atol=1e-6)
+    assert (g_mesa[head] - g_plain[head]).abs().max() > 1e-4  # Mesa's own head gradient is the 8-bit one
+    assert g_both.keys() == g_mesa.keys()
+    for k in g_mesa:
+        if k != head:
+            torch.testing.assert_close(g_both[k], g_mesa[k], rtol=1e-4, atol=1e-5)
+
+
 def test_never_saves_the_logits():
     model, inputs = build("llama")
     batch = _lm_batch(inputs)

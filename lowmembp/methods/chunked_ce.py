@@ -12,8 +12,10 @@ The loss is the model's own: labels shifted by one, ``-100`` ignored, mean over 
 
 Option ``chunk`` (default 1024 tokens). Refused for models without a causal-LM head: the task model must be one of
 transformers' causal-LM classes whose output embedding (``get_output_embeddings()``) is a plain ``nn.Linear`` read
-directly from the decoder's last hidden state (the layout's head). A LoRA adapter on the lm_head is refused too (its
-weight is not one matrix); the default ``lora`` targets leave the lm_head alone.
+directly from the decoder's last hidden state (the layout's head), or a linear whose forward is exactly that and
+which only saves something else for backward (``computes_linear``: Mesa's ``MesaLinear``; with ``mesa`` the head is
+then computed here, its weight's gradient exact and its input kept by this op, not in 8 bits). A LoRA adapter on the
+lm_head is refused (its weight is not one matrix); the default ``lora`` targets leave the lm_head alone.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def causal_lm_head(base: nn.Module, layout) -> nn.Linear:
         raise ValueError(f"chunked-ce: {name} has no causal-LM head (it needs a transformers *ForCausalLM model "
                          "whose loss is the shifted next-token cross-entropy); use it on LLaMA-like causal LMs only")
     heads = [s.get() for s in layout.head]
-    if out_emb not in heads or type(out_emb) is not nn.Linear:
+    if out_emb not in heads or not (type(out_emb) is nn.Linear or getattr(type(out_emb), "computes_linear", False)):
         raise ValueError(f"chunked-ce: the output embedding of {name} is {type(out_emb).__name__}, not a plain "
                          "nn.Linear read from the last hidden state (a transform in between, or a LoRA adapter on "
                          "lm_head); chunked-ce computes lm_head as one matrix — leave lm_head out of the LoRA targets")

@@ -89,6 +89,10 @@ class _LinearFn(Function):
 class MesaLinear(nn.Linear):
     """``nn.Linear`` saving an 8-bit input (channel groups) when its weight is trained. Shares the parameters."""
 
+    # its forward is F.linear(x, weight, bias) exactly (only what backward saves differs), so a method that computes
+    # the layer itself from its weight (chunked-ce's lm_head) may take it as a plain linear
+    computes_linear = True
+
     @classmethod
     def from_linear(cls, lin: nn.Linear, groups: int = DEFAULT_GROUPS) -> "MesaLinear":
         new = cls.__new__(cls)
