@@ -51,7 +51,8 @@ import warnings
 import torch
 import torch.nn as nn
 
-from lowmembp.export import guard_save, record_act, record_fold
+from lowmembp.export import guard_save
+from lowmembp.export_record import record_act, record_fold
 from lowmembp.methods.registry import register
 from lowmembp.models import UnsupportedModelError, get_layout
 from lowmembp.models.fold import fold_into, install_residual_affine, shared_parameters

@@ -33,7 +33,7 @@ import types
 import torch
 import torch.nn as nn
 
-from lowmembp.export import record_attention, record_swap
+from lowmembp.export_record import record_attention, record_swap
 from lowmembp.methods.registry import register
 from lowmembp.ops.mesa_layers import (MesaAct, MesaLayerNorm, MesaLinear, MesaMatMul, MesaRMSNorm, MesaSoftmax)
 from lowmembp.ops.mesa_quant import MOMENTUM, EMAQuantizer
