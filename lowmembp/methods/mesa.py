@@ -1,6 +1,7 @@
 """``mesa`` and ``mesa-gelu-ln``: Mesa-style 8-bit activation compression (Pan et al., 2021; DESIGN §2.3).
 
-- ``mesa``: every ``nn.Linear`` (the head and LoRA's A/B included), every GELU/SiLU activation and every
+- ``mesa``: every ``nn.Linear`` (the head and LoRA's A/B included; with ``chunked-ce`` that op computes the head from
+  its weight, keeping its input itself), every GELU/SiLU activation and every
   LayerNorm/RMSNorm of the model become Mesa layers (:mod:`lowmembp.ops.mesa_layers`), and — where attention runs the
   eager path — the attention's two matmuls and its softmax. ``mesa_attention`` says where:
   ``"auto"`` (default) converts attention that is already eager (timm ``Attention`` with ``fused_attn=False``,
