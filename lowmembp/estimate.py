@@ -5,12 +5,12 @@
             report>, "per_block": {kind: bytes} (one middle block), "peak": <peak.measure_step_peak result>}
 
 How: the model is built on the meta device (timm calls ``.item()`` at construction, which fake tensors refuse; real
-runs build on the CPU), ``lora`` (peft) wraps it there, then ``to_empty`` moves it into a ``FakeTensorMode``
-(:class:`lowmembp.fake_mode.StepFakeMode`; fake tensors carry shapes, dtypes and storages but no data), the remaining
-methods are applied there, and one training step (forward, loss, backward, fused AdamW step: no per-tensor
-temporaries) runs for real on the fake tensors, under the saved-tensor accountant (forward) and the peak tracker
-(whole step), after the optimizer state is created by one step on zero gradients (so the measured step is a steady
-one). Nothing large is allocated; ViT-B at batch 64 takes a few seconds on one core.
+runs build on the CPU), ``lora`` (peft) wraps it there, then :func:`to_fake_cpu` (``to_empty``'s result, made faster)
+moves it into a ``FakeTensorMode`` (:class:`lowmembp.fake_mode.StepFakeMode`; fake tensors carry shapes, dtypes and
+storages but no data), the remaining methods are applied there, and one training step (forward, loss, backward, fused
+AdamW step: no per-tensor temporaries) runs for real on the fake tensors, under the saved-tensor accountant (forward)
+and the peak tracker (whole step), after the optimizer state is created by one step on zero gradients (so the measured
+step is a steady one). Nothing large is allocated; ViT-B at batch 64 takes a few seconds on one core.
 ``device="cpu"`` runs the identical procedure on real tensors (small configs: the tests compare the two).
 
 Numbers are exact storage bytes of the CPU kernels' choices under CPU autocast (flash attention saves q, k, v, o and

@@ -90,7 +90,7 @@ def _text_config(cfg):
 
 def record_fold(base: nn.Module, norm: nn.Module, gamma, beta, consumers, residuals=()) -> None:
     """Note, before folding, that ``norm`` (γ, β) is about to be folded into ``consumers`` (modules) and re-applied on
-    the residual path of ``residuals`` (modules), so that :func:`export` can undo it."""
+    the residual path of ``residuals`` (modules), so that :func:`lowmembp.export.export` can undo it."""
     where = _paths(base)
     rec = _record(base)
     cons = [where.get(id(c), "?") for c in consumers]
@@ -119,7 +119,8 @@ def record_fold(base: nn.Module, norm: nn.Module, gamma, beta, consumers, residu
 
 def record_act(base: nn.Module, original: nn.Module) -> None:
     """Note, before replacing it, the module ``original`` (an activation: ReGELU2 / ReSiLU2 take its place; a norm
-    or activation a Mesa layer replaces). :func:`export` puts it back, with the live parameters of its replacement."""
+    or activation a Mesa layer replaces). :func:`lowmembp.export.export` puts it back, with the live parameters of
+    its replacement."""
     _record(base).acts.append(ActSwap(_paths(base).get(id(original), "?"), original))
 
 

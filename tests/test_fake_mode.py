@@ -130,3 +130,23 @@ def test_what_the_key_form_does_not_cover_goes_to_torch():
         assert key_args[0] is KEY_MARK                      # fake tensors and plain values: the one-pass key
         with pytest.raises(Exception):
             mode._prep_args_for_hash([], (real,), None, [])  # torch's code: bypasses the cache for a real tensor
+
+
+def test_to_fake_cpu_gives_what_to_empty_gives():
+    from lowmembp.estimate import to_fake_cpu
+
+    def model():
+        m = torch.nn.Linear(5, 3, device="meta")
+        m.weight = torch.nn.Parameter(torch.empty(5, 3, device="meta").t())                  # dense, transposed
+        m.register_buffer("wide", torch.empty(3, device="meta").expand(4, 3), persistent=False)  # not dense
+        m.register_buffer("steps", torch.zeros((), dtype=torch.int64, device="meta"))
+        return m
+
+    got, want = [], []
+    for make, out in ((lambda m: to_fake_cpu(m), got), (lambda m: m.to_empty(device="cpu"), want)):
+        m = model()  # built before the fake mode is entered, as prepare_model does
+        with StepFakeMode(allow_non_fake_inputs=True):
+            m = make(m)
+            out += [(n, type(t).__name__, _meta(t)) for n, t in [*m.named_parameters(), *m.named_buffers()]]
+    assert got == want and len(got) == 4
+    assert got[0][2][3] == (1, 3)  # the transposed weight keeps its strides
