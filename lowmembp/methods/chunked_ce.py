@@ -55,7 +55,8 @@ def causal_lm_head(base: nn.Module, layout) -> nn.Linear:
         raise ValueError(f"chunked-ce: {name} has no causal-LM head (it needs a transformers *ForCausalLM model "
                          "whose loss is the shifted next-token cross-entropy); use it on LLaMA-like causal LMs only")
     heads = [s.get() for s in layout.head]
-    if out_emb not in heads or not (type(out_emb) is nn.Linear or getattr(type(out_emb), "computes_linear", False)):
+    one_matrix = type(out_emb) is nn.Linear or getattr(type(out_emb), "computes_linear", False)
+    if out_emb not in heads or not one_matrix:
         raise ValueError(f"chunked-ce: the output embedding of {name} is {type(out_emb).__name__}, not a plain "
                          "nn.Linear read from the last hidden state (a transform in between, or a LoRA adapter on "
                          "lm_head); chunked-ce computes lm_head as one matrix — leave lm_head out of the LoRA targets")

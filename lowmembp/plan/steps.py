@@ -41,9 +41,9 @@ MIN_BATCH = 2  # the smallest batch a line is fitted on or gives (module doc: ba
 
 
 class RecordingFakeMode(StepFakeMode):
-    """A :class:`lowmembp.fake_mode.StepFakeMode` that hands every op it runs for its caller to ``observer(func, args, kwargs, out)``
-    while one is set (not the ops of its own decompositions, which a dispatch mode stacked above it would not see
-    either; not ``prim.device``, which only answers a tensor's device).
+    """A :class:`lowmembp.fake_mode.StepFakeMode` that hands every op it runs for its caller to
+    ``observer(func, args, kwargs, out)`` while one is set (not the ops of its own decompositions, which a dispatch
+    mode stacked above it would not see either; not ``prim.device``, which only answers a tensor's device).
 
     Why: a :class:`StorageTracker` entered as a second dispatch mode above the fake mode puts every op through two
     Python modes, and most of a fake step is that per-op dispatch (on LLaMA-7B shapes ~4 300 dispatches a 3-block
