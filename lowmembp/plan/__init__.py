@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 
 from lowmembp.estimate import DTYPES, ModelSpec, build, estimate, full_depth
 from lowmembp.methods.registry import parse
+from lowmembp.plan import worker
 from lowmembp.plan.combination import Peaks
 from lowmembp.plan.combos import combinations, key_of, option_grid
 from lowmembp.plan.models import resolve_model
-from lowmembp.plan import worker
 from lowmembp.plan.progress import Bar
 from lowmembp.plan.search import largest_batch
 from lowmembp.plan.sources import GiB, margin as margin_of, measured_ratios, parse_bytes
