@@ -34,6 +34,13 @@ SAME = ["task", "model", "method", "batch_size", "seed", "status", "steps", "act
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
+def default_sigint() -> None:
+    """A child's SIGINT as a shell would start it: its default action. pytest-xdist's workers ignore SIGINT (their
+    controller handles Ctrl-C), and an ignored signal stays ignored in a child: Python then installs no
+    KeyboardInterrupt handler and ``sh`` cannot trap it, so what these tests send would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def command(workdir: Path, config: Path, *extra: str) -> list[str]:
     """The README's command (`snakemake --cores all`), pointed at this test's folder and config."""
     return [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory", str(workdir),
@@ -50,7 +57,7 @@ def run(workdir: Path, config: Path) -> str:
 
 def start(workdir: Path, config: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(command(workdir, config, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=ENV, start_new_session=True)
+                            text=True, env=ENV, start_new_session=True, preexec_fn=default_sigint)
 
 
 @dataclass
@@ -185,7 +192,8 @@ def test_sigint_to_snakemake_alone_reaches_its_jobs_in_its_group(tmp_path):
     """workflow/interrupts.py, without Snakemake: a SIGINT to the parent alone reaches its child in its process group
     (a job shell) and not one in a group of its own (a training job, which run_cell.py signals itself)."""
     parent = subprocess.Popen([sys.executable, "-c", PARENT.format(workflow=str(ROOT / "workflow"), tmp=tmp_path)],
-                              stdout=subprocess.PIPE, text=True, start_new_session=True)  # no terminal
+                              stdout=subprocess.PIPE, text=True, start_new_session=True,  # no terminal
+                              preexec_fn=default_sigint)
     assert parent.stdout.readline().strip() == "ready"
     parent.send_signal(signal.SIGINT)
     try:
