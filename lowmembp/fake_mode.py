@@ -13,6 +13,10 @@ and stride. The key thus tells apart every pair of calls torch's tells apart, so
 cache would (the outputs are built by torch from its own cache entries, unchanged). Keys in this form start with a
 private marker, so they never meet torch's own in the shared cache.
 
+``prim.device`` (a tensor's device: on LLaMA-7B shapes two thirds of a fake step's dispatches, the autograd engine
+asking) is answered at once by the handler ``FakeTensorMode.dispatch`` itself calls for it, past that method's
+wrappers (a dispatch-mode check, logging, two ``_disable_dynamo`` frames): the same device in 7 µs instead of 13.
+
 Anything else (symbolic shapes, constants, non-strided or quantized tensors, real tensors, another mode's fakes,
 callables, SymInts) goes to torch's own key code, whole, which also bypasses the cache where torch does.
 ``tests/test_fake_mode.py``: a whole training step gives the same ops with the same output metadata in both modes.
@@ -20,9 +24,12 @@ callables, SymInts) goes to torch's own key code, whole, which also bypasses the
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor, FakeTensorMode
 
-__all__ = ["StepFakeMode", "KEY_MARK"]
+__all__ = ["StepFakeMode", "KEY_MARK", "DEVICE_QUERY", "answer_device"]
+
+DEVICE_QUERY = torch.ops.prim.device.default
+answer_device = _DISPATCH_META_HANDLERS[DEVICE_QUERY]  # FakeTensorMode.dispatch's own answer to prim.device
 
 KEY_MARK = object()      # first item of the args part of a key in this form
 _FAKE = object()         # tag of a fake tensor's tuple (no plain value can equal it)
@@ -37,7 +44,13 @@ class _TorchKey(Exception):
 
 
 class StepFakeMode(FakeTensorMode):
-    """``FakeTensorMode`` with the one-pass cache key (module doc); everything else is torch's."""
+    """``FakeTensorMode`` with the one-pass cache key and ``prim.device`` answered directly (module doc); everything
+    else is torch's."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE_QUERY:
+            return answer_device(args)
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects):
         try:

@@ -48,14 +48,15 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+# DEVICE_QUERY answers a tensor's device (most ops on fake tensors: autograd and autocast asking): no storage, no
+# FLOPs, so the trackers pass it straight through (here and lowmembp.plan.steps)
+from lowmembp.fake_mode import DEVICE_QUERY
+
 __all__ = ["StorageTracker", "measure_step_peak", "prime_optimizer", "profiler_peak", "note_host", "CATEGORIES"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
 _HOST = "host"  # not a category: host storages are kept out of the device total
 _ACTIVE: list["StorageTracker"] = []
-# answers a tensor's device (most ops on fake tensors: autograd and autocast asking): no storage, no FLOPs, so the
-# trackers pass it straight through (here and lowmembp.plan.steps)
-DEVICE_QUERY = torch.ops.prim.device.default
 
 
 def note_host(t: torch.Tensor) -> None:

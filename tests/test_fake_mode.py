@@ -9,7 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from lowmembp.estimate import MODELS, _batch, make_optimizer, prepare_model, train_step
-from lowmembp.fake_mode import KEY_MARK, StepFakeMode
+from lowmembp.fake_mode import DEVICE_QUERY, KEY_MARK, StepFakeMode
 from lowmembp.peak import prime_optimizer
 from lowmembp.plan.combos import combinations
 
@@ -117,6 +117,21 @@ def test_arguments_that_differ_in_one_fact_are_told_apart(name, fn):
     plain, fast = _both(fn)
     assert len(set(plain)) == len(plain), f"{name}: the cases are not distinct in torch's own mode"
     assert fast == plain
+
+
+def test_a_device_query_gets_torchs_answer_without_its_dispatch(monkeypatch):
+    """prim.device (in a whole step the ops above compare its answers too): the device torch's mode gives, for a
+    fake CUDA and a fake CPU tensor, answered before FakeTensorMode.dispatch (which the plain mode goes through)."""
+    calls = []
+    dispatch = FakeTensorMode.dispatch
+    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda self, func, *a, **k: (calls.append(func),
+                                                                                dispatch(self, func, *a, **k))[1])
+    for base in (FakeTensorMode, StepFakeMode):
+        calls.clear()
+        with base(allow_non_fake_inputs=True):
+            got = [DEVICE_QUERY(torch.empty(2, device=d)) for d in ("cuda", "cpu")]
+        assert got == [torch.device("cuda", 0), torch.device("cpu")]
+        assert calls.count(DEVICE_QUERY) == (2 if base is FakeTensorMode else 0), base
 
 
 def test_what_the_key_form_does_not_cover_goes_to_torch():

@@ -30,16 +30,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS
-
 from lowmembp.estimate import (ModelSpec, _batch, block_names, fsdp_peak, make_optimizer, prepare_model,
                                train_step)
-from lowmembp.fake_mode import StepFakeMode
-from lowmembp.peak import CATEGORIES, DEVICE_QUERY, StorageTracker, prime_optimizer
+from lowmembp.fake_mode import DEVICE_QUERY, StepFakeMode, answer_device
+from lowmembp.peak import CATEGORIES, StorageTracker, prime_optimizer
 
 __all__ = ["Steps", "StepRun", "BatchLine", "EventTracker", "RecordingFakeMode", "MIN_BATCH"]
 
-_DEVICE_HANDLER = _DISPATCH_META_HANDLERS[DEVICE_QUERY]  # what FakeTensorMode.dispatch answers prim.device with
 MIN_BATCH = 2  # the smallest batch a line is fitted on or gives (module doc: batch 1 is stepped)
 
 
@@ -51,16 +48,14 @@ class RecordingFakeMode(StepFakeMode):
     Why: a :class:`StorageTracker` entered as a second dispatch mode above the fake mode puts every op through two
     Python modes, and most of a fake step is that per-op dispatch (on LLaMA-7B shapes ~4 300 dispatches a 3-block
     step, 3 000 of them the autograd engine asking ``prim.device``). Riding in the fake mode itself it sees the same
-    ops in the same order (``tests/test_plan_fast.py``: the same events, peaks and FLOPs) for 3-30 % less time.
-    ``prim.device`` is answered at once by the handler ``FakeTensorMode.dispatch`` itself calls for it, past that
-    method's wrappers (a dispatch-mode check, logging, two ``_disable_dynamo`` frames): the same device for less."""
+    ops in the same order (``tests/test_plan_fast.py``: the same events, peaks and FLOPs) for 3-30 % less time."""
 
     observer = None
     _depth = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is DEVICE_QUERY:  # torch's own answer (its handler), without FakeTensorMode's wrappers around it
-            return _DEVICE_HANDLER(args)
+        if func is DEVICE_QUERY:  # answered at once, as StepFakeMode does
+            return answer_device(args)
         kwargs = kwargs or {}
         if self.observer is None or self._depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
