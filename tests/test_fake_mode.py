@@ -124,8 +124,12 @@ def test_a_device_query_gets_torchs_answer_without_its_dispatch(monkeypatch):
     fake CUDA and a fake CPU tensor, answered before FakeTensorMode.dispatch (which the plain mode goes through)."""
     calls = []
     dispatch = FakeTensorMode.dispatch
-    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda self, func, *a, **k: (calls.append(func),
-                                                                                dispatch(self, func, *a, **k))[1])
+
+    def counted(self, func, *args, **kwargs):
+        calls.append(func)
+        return dispatch(self, func, *args, **kwargs)
+
+    monkeypatch.setattr(FakeTensorMode, "dispatch", counted)
     for base in (FakeTensorMode, StepFakeMode):
         calls.clear()
         with base(allow_non_fake_inputs=True):
