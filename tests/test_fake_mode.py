@@ -1,9 +1,10 @@
-"""lowmembp.fake_mode.StepFakeMode: torch's FakeTensorMode with a one-pass cache key. It must give what
-FakeTensorMode gives, op for op: a whole training step (every single method on a tiny LLaMA, a few on ViT and BERT)
-runs the same ops with the same output metadata in both modes, calls that differ only in one fact of an argument
-(strides, storage offset, storage size, requires_grad, dtype, a scalar's type) are told apart, and what the key
-form does not cover goes to torch's key code (real tensors, constants) and still works. The fast key must also be
-in use (keys in its form in the cache), or these tests would compare torch with itself."""
+"""lowmembp.fake_mode.StepFakeMode: torch's FakeTensorMode with a one-pass cache key and its cache hits served
+from recipes. It must give what FakeTensorMode gives, op for op: a whole training step (every single method on a
+tiny LLaMA, a few on ViT and BERT) runs the same ops with the same output metadata and the same storage sharing in
+both modes, calls that differ only in one fact of an argument (strides, storage offset, storage size,
+requires_grad, dtype, a scalar's type) are told apart, and what the key form does not cover goes to torch's key code
+(real tensors, constants) and still works. The fast key and the recipes must also be in use (keys in its form in
+the cache, most ops of a step served from recipes), or these tests would compare torch with itself."""
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -51,9 +52,18 @@ def _recording(base):
                 out = super().__torch_dispatch__(func, types, args, kwargs or {})
             finally:
                 self._inside -= 1
-            self.ops.append((str(func), _meta(out)))
+            self.ops.append((str(func), _meta(out), _shares(args, kwargs, out)))
             return out
     return Recording
+
+
+def _shares(args, kwargs, out):
+    """For each output tensor, the positions of the arguments whose storage it is on (views, in-place ops)."""
+    import torch.utils._pytree as pytree
+    ins = [t.untyped_storage()._cdata if isinstance(t, torch.Tensor) else None
+           for t in pytree.tree_leaves((args, kwargs or {}))]
+    return tuple(tuple(i for i, s in enumerate(ins) if s == t.untyped_storage()._cdata)
+                 for t in pytree.tree_leaves(out) if isinstance(t, FakeTensor))
 
 
 def _step_ops(base, model_name, method):
@@ -83,12 +93,20 @@ def test_a_training_step_runs_the_same_ops_with_the_same_outputs(model_name, met
             _step_ops(StepFakeMode, model_name, method)
         return
     before = _fast_keys()
-    got = _step_ops(StepFakeMode, model_name, method)
+    served = []
+    build = StepFakeMode._from_recipe
+    StepFakeMode._from_recipe = lambda self, recipe, args: served.append(1) or build(self, recipe, args)
+    try:
+        got = _step_ops(StepFakeMode, model_name, method)
+    finally:
+        StepFakeMode._from_recipe = build
     assert len(got) == len(want) > 50
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"op {i}: {g} != {w}"
     assert _fast_keys() >= before  # (the cache may have held them from another case)
     assert _fast_keys() > 0
+    real = [g for g in got if g[0] != str(DEVICE_QUERY)]  # (device queries are answered without the cache)
+    assert len(served) > len(real) // 2  # two steps: at least the second one's ops from recipes
 
 
 def _both(fn):
@@ -169,3 +187,71 @@ def test_to_fake_cpu_gives_what_to_empty_gives():
             out += [(n, type(t).__name__, _meta(t)) for n, t in [*m.named_parameters(), *m.named_buffers()]]
     assert got == want and len(got) == 4
     assert got[0][2][3] == (1, 3)  # the transposed weight keeps its strides
+
+
+def _twice(fn):
+    """``fn(x)`` twice in a StepFakeMode (the second from a recipe), and once in a plain FakeTensorMode."""
+    served = []
+    out = {}
+    for base in (FakeTensorMode, StepFakeMode):
+        with base(allow_non_fake_inputs=True) as mode:
+            x = torch.empty(6, 4)
+            first = fn(x)
+            if base is StepFakeMode:
+                build = mode._from_recipe
+                mode._from_recipe = lambda recipe, args: served.append(1) or build(recipe, args)
+            out[base] = (x, first, fn(x))
+    return out[FakeTensorMode], out[StepFakeMode], len(served)
+
+
+def test_a_recipe_builds_the_fake_tensor_torch_builds():
+    """A new tensor, a view (on its argument's storage) and an in-place op (its argument itself): what the recipe
+    gives has the metadata, the attributes (vars) and the dispatch keys of torch's own."""
+    cases = {
+        "new": lambda x: x * 2,
+        "view": lambda x: x.t(),
+        "in-place": lambda x: x.add_(1),
+        "tuple": lambda x: torch.ops.aten.var_mean.correction(x, [1]),
+    }
+    for name, fn in cases.items():
+        (px, pfirst, plain), (fx, ffirst, fast), served = _twice(fn)
+        assert served == 1, name
+        for p, f in zip(plain if isinstance(plain, tuple) else (plain,), fast if isinstance(fast, tuple) else (fast,)):
+            assert _meta(f) == _meta(p), name
+            assert set(vars(f)) == set(vars(p)) and f.fake_device == p.fake_device, name
+            assert f.constant is None and f.fake_mode is not None, name
+            assert torch._C._dispatch_key_set(f) == torch._C._dispatch_key_set(p), name
+        if name == "view":
+            assert fast.untyped_storage()._cdata == fx.untyped_storage()._cdata
+        if name == "in-place":
+            assert fast is fx
+        if name == "new":
+            assert fast.untyped_storage()._cdata not in (fx.untyped_storage()._cdata, ffirst.untyped_storage()._cdata)
+
+
+def test_calls_torch_does_not_cache_get_recipes_from_their_first_output():
+    """``aten._unsafe_view`` (torch bypasses its cache: a non-view op that aliases) and this library's functional
+    ops: the second call is served by a recipe, the same metadata as torch's dispatch, on the right storage."""
+    import lowmembp.ops.approx_act  # noqa: F401  (registers lowmembp::approx_act_fwd)
+    (px, _, plain), (fx, ffirst, fast), served = _twice(lambda x: torch.ops.aten._unsafe_view(x, [4, 6]))
+    assert served == 1 and _meta(fast) == _meta(plain)
+    assert fast.untyped_storage()._cdata == fx.untyped_storage()._cdata  # a view of its argument, as torch's
+
+    def act(x):
+        return torch.ops.lowmembp.approx_act_fwd(x, "gelu", [-1.0, 0.0, 1.0], [0.1, 0.8, 0.1], True)
+    (px, _, plain), (fx, ffirst, fast), served = _twice(act)
+    assert served == 1 and _meta(fast) == _meta(plain)
+    fresh = {t.untyped_storage()._cdata for t in fast}
+    before = {fx.untyped_storage()._cdata} | {t.untyped_storage()._cdata for t in ffirst}
+    assert len(fresh) == 2 and not fresh & before  # new storages, as the op's fake implementation makes
+
+
+def test_no_recipes_where_torch_would_not_serve_from_its_cache():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    with StepFakeMode(shape_env=ShapeEnv()) as mode:
+        assert mode._recipe_key(torch.ops.aten.mul.Tensor, (torch.empty(2), torch.empty(2)), {}) is None
+    with StepFakeMode() as mode:
+        x = torch.empty(2)
+        assert mode._recipe_key(torch.ops.aten.mul.Tensor, (x, x), {}) is not None
+        mode.cache_crosscheck_enabled = True
+        assert mode._recipe_key(torch.ops.aten.mul.Tensor, (x, x), {}) is None
