@@ -90,7 +90,10 @@ class StorageTracker(TorchDispatchMode):
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
             return
-        key = StorageWeakRef(st).cdata
+        self._count(st, st._cdata, category)
+
+    def _count(self, st, key: int, category: str) -> None:
+        """Count storage ``st`` (``key``: its address, what ``StorageWeakRef(st).cdata`` is) under ``category``."""
         entry = self._live.get(key)
         if entry is not None:
             if entry[1] != category and _HOST not in (entry[1], category):
@@ -208,14 +211,27 @@ class StorageTracker(TorchDispatchMode):
             cat = "temporaries"
         else:
             cat = "activations"
-        for t in ((out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]):
-            if isinstance(t, torch.Tensor) and self._key(t) not in self._live:
-                self.track(t, cat)
+        if isinstance(out, torch.Tensor):
+            outs = (out,)
+        elif type(out) in (tuple, list) and not any(type(o) in (tuple, list, dict) for o in out):
+            outs = out
+        else:
+            outs = tree_flatten(out)[0]
+        for t in outs:
+            if isinstance(t, torch.Tensor):
+                try:
+                    st = t.untyped_storage()
+                except (RuntimeError, NotImplementedError, TypeError):
+                    continue
+                key = st._cdata
+                if key not in self._live:
+                    self._count(st, key, cat)
 
     @staticmethod
     def _key(t):
+        """The address of ``t``'s storage (``StorageWeakRef(storage).cdata``), or None where it has none."""
         try:
-            return StorageWeakRef(t.untyped_storage()).cdata
+            return t.untyped_storage()._cdata
         except (RuntimeError, NotImplementedError, TypeError):
             return None
 
