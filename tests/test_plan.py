@@ -295,7 +295,7 @@ def test_verdict_says_what_fits_or_why_nothing_does(rows, weights, words):
 def test_the_fork_server_imports_what_the_workers_need_once():
     import logging
 
-    from lowmembp.plan import _modules_needed
+    from lowmembp.plan.pool import modules_needed as _modules_needed
     spec, _ = resolve_model("llama_7b", seq_len=None, num_classes=None, image_size=None)
     with_lora = _modules_needed(spec, None, ["baseline", "lora+lowmembp"])
     assert with_lora[0] == "lowmembp.plan.worker"          # first: its logger setting holds for what follows

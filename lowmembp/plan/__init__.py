@@ -24,7 +24,6 @@ about (:mod:`lowmembp.plan.combination`, :mod:`lowmembp.plan.steps`: the same pr
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import time
@@ -33,10 +32,10 @@ from dataclasses import dataclass, field
 
 from lowmembp.estimate import DTYPES, ModelSpec, build, estimate, full_depth
 from lowmembp.methods.registry import parse
-from lowmembp.plan import worker
 from lowmembp.plan.combination import Peaks
 from lowmembp.plan.combos import combinations, key_of, option_grid
 from lowmembp.plan.models import resolve_model
+from lowmembp.plan.pool import modules_needed, run_rows
 from lowmembp.plan.progress import Bar
 from lowmembp.plan.search import largest_batch
 from lowmembp.plan.sources import GiB, margin as margin_of, measured_ratios, parse_bytes
@@ -80,7 +79,8 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
          reserved: int | str | None = None, margin_file=None, runs=None, jobs: int = 1,
          overrides: dict | None = None, num_classes: int | None = None, image_size: int | None = None,
          max_batch: int = 1 << 16, depth: str = "auto", combos: list[str] | None = None,
-         more_gpus: list[str | int] | None = None, weights: str = "fp32", progress=None) -> Plan:
+         more_gpus: list[str | int] | None = None, weights: str = "fp32", progress=None,
+         start_method: str | None = None) -> Plan:
     """Plan every valid method combination (see the module doc). ``methods``/``exclude``/``max_methods`` narrow the
     combinations; ``options``: sweeps, ``{"tokentune": {"k": [16, 256]}}``; ``margin``/``reserved``: the allocator
     fraction and the fixed reserve (default: ``results/gpu/margin.json`` if present, else rules of thumb);
@@ -91,7 +91,9 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
     ``weights``: the parameters' dtype (``"fp32"``, or ``"bf16"``/``"fp16"``: the model loaded in that dtype, see
     :func:`lowmembp.estimate.estimate`);
     ``progress``: called with each finished row, or ``"bar"``: a progress bar on stderr
-    (:class:`lowmembp.plan.progress.Bar`, shown when stderr is a terminal)."""
+    (:class:`lowmembp.plan.progress.Bar`, shown when stderr is a terminal);
+    ``start_method``: how the ``jobs`` worker processes start (:mod:`lowmembp.plan.pool`): None, a fork server (safe
+    anywhere); ``"fork"``, ~4 s sooner, only in a process that has not run a backward pass (the command line)."""
     t0 = time.perf_counter()
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -117,22 +119,15 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
                   extra=extra, more=more)
     grids = {c: option_grid(c, options) for c in combos}
     singles = [dict(common, method=c, options=o) for c in combos if "+" not in c for o in grids[c]]
-    n_multi = sum(len(grids[c]) for c in combos if "+" in c)
-    bar = Bar(len(singles) + n_multi) if progress == "bar" else None
+    multis = [dict(common, method=c, options=o) for c in combos if "+" in c for o in grids[c]]
+    bar = Bar(len(singles) + len(multis)) if progress == "bar" else None
     try:
-        with _pool(jobs, len(combos), _modules_needed(spec, overrides, combos)) as pool:
-            rows = _run(singles, pool, bar or progress)
-            failed = {r["method"]: r["reason"] for r in rows if r["status"] != "ok" and r["method"] != "baseline"}
-            skipped.update({m: f"its estimate fails: {why}" for m, why in failed.items()})
-            rows = [r for r in rows if r["method"] not in failed]
-            multi = [dict(common, method=c, options=o) for c in combos
-                     if "+" in c and not set(c.split("+")) & set(failed) for o in grids[c]]
-            if bar is not None:
-                bar.set_total(len(singles) + len(multi))
-            rows += _run(multi, pool, bar or progress)
+        rows, failed = run_rows(evaluate, singles, multis, jobs=jobs, start_method=start_method,
+                                preload=modules_needed(spec, overrides, combos), progress=bar or progress)
     finally:
         if bar is not None:
             bar.close()
+    skipped.update({m: f"its estimate fails: {why}" for m, why in failed.items()})
     measured, runs_file = measured_ratios(runs)
     _add_costs(rows, measured)
     rows.sort(key=_rank)
@@ -213,49 +208,6 @@ def _checked(peaks: Peaks, best: int, cap: float, floor: int, max_batch: int) ->
     line = {b: peaks.from_line(b) for b in checked}
     return ((best == 0 or checked[best] <= cap) and checked[best + 1] > cap
             and all(line[b] is None or line[b]["bytes"] == v for b, v in checked.items()))
-
-
-def _run(jobs_: list[dict], pool, progress=None) -> list[dict]:
-    out = []
-    for r in (pool.map(evaluate, jobs_) if pool is not None else map(evaluate, jobs_)):
-        out.append(r)
-        if progress:
-            progress(r)
-    return out
-
-
-@contextlib.contextmanager
-def _pool(jobs: int, n_tasks: int, preload: list[str]):
-    """Worker processes for the rows (None: plan in this process). Forked from a fork server that has imported
-    ``preload`` (each worker then starts without importing them again; not forked from this process, which may
-    have run autograd already: torch refuses autograd in a child forked after that), else spawned."""
-    if jobs <= 1 or n_tasks <= 1:
-        yield None
-        return
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(preload)
-    else:
-        ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=worker.init) as ex:
-        yield ex
-
-
-def _modules_needed(spec: ModelSpec, overrides, combos: list[str]) -> list[str]:
-    """What every worker would import: the planner, the model's own modules (transformers' LLaMA alone takes ~2.4 s)
-    and peft when a combination uses it (~1.3 s); imported once in the fork server instead."""
-    from lowmembp.estimate import _PEFT_METHODS
-
-    try:
-        model = build(spec, layers=2, overrides=overrides, device="meta")
-    except ValueError:  # depth per stage (Swin): the whole model, still on the meta device
-        model = build(spec, overrides=overrides, device="meta")
-    own = sorted({type(m).__module__ for m in model.modules()} - {"__main__"})
-    uses_peft = any(part in _PEFT_METHODS for c in combos for part in c.split("+"))
-    return ["lowmembp.plan.worker", "lowmembp.plan.steps", "transformers", *own, *(["peft"] if uses_peft else [])]
 
 
 def _world_size_kwargs(world_size: int) -> dict:

@@ -13,7 +13,12 @@ class Bar:
 
     def __init__(self, total: int):
         from tqdm import tqdm
-        self._bar = tqdm(total=total, desc="plan", unit="comb", file=sys.stderr, disable=None, dynamic_ncols=True)
+
+        class _NoMonitor(tqdm):
+            monitor_interval = 0  # no monitor thread: the planner may fork its workers after the bar appears
+
+        self._bar = _NoMonitor(total=total, desc="plan", unit="comb", file=sys.stderr, disable=None,
+                               dynamic_ncols=True)
 
     def __call__(self, row: dict) -> None:
         self._bar.set_postfix_str(row.get("label", "")[:48], refresh=False)
