@@ -65,7 +65,11 @@ def _lm_batch(inputs, seed=1):
 
 @pytest.mark.parametrize("name", ["llama", "llama_tied", "mistral", "qwen2"])
 def test_loss_and_gradients_equal_the_models_own(name):
+    # float64 weights: in fp32 the chunked sums round differently from the whole ones, and by how much depends on
+    # the CPU's matmul kernels (7 of 1952 Qwen2 gradients 5e-6 apart on an AMD EPYC Zen 5); what is left in float64
+    # is the fp32 log-softmax both take (~4e-8 here)
     model, inputs = build(name)
+    model = model.double()
     batch = _lm_batch(inputs)
     ref = copy.deepcopy(model).train()
     model = lowmembp.apply(model, "chunked-ce", chunk=3).train()
@@ -76,7 +80,7 @@ def test_loss_and_gradients_equal_the_models_own(name):
     g0, g1 = grads(ref), grads(model)
     assert g0.keys() == g1.keys()
     for k in g0:
-        torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=2e-7)
 
 
 def test_with_lora_and_untouched_without_labels():

@@ -3,10 +3,12 @@ environment, against one process with the same global batch.
 
 Tolerances: the two ranks each average the loss over their 4 rows and DDP / FSDP2 average the two gradients, where
 one process sums all 8 rows at once — the same numbers added in another order (float32, ~1e-7 relative per step),
-which three AdamW steps carry into the weights at about lr × 1e-6. So losses agree to 1e-5 relative and weights to
-1e-5 absolute (a different selection, batch split or statistics is orders of magnitude off). Mesa rounds
-stochastically with noise indexed by element: a rank's 4 rows draw other noise than the same rows in the 8-row
-batch, so Mesa agrees within its quantisation noise (looser bounds, below).
+which three AdamW steps carry into the weights at about lr × 1e-6 — more where a gradient entry is near Adam's ε,
+and by how much depends on the CPU's kernels (lowmembp: 1.0e-5 on an AMD EPYC Zen 5, under 1e-5 on earlier
+machines). So losses agree to 1e-5 relative and weights to 3e-5 absolute (a different selection, batch split or
+statistics changes the gradients themselves, and Adam's steps are ~lr each: the three warm-up steps' learning rates
+sum to 6e-4). Mesa rounds stochastically with noise indexed by element: a rank's 4 rows draw other noise than the
+same rows in the 8-row batch, so Mesa agrees within its quantisation noise (looser bounds, below).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ COMMON = ["--task", "mnist5k", "--batch-size", "8", "--steps", "3", "--limit", "
 CELLS = [("ddp", "baseline", []), ("ddp", "lowmembp", []), ("ddp", "lora+lowmembp", ["--rank", "2"]),
          ("ddp", "mesa", []), ("ddp", "tokentune", ["--k", "5"]),
          ("fsdp", "baseline", []), ("fsdp", "lora+lowmembp", ["--rank", "2"]), ("fsdp", "tokentune", ["--k", "5"])]
-EXACT = dict(loss=1e-5, weights=1e-5)
+EXACT = dict(loss=1e-5, weights=3e-5)
 MESA = dict(loss=2e-3, weights=2e-3)  # measured: ~1e-4 (loss), ~1e-4 (weights) — quantisation noise
 
 
