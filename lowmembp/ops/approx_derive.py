@@ -6,12 +6,21 @@ For an activation h and ``bits`` bits, find ``n = 2**bits − 1`` breakpoints c 
 uses the slope of h̃: ``s_j = Σ_{i<=j} a_i`` for code j.
 
 How: for fixed c the objective is quadratic in a, so a (and the constraints' multipliers μ) come from one linear
-(KKT) system; the outer problem over c is minimised with BFGS on the exact gradient (envelope theorem:
-``dV/dc_k = 2·a_k·∫_{c_k}^{b} (h − h̃) dx + μ₂·a_k``) from several starts, then polished by a root-find on that
-gradient. For the four ReLU-like kinds h − ReLU is even, so the objective is symmetric under x → −x; the
-breakpoints are made exactly symmetric about 0 before and after the polish (BFGS stops short on the flat objective).
-Integrals: Gauss–Legendre, 24 nodes on pieces at most 0.5 wide between the breakpoints (h is smooth there, h̃ is
-linear: exact to rounding).
+(KKT) system, solved by normal equations plus one step of iterative refinement (a to ~1e-15); the value is the
+integral of the squared residual. The outer problem over c is minimised with BFGS on the exact gradient (envelope
+theorem: ``dV/dc_k = 2·a_k·∫_{c_k}^{b} (h − h̃) dx + μ₂·a_k``) from several starts, then polished by Newton steps on
+that gradient (Hessian by central differences) until the gradient stops shrinking (~1e-14). For the four ReLU-like
+kinds h − ReLU is even, so the objective is symmetric under x → −x, and its minimum is symmetric (the full Hessian
+there is positive definite): the polish works in the positive half of the breakpoints, c = (−p reversed, 0, p).
+Integrals: the interval is cut at the breakpoints and at 0 (relu2's kink); every segment gets the same number of
+pieces, ⌈2b/2⌉, so none is wider than 2, and 24 Gauss–Legendre nodes per piece. h is smooth on each segment and h̃
+linear, so this is exact to rounding (value and gradient agree with pieces 0.1 wide to ~1e-13), and the nodes move
+affinely with c, so the objective is smooth in c. (Before, a segment's piece count followed its width, so the grid
+changed whenever a breakpoint crossed a piece boundary; with the value computed as ``∫h² − 2a·r + a·G·a``, which
+cancels ~1e4 down to ~1e-5, the objective jumped by ~1e-12, and where BFGS stopped on it, up to 3e-4 away in c,
+depended on the CPU's rounding; relu2's kink was not a cut, an error up to ~2e-9.) The polished point is the same
+to ~1e-11 whatever the rounding (checked by reversing and shuffling the nodes, and with AVX-only BLAS and numpy
+kernels); ``tests/test_derive.py`` holds the shipped table to it at 1e-8.
 
 The published ReGELU2 / ReSiLU2 constants are NOT the exact minimum of this objective: they came from a simulated
 annealing run (the authors' script) and are asymmetric (c = −3.18588, −0.00118, 3.19083 for GELU). The minimum is
@@ -94,60 +103,84 @@ def _h(kind: str):
 class _Problem:
     """The objective for one kind on [−b, b]: inner solve for a, value and gradient in c."""
 
-    def __init__(self, kind: str, bits: int, b: float, nodes: int = 24, piece: float = 0.5):
+    def __init__(self, kind: str, bits: int, b: float, nodes: int = 24, piece: float = 2.0, refine: int = 1):
         import numpy as np
         self.np = np
-        self.kind, self.n, self.b = kind, 2 ** bits - 1, b
+        self.kind, self.n, self.b, self.refine = kind, 2 ** bits - 1, b, refine
         self.h = _h(kind)
         self.constrained = kind in _RELU_LIKE
-        self.gx, self.gw = np.polynomial.legendre.leggauss(nodes)
-        self.piece = piece
+        # Every segment between cuts gets the same m pieces, so the nodes and weights are affine in the cuts and the
+        # objective is smooth in c (a piece count that follows the segment's width jumps as c moves). No segment is
+        # wider than 2b, so no piece is wider than ``piece``: with h's nearest complex singularity 1.85 from the real
+        # axis (quick_gelu's, at ±iπ/1.702; SiLU's π, gelu_tanh's 2.75), 24-node Gauss–Legendre on pieces 2 wide
+        # errs by a factor ~(1.85 + √(1.85² + 1))^−48 ≈ 1e-28: exact to rounding.
+        m = max(1, int(math.ceil(2 * b / piece)))
+        gx, gw = np.polynomial.legendre.leggauss(nodes)
+        t = np.linspace(0.0, 1.0, m + 1)
+        half, mid = (t[1:] - t[:-1])[:, None] / 2, (t[1:] + t[:-1])[:, None] / 2
+        self.ref_x, self.ref_w = (mid + half * gx).ravel(), (half * gw).ravel()  # the rule on [0, 1]
+        # the point count is fixed (n + 2 segments), so the [n, points] arrays are allocated once: allocating them
+        # afresh on every call costs several times the arithmetic (page faults)
+        shape = (self.n, (self.n + 2) * len(self.ref_x))
+        self._phi, self._pw = np.empty(shape), np.empty(shape)
 
-    def _quad_points(self, lo: float, hi: float):
-        """Nodes and weights on [lo, hi], split into pieces at most ``piece`` wide."""
+    def _cuts(self, c):
+        """The segment ends: −b, b, 0 (relu2's kink; the other kinds are smooth there) and the breakpoints."""
         np = self.np
-        if hi <= lo:
-            return np.zeros(0), np.zeros(0)
-        m = max(1, int(math.ceil((hi - lo) / self.piece)))
-        edges = np.linspace(lo, hi, m + 1)
-        half = (edges[1:] - edges[:-1])[:, None] / 2
-        mid = (edges[1:] + edges[:-1])[:, None] / 2
-        return (mid + half * self.gx).ravel(), (half * self.gw).ravel()
+        return np.sort(np.concatenate([[-self.b, 0.0, self.b], np.clip(c, -self.b, self.b)]))
 
     def _points(self, c):
-        np = self.np
-        cuts = np.concatenate([[-self.b], np.clip(np.sort(c), -self.b, self.b), [self.b]])
-        xs, ws = zip(*(self._quad_points(cuts[i], cuts[i + 1]) for i in range(len(cuts) - 1)))
-        return np.concatenate(xs), np.concatenate(ws)
+        """Nodes (increasing) and weights on [−b, b]: m pieces per segment, 24 Gauss–Legendre nodes per piece."""
+        cuts = self._cuts(c)
+        lo, width = cuts[:-1, None], (cuts[1:] - cuts[:-1])[:, None]
+        return (lo + width * self.ref_x).ravel(), (width * self.ref_w).ravel()
 
     def solve(self, c):
-        """(a, μ, value) for breakpoints c: the inner least squares (with the two constraints if relu-like)."""
+        """(a, μ, value) for breakpoints c: the inner least squares (with the two constraints if relu-like).
+
+        Normal equations (the KKT system with the Gram matrix G), then one step of iterative refinement on the
+        residual computed point by point (corrected semi-normal equations). The plain normal equations square the
+        condition number of the design matrix (G's is up to ~2e8 here) and leave ~1e-9 in a, which the envelope
+        gradient carries at first order; after the refinement a agrees with an orthogonal-factorisation solve to
+        ~1e-15. The value is the integral of the squared residual, not ``∫h² − 2a·r + a·G·a``, which cancels ~1e4
+        down to ~1e-5 and so is noisy at ~1e-12."""
         np = self.np
         c = np.asarray(c, dtype=float)
         x, w = self._points(c)
-        phi = np.maximum(x[None, :] - c[:, None], 0.0)  # [n, m]
+        phi, pw = self._phi, self._pw
+        np.maximum(np.subtract(x[None, :], c[:, None], out=phi), 0.0, out=phi)  # [n, points]: max(x − c_i, 0)
+        np.multiply(phi, w, out=pw)
         hx = self.h(x)
-        G = (phi * w) @ phi.T
-        r = (phi * w) @ hx
-        hh = float(np.sum(w * hx * hx))
+        G = pw @ phi.T
         if self.constrained:
             A = np.vstack([np.ones(self.n), c])
             K = np.block([[2 * G, A.T], [A, np.zeros((2, 2))]])
-            sol = np.linalg.lstsq(K, np.concatenate([2 * r, [1.0, 0.0]]), rcond=None)[0]
+            target = np.array([1.0, 0.0])
+            sol = np.linalg.lstsq(K, np.concatenate([2 * (pw @ hx), target]), rcond=None)[0]
+            for _ in range(self.refine):
+                a, mu = sol[: self.n], sol[self.n:]
+                rhs = np.concatenate([2 * (pw @ (hx - a @ phi)) - A.T @ mu, target - A @ a])
+                sol = sol + np.linalg.lstsq(K, rhs, rcond=None)[0]
             a, mu = sol[: self.n], sol[self.n:]
         else:
-            a, mu = np.linalg.lstsq(G, r, rcond=None)[0], np.zeros(2)
-        value = hh - 2 * a @ r + a @ G @ a
-        self._cache = (x, w, hx, phi)
-        return a, mu, float(value)
+            a = np.linalg.lstsq(G, pw @ hx, rcond=None)[0]
+            for _ in range(self.refine):
+                a = a + np.linalg.lstsq(G, pw @ (hx - a @ phi), rcond=None)[0]
+            mu = np.zeros(2)
+        resid = hx - a @ phi
+        wr = w * resid
+        self._wr = wr
+        return a, mu, float(wr @ resid)
 
     def value_grad(self, c):
+        """(value, dV/dc): ``dV/dc_k = 2·a_k·∫_{c_k}^{b} (h − h̃) dx + μ₂·a_k`` (envelope theorem)."""
         np = self.np
+        c = np.asarray(c, dtype=float)
         a, mu, value = self.solve(c)
-        x, w, hx, phi = self._cache
-        resid = hx - a @ phi
-        grad = np.array([2 * a[k] * np.sum(w * resid * (x > c[k])) + mu[1] * a[k] for k in range(self.n)])
-        return value, grad
+        cuts = self._cuts(c)
+        per_segment = self._wr.reshape(len(cuts) - 1, -1).sum(axis=1)  # ∫ (h − h̃) over each segment
+        tail = (cuts[None, :-1] >= c[:, None]) @ per_segment  # c_k is a cut: the segments right of it
+        return value, 2 * a * tail + mu[1] * a
 
 
 def _starts(kind: str, n: int):
@@ -182,20 +215,56 @@ def derive(kind: str, bits: int = 2, half_width: float | None = None) -> tuple[t
     prob = _Problem(kind, bits, b)
     best = None
     for c0 in _starts(kind, n):
-        res = optimize.minimize(prob.value_grad, c0, jac=True, method="BFGS", options=dict(gtol=1e-13, maxiter=2000))
-        if best is None or res.fun < best.fun - 1e-15:
+        res = optimize.minimize(prob.value_grad, c0, jac=True, method="BFGS", options=dict(gtol=1e-10, maxiter=2000))
+        if best is None or res.fun < best.fun:
             best = res
-    c = np.sort(best.x)
-    if kind in _RELU_LIKE:  # h − ReLU is even for these kinds: the objective is symmetric under x → −x
-        c = _symmetric(c)
-    grad_norm = lambda v: float(np.abs(prob.value_grad(v)[1]).max())  # noqa: E731
-    root = optimize.root(lambda v: prob.value_grad(v)[1], c, method="hybr", options=dict(xtol=1e-15))
-    if root.success and grad_norm(root.x) < grad_norm(c) and prob.solve(root.x)[2] <= prob.solve(c)[2] + 1e-15:
-        c = np.sort(root.x)
-        if kind in _RELU_LIKE:
-            c = _symmetric(c)
+    c = _newton(prob, np.sort(best.x), symmetric=kind in _RELU_LIKE)
     a, _, _ = prob.solve(c)
     return tuple(float(v) for v in c), tuple(float(v) for v in a)
+
+
+def _newton(prob, c, symmetric: bool, max_steps: int = 30):
+    """Polish c to the root of the gradient: Newton steps, Hessian by central differences of the exact gradient.
+
+    With ``symmetric`` (h − ReLU even: the objective is symmetric under x → −x, and the minimum is symmetric) in the
+    reduced parameters p, the positive half of c (c = −p reversed, 0, p). Steps until the gradient stops shrinking
+    and returns the iterate with the smallest gradient (among those not above the start's value). Newton's fixed
+    point depends on the gradient only (the Hessian sets the speed), so wherever BFGS stopped this lands on the same
+    point, up to the gradient's rounding noise (~1e-14) over the Hessian's smallest eigenvalue (≥ 3e-6 here)."""
+    np = prob.np
+    n = len(c)
+    if symmetric:
+        p = _symmetric(c)[n // 2 + 1:]
+        expand = lambda p: np.concatenate([-p[::-1], [0.0], p])  # noqa: E731
+        reduce = lambda g: g[n // 2 + 1:] - g[: n // 2][::-1]  # noqa: E731  (chain rule: dV/dp)
+    else:
+        p = np.array(c, dtype=float)
+        expand = reduce = lambda v: v  # noqa: E731
+
+    def value_grad(p):
+        value, g = prob.value_grad(expand(p))
+        return value, reduce(g)
+
+    value0, g = value_grad(p)
+    best_p, best_g = p, float(np.abs(g).max())
+    stalls = 0
+    for _ in range(max_steps):
+        step = 1e-5 * np.maximum(1.0, np.abs(p))
+        H = np.empty((len(p), len(p)))
+        for j in range(len(p)):
+            e = np.zeros(len(p))
+            e[j] = step[j]
+            H[:, j] = (value_grad(p + e)[1] - value_grad(p - e)[1]) / (2 * step[j])
+        p = p - np.linalg.solve((H + H.T) / 2, g)
+        value, g = value_grad(p)
+        g_max = float(np.abs(g).max())
+        if g_max < best_g and value <= value0 + 1e-12 * abs(value0):
+            best_p, best_g, stalls = p, g_max, 0
+        else:
+            stalls += 1
+            if stalls == 2:
+                break
+    return np.sort(expand(best_p))
 
 
 def _symmetric(c):
