@@ -34,11 +34,13 @@ def run_rows(evaluate: Callable[[dict], dict], singles: list[dict], multis: list
              preload: list[str], start_method: str | None = None, progress=None) -> tuple[list[dict], dict]:
     """``(rows, failed)``: ``evaluate(job)`` of every single-method job and of every combination whose methods all
     succeeded alone (``failed``: method -> the reason its single row gave; baseline never fails a combination);
-    ``progress(row)`` after each row, ``progress.set_total(n)`` (when it has one) once combinations are dropped."""
+    ``progress(row)`` after each row run, ``progress.set_total(n)`` (when it has one) once combinations are dropped
+    (those not yet run: the count of rows run ends equal to the total)."""
     multis = sorted(multis, key=lambda j: -len(_parts(j)))
     failed: dict[str, str] = {}
     rows: list[dict] = []
     total = len(singles) + len(multis)
+    reported: set[int] = set()  # ids of the jobs whose rows progress() has seen
 
     def take(job: dict, row: dict) -> bool:
         """Keep ``row`` (of ``job``); True when it is a single method's first failure."""
@@ -46,7 +48,8 @@ def run_rows(evaluate: Callable[[dict], dict], singles: list[dict], multis: list
         new_failure = False
         if "+" not in job["method"]:
             if row["status"] != "ok" and row["method"] != "baseline" and row["method"] not in failed:
-                gone = [j for j in multis if job["method"] in _parts(j) and not _parts(j) & set(failed)]
+                gone = [j for j in multis if job["method"] in _parts(j) and not _parts(j) & set(failed)
+                        and id(j) not in reported]  # those already counted stay counted: they ran
                 failed[row["method"]] = row["reason"]
                 total -= len(gone)
                 new_failure = True
@@ -55,6 +58,7 @@ def run_rows(evaluate: Callable[[dict], dict], singles: list[dict], multis: list
         elif _parts(job) & set(failed):
             return False
         rows.append(row)
+        reported.add(id(job))
         if progress:
             progress(row)
         return new_failure
@@ -75,7 +79,8 @@ def run_rows(evaluate: Callable[[dict], dict], singles: list[dict], multis: list
                     for f, j in futures.items():
                         if "+" in j["method"] and _parts(j) & set(failed):
                             f.cancel()
-    rows = [r for r in rows if r["method"] not in failed]
+    # a combination that finished before one of its methods failed alone (on the other worker) goes too
+    rows = [r for r in rows if not set(r["method"].split("+")) & set(failed)]
     return rows, failed
 
 
