@@ -84,13 +84,9 @@ class StorageTracker(TorchDispatchMode):
     # -- registration ---------------------------------------------------------------------------------------
     def track(self, t: torch.Tensor, category: str) -> None:
         """Count ``t``'s storage under ``category`` (re-tag it if already counted)."""
-        if not isinstance(t, torch.Tensor):
-            return
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):
-            return
-        self._count(st, st._cdata, category)
+        st = _storage(t) if isinstance(t, torch.Tensor) else None
+        if st is not None:
+            self._count(st, st._cdata, category)
 
     def _count(self, st, key: int, category: str) -> None:
         """Count storage ``st`` (``key``: its address, what ``StorageWeakRef(st).cdata`` is) under ``category``."""
@@ -218,22 +214,23 @@ class StorageTracker(TorchDispatchMode):
         else:
             outs = tree_flatten(out)[0]
         for t in outs:
-            if isinstance(t, torch.Tensor):
-                try:
-                    st = t.untyped_storage()
-                except (RuntimeError, NotImplementedError, TypeError):
-                    continue
-                key = st._cdata
-                if key not in self._live:
-                    self._count(st, key, cat)
+            st = _storage(t) if isinstance(t, torch.Tensor) else None
+            if st is not None and st._cdata not in self._live:
+                self._count(st, st._cdata, cat)
 
     @staticmethod
     def _key(t):
         """The address of ``t``'s storage (``StorageWeakRef(storage).cdata``), or None where it has none."""
-        try:
-            return t.untyped_storage()._cdata
-        except (RuntimeError, NotImplementedError, TypeError):
-            return None
+        st = _storage(t)
+        return None if st is None else st._cdata
+
+
+def _storage(t: torch.Tensor):
+    """``t``'s untyped storage, or None for a tensor that has none to count (sparse, nested, some subclasses)."""
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def measure_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: Callable[[], object], *,
