@@ -2,9 +2,9 @@
 
     OMP_NUM_THREADS=1 python benchmarks/compiled_saving.py --families bert --methods baseline,lowmembp
     python benchmarks/compiled_saving.py --backend inductor            # the real code generator (slower)
-    python -m lowmembp.repro compiled-saving [--small]                 # the same table at its defaults
+    python -m experiments.repro compiled-saving [--small]                 # the same table at its defaults
 
-The measurement is :mod:`lowmembp.repro.compiled_saving` (see there what is counted and how); this wrapper only
+The measurement is :mod:`experiments.repro.compiled_saving` (see there what is counted and how); this wrapper only
 exposes its options on the command line.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lowmembp.repro import to_markdown
-from lowmembp.repro.compiled_saving import FAMILIES, METHODS, compiled_saving
+from experiments.repro import to_markdown
+from experiments.repro.compiled_saving import FAMILIES, METHODS, compiled_saving
 
 
 def main(argv=None) -> int:

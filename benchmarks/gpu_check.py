@@ -210,7 +210,7 @@ def check_approx_act(r, mod, shapes, dtypes, large):
 def _api_approx_act(r, mod, name, k, shapes):
     """The public function on this device: dispatches to Triton, saves only the codes, matches the launchers."""
     torch = r.torch
-    from lowmembp._backend import backend_for
+    from lowmembp.ops.backend import backend_for
     fn = mod.regelu2 if k == mod._GELU else mod.resilu2
     shape = next(iter(shapes["act"].values()))
 

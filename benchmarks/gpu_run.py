@@ -213,7 +213,7 @@ def part_command(name: str, ctx: Ctx, deadline: float) -> list[str]:
 
 
 def gpu_test_files() -> list[str]:
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
                   if "mark.gpu" in p.read_text(errors="ignore"))
 
 

@@ -6,7 +6,7 @@ fig1   LowMemoryBP Fig. 1 (DESIGN §3): timm ViT-B/16 (random weights), batch 64
        lora+mesa-gelu-ln, lora+lowmembp, lora+liger (refused for timm models: recorded so).
 llama  transformers LLaMA-7B width (hidden 4096, intermediate 11008, 32 heads), 4 layers, batch 4 x seq 1024, bf16
        autocast, LoRA r64 α16 on all linears: lora, lora+lowmembp, lora+liger, lora+checkpointing.
-Each model is built once (fp32 weights under autocast, as :func:`lowmembp.estimate.estimate` builds them), warmed up
+Each model is built once (fp32 weights under autocast, as :func:`lowmembp.estimator.step.estimate` builds them), warmed up
 right after its build, then the configurations take steps in turn (round-robin), so drifts of clock or temperature
 hit them alike. A step is forward, loss, backward, fused AdamW (lr 1e-4, wd 0.1), ``zero_grad(set_to_none=True)`` —
 the step the estimate measures, on the batch and loss the estimate builds.
@@ -15,9 +15,9 @@ Peak of one configuration's step with the others resident: ``max_memory_allocate
 ``reset_peak_memory_stats`` minus what was allocated when the step began, plus the configuration's own resident
 bytes (``memory_allocated`` after its warm-up minus before its build: weights, optimizer state, batch, buffers).
 The median over its steps is reported. CPU dry run: tiny models, the CPU storage tracker of
-:func:`lowmembp.peak.measure_step_peak` stands in for the allocator (flagged), times are no measurement.
+:func:`lowmembp.measurement.peak.measure_step_peak` stands in for the allocator (flagged), times are no measurement.
 
-estimates  :func:`lowmembp.estimate.estimate` of every configuration (CPU, fake tensors; run in parallel with the GPU
+estimates  :func:`lowmembp.estimator.step.estimate` of every configuration (CPU, fake tensors; run in parallel with the GPU
 parts by benchmarks/gpu_run.py).
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ LLAMA_SMOKE = dict(hidden_size=64, intermediate_size=172, num_attention_heads=4,
 class StepConfig:
     part: str            # "fig1" | "llama"
     config: str          # the row key shared by fig1.csv / llama.csv and estimates.csv
-    model: str           # a key of lowmembp.estimate.MODELS
+    model: str           # a key of lowmembp.estimator.step.MODELS
     method: str
     options: dict = field(default_factory=dict, hash=False)
     batch_size: int = 1
@@ -75,7 +75,7 @@ def step_configs(smoke: bool) -> list[StepConfig]:
 
 def missing_methods(method: str) -> list[str]:
     import lowmembp
-    known = lowmembp.methods()
+    known = lowmembp.list_methods()
     return [n for n in method.split("+") if n.strip() not in known]
 
 
@@ -107,8 +107,8 @@ class StepRun:
     def __init__(self, cfg: StepConfig, device: str):
         import torch
         import lowmembp
-        from lowmembp.estimate import DTYPES, MODELS, _batch, _loss, build
-        from lowmembp.peak import prime_optimizer
+        from lowmembp.estimator.step import DTYPES, MODELS, _batch, _loss, build
+        from lowmembp.measurement.peak import prime_optimizer
 
         self.cfg, self.device, self.torch = cfg, device, torch
         spec = MODELS[cfg.model]
@@ -160,7 +160,7 @@ class StepRun:
             self.peaks.append(torch.cuda.max_memory_allocated() - a0 + self.resident)
             self.how = "cuda max_memory_allocated over the step - allocated at its start + own resident bytes"
         else:
-            from lowmembp.peak import measure_step_peak
+            from lowmembp.measurement.peak import measure_step_peak
             t = time.perf_counter()
             pk = measure_step_peak(self.model, self.opt, self.step, warmup=0, external=tuple(self.batch.values()))
             self.times.append(time.perf_counter() - t)
@@ -210,7 +210,7 @@ def run_steps(ctx, part: str, sink, deadline: float, warmup: int | None = None, 
         missing = missing_methods(cfg.method)
         if missing:
             rows.append(dict(_base_row(cfg), status="method not available",
-                             note=f"not in lowmembp.methods(): {', '.join(missing)}"))
+                             note=f"not in lowmembp.list_methods(): {', '.join(missing)}"))
             print(f"  {part} {cfg.config} {cfg.method}: method not available ({missing})", flush=True)
             continue
         if time.time() > deadline:
@@ -265,7 +265,7 @@ def run_steps(ctx, part: str, sink, deadline: float, warmup: int | None = None, 
 def _estimate_one(cfg: StepConfig) -> dict:
     import torch
     torch.set_num_threads(max(1, int(os.environ.get("GPU_RUN_EST_THREADS", "2"))))
-    from lowmembp.estimate import estimate
+    from lowmembp.estimator.step import estimate
     t = time.perf_counter()
     row = dict(config=cfg.config, method=cfg.method)
     try:

@@ -6,10 +6,10 @@
 
 Models (random weights, 2 blocks, width 64, 4 heads): timm ViT with a 64×128 image and 8-px patches (128 patches +
 class token), BERT for sequence classification and LLaMA for causal LM (2 KV heads), L tokens each. The forward runs
-in training mode under :class:`lowmembp.memory.SavedTensorAccountant` (storage-deduplicated bytes that autograd
+in training mode under :class:`lowmembp.measurement.saved.SavedTensorAccountant` (storage-deduplicated bytes that autograd
 saves, parameters excluded; for ``checkpointing`` that includes the block inputs each checkpoint keeps for
-recomputation — they are saved tensors, see :mod:`lowmembp.memory`). ``--peak`` adds the
-peak of one whole training step (AdamW) measured by :func:`lowmembp.peak.measure_step_peak` (CPU tensor tracker),
+recomputation — they are saved tensors, see :mod:`lowmembp.measurement.saved`). ``--peak`` adds the
+peak of one whole training step (AdamW) measured by :func:`lowmembp.measurement.peak.measure_step_peak` (CPU tensor tracker),
 activations + temporaries only.
 """
 from __future__ import annotations
@@ -20,9 +20,9 @@ import sys
 import torch
 
 import lowmembp
-from lowmembp.memory import saved_bytes
-from lowmembp.repro.compiled_saving import FAMILIES, WIDTH
-from lowmembp.repro.compiled_saving import build as build_model
+from lowmembp.measurement.saved import saved_bytes
+from experiments.repro.compiled_saving import FAMILIES, WIDTH
+from experiments.repro.compiled_saving import build as build_model
 
 METHODS = ("baseline", "lora", "checkpointing", "mesa", "mesa-gelu-ln", "lowmembp", "lowmembp-act",
            "lowmembp-norm", "tokentune", "lora+lowmembp", "lora+checkpointing", "lora+mesa-gelu-ln",
@@ -32,7 +32,7 @@ DEPTH = 2
 
 def build(family: str, seq_len: int = 128, batch: int = 2, seed: int = 0):
     """``(model in train mode, forward)`` for ``family`` at ``seq_len`` tokens: the models of
-    :func:`lowmembp.repro.compiled_saving.build` at this benchmark's depth; ``forward(model)`` is one fixed batch's
+    :func:`experiments.repro.compiled_saving.build` at this benchmark's depth; ``forward(model)`` is one fixed batch's
     loss."""
     return build_model(family, seq_len, batch, depth=DEPTH, seed=seed)
 
@@ -48,7 +48,7 @@ def measure(family: str, method: str, seq_len: int = 128, k: int = 16, batch: in
     rep = saved_bytes(model, lambda: forward(model))
     out = {"saved": rep["total"]}
     if peak:
-        from lowmembp.peak import measure_step_peak
+        from lowmembp.measurement.peak import measure_step_peak
 
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4)

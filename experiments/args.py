@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lowmembp.methods.registry import (check_options, method_options, methods, option_kinds, parse, plain_spec,
+from lowmembp.methods.registry import (check_options, method_options, list_methods, option_kinds, parse, plain_spec,
                                        read_option, spec_options)
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -174,7 +174,7 @@ def listing() -> str:
                         for m, d in getattr(task, "METHOD_DEFAULTS", {}).items())
         lines.append(f"  {name}: {', '.join(task.MODELS)} [{shown}{'; ' + per if per else ''}]")
     lines.append("methods (options with defaults; also written into the name: --method tokentune@k=4):")
-    for name, desc in methods().items():
+    for name, desc in list_methods().items():
         opts, kinds = method_options(name), option_kinds(name)
         shown = ", ".join(f"--{k.replace('_', '-')} {v}"
                           + (f" ({' or '.join(t.__name__ for t in kinds[k])})" if k in kinds else "")

@@ -193,7 +193,7 @@ def fsdp_cpu_peak(model, optimizer, step, *, warmup: int = 0, external: tuple = 
     (``torch.profiler``, ``profile_memory``: it sees the unsharded parameters FSDP2 brings back by resizing
     storages, which the dispatch-mode tracker does not)."""
     from torch.multiprocessing.reductions import StorageWeakRef
-    from lowmembp.peak import allocator_events_peak
+    from lowmembp.measurement.peak import allocator_events_peak
 
     for _ in range(warmup):
         step()
@@ -220,7 +220,7 @@ def fsdp_cpu_peak(model, optimizer, step, *, warmup: int = 0, external: tuple = 
 
 
 def peak_measure(ctx: Context, device):
-    """The peak measurement of a rank's step: None (``lowmembp.peak.measure_step_peak``) but for FSDP2 on CPU."""
+    """The peak measurement of a rank's step: None (``lowmembp.measurement.peak.measure_step_peak``) but for FSDP2 on CPU."""
     if ctx.mode == "fsdp" and device.type == "cpu":
         return fsdp_cpu_peak
     return None

@@ -52,7 +52,7 @@ def interleaved_step_times(methods, k: int, batch_size: int, max_len: int, round
 
     import lowmembp
     from experiments.tasks import tweets_sentiment
-    from lowmembp.timing import time_interleaved
+    from lowmembp.measurement.timing import time_interleaved
 
     cfg = argparse.Namespace(seed=0, limit=None, eval_limit=8, max_len=max_len)
     built = {}

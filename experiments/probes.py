@@ -75,7 +75,7 @@ def run_step(step: int, step_fn: StepFn, probes) -> StepResult:
 
 class SavedBytesProbe:
     """Activation bytes saved for backward by the first micro-batch's forward, by op kind
-    (``lowmembp.memory.SavedTensorAccountant``) → ``saved_bytes``."""
+    (``lowmembp.measurement.saved.SavedTensorAccountant``) → ``saved_bytes``."""
 
     def __init__(self, model, at: int | None):
         self.model, self.at, self.result = model, at, None
@@ -84,7 +84,7 @@ class SavedBytesProbe:
         return step == self.at
 
     def wrap(self, step_fn: StepFn) -> StepFn:
-        from lowmembp.memory import SavedTensorAccountant
+        from lowmembp.measurement.saved import SavedTensorAccountant
 
         def step(forward):
             accountant = SavedTensorAccountant(self.model)
@@ -96,7 +96,7 @@ class SavedBytesProbe:
             out = step_fn(both())
             rep = accountant.report()
             self.result = {"total": int(rep["total"]), "by_kind": {k: int(v) for k, v in rep["by_kind"].items()},
-                           "how": "lowmembp.memory.SavedTensorAccountant, one forward"}
+                           "how": "lowmembp.measurement.saved.SavedTensorAccountant, one forward"}
             return out
         return step
 
@@ -110,7 +110,7 @@ class MemoryBudgetExceeded(MemoryError):
 
 
 class PeakProbe:
-    """Peak memory of one whole steady training step on the model's device (``lowmembp.peak.measure_step_peak``:
+    """Peak memory of one whole steady training step on the model's device (``lowmembp.measurement.peak.measure_step_peak``:
     the CUDA allocator's peak, on CPU the storage tracker) → ``peak.device``. A failure of the tracker itself is
     not a failure of the run: the step is run again untracked and the failure becomes a note. Over ``budget_bytes``
     raises :class:`MemoryBudgetExceeded`. ``measure``: another ``measure_step_peak(model, optimizer, step,
@@ -127,7 +127,7 @@ class PeakProbe:
         return step == self.at
 
     def wrap(self, step_fn: StepFn) -> StepFn:
-        from lowmembp.peak import measure_step_peak
+        from lowmembp.measurement.peak import measure_step_peak
 
         measure = self.measure or measure_step_peak
 
@@ -199,7 +199,7 @@ class StepTimer:
         return sum(self.samples) / sum(self.times) if self.times and sum(self.times) > 0 else None
 
     def report(self, sections: dict) -> None:
-        from lowmembp.timing import summarize
+        from lowmembp.measurement.timing import summarize
 
         if not self.times:
             return

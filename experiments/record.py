@@ -99,7 +99,7 @@ class SavedBytes:
     """Activation bytes saved for backward by one forward, by op kind."""
     total: int
     by_kind: dict[str, int]
-    how: str = "lowmembp.memory.SavedTensorAccountant"
+    how: str = "lowmembp.measurement.saved.SavedTensorAccountant"
 
 
 @dataclass

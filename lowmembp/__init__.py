@@ -2,13 +2,69 @@
 
     import lowmembp
     model = lowmembp.apply(model, "lora+lowmembp")   # one call on your own timm / transformers model
-    lowmembp.methods()                               # {name: description}
+    lowmembp.list_methods()                          # {name: description}
     lowmembp.export(model).save_pretrained(out)      # an ordinary model again (γ/β restored, LoRA kept or merged)
-    lowmembp.plan("llama_7b", gpu_memory="24GiB", batch_size=4, seq_len=2048)   # what fits my GPU? (lowmembp/plan)
+    lowmembp.make_plan("llama_7b", gpu_memory="24GiB", batch_size=4, seq_len=2048)   # what fits my GPU?
+
+The package's rooms, each a subpackage whose ``__init__`` says what it holds and what it may import:
+
+- :mod:`lowmembp.ops`: the ops (PyTorch reference, Triton kernel, custom op, autograd, module) and their backend;
+- :mod:`lowmembp.models`: the model adapters (where blocks, norms, activations and linears sit);
+- :mod:`lowmembp.methods`: the methods (``model -> model`` transforms composed with ``+``), their registry and the
+  export that undoes them;
+- :mod:`lowmembp.measurement`: saved-for-backward bytes, a step's peak, step time, FLOPs;
+- :mod:`lowmembp.estimator`: a whole training step on fake tensors at paper scale;
+- :mod:`lowmembp.plan`: the planner (every combination of methods for one model and GPU).
+
+Two modules stay loose: ``atomic`` (crash-safe file writes, used by the planner and the training job alike) and
+``_compat`` (the one place where private torch names are used).
+
+``import lowmembp`` imports torch and the method registry only; everything else (the methods themselves,
+transformers, peft, timm, the estimator and the planner) loads on first use.
 """
-from lowmembp.methods import apply, methods
-from lowmembp.export import export  # noqa: E402  (the function shadows the submodule name, as methods() does)
-from lowmembp.plan import plan  # noqa: E402  (the function shadows the subpackage name; python -m lowmembp.plan)
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+import warnings
+
+def _deprecated_call(module_name: str, new_name: str, target) -> None:
+    """Let the module ``module_name`` be called as the function it used to be shadowed by (one release only):
+    ``lowmembp.methods()`` and ``lowmembp.plan(...)`` still work and warn, naming ``new_name``."""
+
+    class _CallableModule(types.ModuleType):
+        def __call__(self, *args, **kwargs):
+            warnings.warn(f"calling {module_name}(...) is deprecated and will be removed in the next release; "
+                          f"use {new_name}(...)", DeprecationWarning, stacklevel=2)
+            return target()(*args, **kwargs)
+
+    sys.modules[module_name].__class__ = _CallableModule
+
+
+from lowmembp.methods.registry import apply, list_methods  # noqa: E402  (after _deprecated_call, which it uses)
 
 __version__ = "0.1.0"
-__all__ = ["apply", "methods", "export", "plan", "__version__"]
+
+# name -> (module, attribute): the one-call entry points that live in a room, imported when first used
+_ENTRY_POINTS = {
+    "export": ("lowmembp.methods.export", "export"),
+    "make_plan": ("lowmembp.plan", "make_plan"),
+}
+_ROOMS = ("ops", "models", "methods", "measurement", "estimator", "plan", "atomic")
+__all__ = ["apply", "list_methods", "export", "make_plan", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _ENTRY_POINTS:
+        module, attr = _ENTRY_POINTS[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    if name in _ROOMS:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_ENTRY_POINTS) | set(_ROOMS))

@@ -94,8 +94,8 @@ def fsdp_peak_job(rank: int, world: int, out: str, method: str, batch: int) -> N
 
     import lowmembp
     from experiments.distributed import fsdp_cpu_peak
-    from lowmembp.estimate import block_names, build
-    from test_estimate_fsdp import SPEC
+    from lowmembp.estimator.step import block_names, build
+    from estimator.test_estimate_fsdp import SPEC
 
     dist.init_process_group("gloo")
     try:

@@ -4,7 +4,7 @@ import copy
 import torch
 
 import lowmembp
-from lowmembp.memory import SavedTensorAccountant
+from lowmembp.measurement.saved import SavedTensorAccountant
 from tiny_models import build, logits
 
 FAMILIES = ["vit", "bert", "llama"]

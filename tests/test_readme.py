@@ -56,7 +56,7 @@ def step():
 # first line of a snippet -> the prelude that makes the names it continues from
 CONTEXTS = {
     "model.save_pretrained(out)": TINY_LLAMA,
-    "from lowmembp.memory import SavedTensorAccountant": TINY_MLP,
+    "from lowmembp.measurement.saved import SavedTensorAccountant": TINY_MLP,
 }
 
 

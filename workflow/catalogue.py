@@ -5,7 +5,7 @@ both read this file; nothing else lists them.
     from catalogue import RUN_TABLES, RUN_FIGURES, REPRODUCTIONS, NOTEBOOKS, table_paths, figure_path
 
 Paths are relative to the results folder (config ``results:``); :func:`table_paths` and friends put them under it.
-A reproduction (``lowmembp.repro``) is one CSV of rows (``repro/<name>.csv``) that becomes one table and one figure,
+A reproduction (``experiments.repro``) is one CSV of rows (``repro/<name>.csv``) that becomes one table and one figure,
 both named by its ``stem``. Imported by path (``sys.path`` gets ``workflow/``), not as a package: inside a Snakefile
 ``workflow`` is Snakemake's own object.
 """
@@ -26,8 +26,8 @@ class Output:
 
 @dataclass(frozen=True)
 class Reproduction:
-    """A paper-scale reproduction (``python -m lowmembp.repro <name>``): a CSV, then a table and a figure."""
-    name: str  # the lowmembp.repro name
+    """A paper-scale reproduction (``python -m experiments.repro <name>``): a CSV, then a table and a figure."""
+    name: str  # the experiments.repro name
     stem: str  # tables/<stem>.{md,csv,html} and figures/<stem>.png
     title: str  # of both the table and the figure
     how: str = "the real model code on fake tensors on the CPU"  # what the numbers are (the table's source line)

@@ -25,7 +25,7 @@ full-precision weights first, then quantised — the official LowMemoryBP QLoRA 
 QLoRA model exactly (``NF4(W·diag γ) ≠ NF4(W)·diag γ``; see qlora's docstring). Without lowmembp the model is the
 one quantising first gives, bit for bit (tests/test_qlora_lowmembp.py). Merging adapters into the NF4 base is
 refused. Needs real weights on the CPU or a GPU (not the meta device: the fake-tensor estimate models NF4 storage
-with :func:`lowmembp.estimate.nf4_weight_bytes`) and the ``qlora`` extra (``pip install bitsandbytes``).
+with :func:`lowmembp.estimator.step.nf4_weight_bytes`) and the ``qlora`` extra (``pip install bitsandbytes``).
 ``quantize=None`` (default): plain LoRA.
 
 The classification head stays fully trainable (peft ``modules_to_save``): timm ``head``, transformers ``classifier``
@@ -80,7 +80,7 @@ def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targ
         # rather than peft's cast copy, as lowmembp does when LoRA is already there.
         from lowmembp.ops.shared_linear import share_lora_inputs
         share_lora_inputs(peft_model)
-        from lowmembp.export import guard_save
+        from lowmembp.methods.export import guard_save
         guard_save(peft_model)  # its save_pretrained saves lowmembp.export(model): adapters relative to the stock base
     return peft_model
 

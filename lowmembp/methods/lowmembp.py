@@ -22,7 +22,7 @@
   ``"input"``: what the official lomem kernel does (``lomem/csrc/layer_norm.cpp:20``, the output in the input's
   dtype: fp32 under AMP), 4 bytes per element saved; the LoRA layers and the trainable plain ``nn.Linear`` readers
   then save that same fp32 storage (``lowmembp.ops.shared_linear``, ``save_wide_input``; a frozen linear saves no
-  input either way). For reproducing the official numbers (lowmembp.repro.fig1); it costs memory.
+  input either way). For reproducing the official numbers (experiments.repro.fig1); it costs memory.
 
 Exact in the forward (fp32: to rounding) with these stated exceptions, which are kept or reported, never silent:
 
@@ -51,8 +51,8 @@ import warnings
 import torch
 import torch.nn as nn
 
-from lowmembp.export import guard_save
-from lowmembp.export_record import record_act, record_fold
+from lowmembp.methods.export import guard_save
+from lowmembp.methods.export_record import record_act, record_fold
 from lowmembp.methods.registry import register
 from lowmembp.models import UnsupportedModelError, get_layout
 from lowmembp.models.fold import fold_into, install_residual_affine, shared_parameters
@@ -143,7 +143,7 @@ def convert(model: nn.Module, *, acts: bool = True, norms: bool = True, share_lo
             gamma, beta = ns.affine()
             snap = snapshot_norm(ns) if verify else None
             record_fold(lay.base, norm, gamma, beta, [c.get() for c in ns.consumers],
-                        [r.get() for r in ns.residual_consumers])  # what lowmembp.export needs to undo this
+                        [r.get() for r in ns.residual_consumers])  # what lowmembp.methods.export needs to undo this
             for c in ns.consumers:
                 lin = c.get()
                 untied |= any(id(p) in shared for p in lin.parameters())
@@ -175,7 +175,7 @@ def convert(model: nn.Module, *, acts: bool = True, norms: bool = True, share_lo
                 report["skipped_acts"].append((a.path, why))
                 sites.append({"site": a.path, "what": f"act:{a.kind}", "status": "kept", "why": why})
                 continue
-            record_act(lay.base, old)  # lowmembp.export puts it back
+            record_act(lay.base, old)  # lowmembp.methods.export puts it back
             a.set(new)
             if verify:
                 check_act(a, old)

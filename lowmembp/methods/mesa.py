@@ -34,7 +34,7 @@ import types
 import torch
 import torch.nn as nn
 
-from lowmembp.export_record import record_attention, record_swap
+from lowmembp.methods.export_record import record_attention, record_swap
 from lowmembp.methods.registry import register
 from lowmembp.ops.mesa_layers import (MesaAct, MesaLayerNorm, MesaLinear, MesaMatMul, MesaRMSNorm, MesaSoftmax)
 from lowmembp.ops.mesa_quant import MOMENTUM, EMAQuantizer
@@ -89,7 +89,7 @@ def convert(model: nn.Module, *, linears: bool, acts: bool, norms: bool, attenti
     if attention != "keep":
         for site in layout.attentions:
             if not hasattr(site.get(), "mesa_qk"):
-                record_attention(layout.base, site.get())  # lowmembp.export undoes it
+                record_attention(layout.base, site.get())  # lowmembp.methods.export undoes it
             done["attention"] += _convert_attention(site.get(), layout, attention)
     if acts:
         for site in layout.acts:
@@ -99,7 +99,7 @@ def convert(model: nn.Module, *, linears: bool, acts: bool, norms: bool, attenti
             kind = site.kind
             if kind not in _MESA_ACT_KINDS:  # quick_gelu, relu, relu2: no Mesa layer; kept exact
                 continue
-            record_swap(layout.base, m)  # lowmembp.export puts it back
+            record_swap(layout.base, m)  # lowmembp.methods.export puts it back
             site.set(MesaAct(kind, groups))
             done["act"] += 1
     if norms:
@@ -110,7 +110,7 @@ def convert(model: nn.Module, *, linears: bool, acts: bool, norms: bool, attenti
             if site.gamma_offset:  # Gemma's (1 + w) form: MesaRMSNorm multiplies by its weight as stored
                 continue
             if site.kind in ("layernorm", "rmsnorm"):
-                record_swap(layout.base, m)  # lowmembp.export puts it back
+                record_swap(layout.base, m)  # lowmembp.methods.export puts it back
             if site.kind == "layernorm" and isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
                 site.set(MesaLayerNorm.from_layernorm(m, groups))
             elif site.kind == "rmsnorm" and getattr(m, "bias", None) is None and site.eps is not None \

@@ -92,7 +92,7 @@ def check_quantizable(model: nn.Module, targets) -> list[tuple[str, nn.Linear]]:
         w = lin.weight
         if w.device.type == "meta":
             raise ValueError("lora: quantize='nf4' needs real weights (the model is on the meta device); the "
-                             "fake-tensor estimate models NF4 storage with lowmembp.estimate.nf4_weight_bytes")
+                             "fake-tensor estimate models NF4 storage with lowmembp.estimator.step.nf4_weight_bytes")
         if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"lora: quantize='nf4' needs fp32/fp16/bf16 weights, {name} is {w.dtype}")
     return found

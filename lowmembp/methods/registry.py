@@ -87,7 +87,7 @@ def _run_pending(pending: list, below: int | None) -> None:
         p[2](p[1])
 
 
-def methods() -> dict[str, str]:
+def list_methods() -> dict[str, str]:
     """All method names, each with a one-line description."""
     _load_all()
     return {name: m.description for name, m in sorted(_REGISTRY.items())}
@@ -323,6 +323,9 @@ def _why(a: Method, b: Method) -> str:
 
 
 _loaded = False
+# Modules of lowmembp/methods/ that register no method: the registry itself, the export that undoes the methods
+# and what it records, the optimizer levers (chosen beside the methods, not applied to the model).
+NOT_METHODS = frozenset({"registry", "export", "export_record", "optimizers"})
 
 
 def _load_all() -> None:
@@ -334,8 +337,7 @@ def _load_all() -> None:
     import importlib
     import pkgutil
 
-    # ``lowmembp.methods`` the attribute is the function ``methods()``; the package is found by name.
     pkg = importlib.import_module("lowmembp.methods")
     for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name not in ("registry",) and not info.name.startswith("_"):
+        if info.name not in NOT_METHODS and not info.name.startswith("_"):
             importlib.import_module(f"lowmembp.methods.{info.name}")

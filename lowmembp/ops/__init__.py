@@ -2,6 +2,10 @@
 
 The public names are importable from here (``from lowmembp.ops import regelu2, ms_layer_norm, make_approx``); the
 submodules (and triton with them) are imported on first use of a name, not when ``lowmembp.ops`` is imported.
+:mod:`~lowmembp.ops.backend` chooses between an op's Triton kernel and its PyTorch reference.
+
+May import: torch, triton (inside the kernels' modules), :mod:`lowmembp._compat`. Nothing else of lowmembp: every
+other room builds on the ops.
 
 - :mod:`~lowmembp.ops.approx_act`: ``regelu2``, ``resilu2``, ``make_approx``, ``ApproxAct``, ``ReGELU2``,
   ``ReSiLU2`` (exact forward, k-bit backward; the function ``approx_act.approx_act(x, kind, bits)``);

@@ -28,7 +28,7 @@ The ops are ``torch.library`` custom ops (``lowmembp::approx_act_fwd`` / ``lowme
 implementations and registered autograd: ``torch.compile`` treats them as opaque (no graph break, the Triton
 interpreter is never traced), FakeTensorMode / meta tensors get the shapes from the fake implementation (paper-scale
 memory estimates; same ``ceil(N·bits/8) + 1`` saved bytes), and double backward works (the backward is linear in dy).
-Backends (``lowmembp._backend.backend_for``): Triton kernels on CUDA tensors (and on CPU tensors under
+Backends (``lowmembp.ops.backend.backend_for``): Triton kernels on CUDA tensors (and on CPU tensors under
 ``TRITON_INTERPRET=1`` with ``LOWMEMBP_BACKEND=triton``), the PyTorch reference otherwise. Both give bitwise-equal
 codes and gradients; forward outputs agree to fp32 rounding of erf/exp/tanh.
 """
@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lowmembp._backend import backend_for, check_float_input, refuse_functorch_transforms
+from lowmembp.ops.backend import backend_for, check_float_input, refuse_functorch_transforms
 from lowmembp.ops.approx_table import REGELU2_A, REGELU2_C, RESILU2_A, RESILU2_C, TABLE
 
 try:  # triton is optional on CPU-only installs; the reference path needs none of it

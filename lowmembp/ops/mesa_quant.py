@@ -41,11 +41,11 @@ outputs.
 
 CPU reference: it works in chunks of :func:`get_chunk_size` elements (default 8192) so that its int64 / fp32
 temporaries stay small; change that with :func:`set_chunk_size` or, for a block of code, ``with chunk_size(n):``.
-Shape-only tensors (``FakeTensorMode`` or the meta device, e.g. :mod:`lowmembp.estimate`) carry no values: there the
+Shape-only tensors (``FakeTensorMode`` or the meta device, e.g. :mod:`lowmembp.estimator.step`) carry no values: there the
 reference allocates the output only (uint8 codes, or the dequantised tensor), in one piece, as the Triton kernel
 does — no chunk loop, no temporaries.
 
-Backend: Triton on CUDA tensors, the PyTorch reference elsewhere (:func:`lowmembp._backend.backend_for`). Kernels
+Backend: Triton on CUDA tensors, the PyTorch reference elsewhere (:func:`lowmembp.ops.backend.backend_for`). Kernels
 load, cast to fp32, compute, cast back (bf16 arithmetic is never used); fp32, fp16 and bf16 inputs are accepted.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from lowmembp._backend import backend_for, check_float_input, is_shape_only
+from lowmembp.ops.backend import backend_for, check_float_input, is_shape_only
 
 _WARN_EVERY_CUDA = 64  # a CUDA quantiser checks its skipped-update counter (a device sync) every this many calls
 

@@ -24,7 +24,7 @@ autocast the saved output is 4 bytes per element instead of 2, and the next line
 input as given: ``lowmembp.ops.shared_linear.linear_sharing_input`` does (a trainable ``nn.Linear`` under autocast
 saves its own 16-bit copy; a frozen one saves no input).
 
-Backends (``lowmembp._backend.backend_for``): Triton kernels on CUDA tensors (one program per few rows, a block of
+Backends (``lowmembp.ops.backend.backend_for``): Triton kernels on CUDA tensors (one program per few rows, a block of
 next_power_of_2(N) columns, 64-bit row offsets), the PyTorch reference elsewhere (vectorised: ``native_layer_norm`` /
 ``_fused_rms_norm`` on fp32). Rows wider than ``MAX_TRITON_N`` use the
 reference too.
@@ -52,7 +52,7 @@ import math
 import torch
 from torch import nn
 
-from lowmembp._backend import backend_for, check_float_input, refuse_functorch_transforms
+from lowmembp.ops.backend import backend_for, check_float_input, refuse_functorch_transforms
 
 try:
     import triton

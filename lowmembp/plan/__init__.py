@@ -1,12 +1,12 @@
 """The planner: what fits my GPU? Every method combination for a model, batch, sequence length and GPU size.
 
-    from lowmembp.plan import plan                     # also lowmembp.plan(...)
-    p = plan("llama_7b", gpu_memory="24GiB", batch_size=4, seq_len=2048)
+    from lowmembp.plan import make_plan                # also lowmembp.make_plan(...)
+    p = make_plan("llama_7b", gpu_memory="24GiB", batch_size=4, seq_len=2048)
     print(p.table())                                   # ranked; p.rows (dicts), p.to_json(), p.to_csv(path)
     python -m lowmembp.plan --model llama_7b --gpu-memory 24GiB --batch-size 4 --seq-len 2048
 
 Each row is one valid combination of the registry's methods (:mod:`lowmembp.plan.combos`), estimated on fake tensors
-as :func:`lowmembp.estimate.estimate_by_depth` does (2- and 3-block builds extended to the full depth; the full
+as :func:`lowmembp.estimator.step.estimate_by_depth` does (2- and 3-block builds extended to the full depth; the full
 model when its depth is per stage or too shallow), each depth's model built once and stepped at every batch asked
 about (:mod:`lowmembp.plan.combination`, :mod:`lowmembp.plan.steps`: the same procedure as ``estimate``, to the byte):
 
@@ -18,9 +18,11 @@ about (:mod:`lowmembp.plan.combination`, :mod:`lowmembp.plan.steps`: the same pr
   line without more steps (:class:`lowmembp.plan.steps.BatchLine`), otherwise the search steps each batch it tries
   (:mod:`lowmembp.plan.search`); either way the answer ``B`` is stepped: ``B`` fits and ``B + 1`` does not (also
   for each ``more_gpus`` size). ``estimates``: the fake steps the row took.
-- ``flops_ratio``: FLOPs of the step (forward, backward, recomputation; torch's formulas, :mod:`lowmembp.flops`)
+- ``flops_ratio``: FLOPs of the step (forward, backward, recomputation; torch's formulas, :mod:`lowmembp.measurement.flops`)
   over the baseline's, counted on the same fake step; ``measured_ratio``: step time over the baseline's where the
   pipeline's records have that method (CPU today), with the runs it comes from.
+
+May import every other room of lowmembp (it is the top of the library); never the experiments or the pipeline.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-from lowmembp.estimate import DTYPES, ModelSpec, build, estimate, full_depth
+from lowmembp import _deprecated_call
+from lowmembp.estimator.step import DTYPES, ModelSpec, build, estimate, full_depth
 from lowmembp.methods.registry import parse
 from lowmembp.plan.combination import Peaks
 from lowmembp.plan.combos import combinations, key_of, option_grid
@@ -40,11 +43,11 @@ from lowmembp.plan.progress import Bar
 from lowmembp.plan.search import largest_batch
 from lowmembp.plan.sources import GiB, margin as margin_of, measured_ratios, parse_bytes
 
-__all__ = ["plan", "Plan", "evaluate"]
+__all__ = ["make_plan", "Plan", "evaluate"]
 
-PEAK_SOURCE = ("fake-tensor step of lowmembp.estimate (exact tensor bytes: forward, backward, AdamW step with its "
+PEAK_SOURCE = ("fake-tensor step of lowmembp.estimator.step (exact tensor bytes: forward, backward, AdamW step with its "
                "state), {depth}")
-FLOPS_SOURCE = ("torch.utils.flop_counter formulas summed over the same fake step (lowmembp.flops: matmuls, "
+FLOPS_SOURCE = ("torch.utils.flop_counter formulas summed over the same fake step (lowmembp.measurement.flops: matmuls, "
                 "attention incl. recomputation; pointwise ops = 0)")
 _STATIC = ("parameters", "gradients", "optimizer_state")
 
@@ -72,7 +75,7 @@ class Plan:
         write_csv(self, path)
 
 
-def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24GiB", seq_len: int | None = None,
+def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24GiB", seq_len: int | None = None,
          dtype: str | None = None, world_size: int = 1, methods: list[str] | None = None,
          exclude: list[str] | None = None, max_methods: int | None = None,
          options: dict[str, dict[str, list]] | None = None, margin: float | None = None,
@@ -89,7 +92,7 @@ def plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24
     model: slow at paper scale); ``combos``: exactly these combinations instead of every valid one;
     ``more_gpus``: other GPU sizes, each row then also has ``largest_batch_by_gpu`` (the same estimates reused);
     ``weights``: the parameters' dtype (``"fp32"``, or ``"bf16"``/``"fp16"``: the model loaded in that dtype, see
-    :func:`lowmembp.estimate.estimate`);
+    :func:`lowmembp.estimator.step.estimate`);
     ``progress``: called with each finished row, or ``"bar"``: a progress bar on stderr
     (:class:`lowmembp.plan.progress.Bar`, shown when stderr is a terminal);
     ``start_method``: how the ``jobs`` worker processes start (:mod:`lowmembp.plan.pool`): None, a fork server (safe
@@ -216,7 +219,7 @@ def _world_size_kwargs(world_size: int) -> dict:
     if "world_size" in inspect.signature(estimate).parameters:
         return {"world_size": world_size}
     if world_size > 1:
-        raise ValueError("world_size > 1 needs lowmembp.estimate to shard the model (FSDP), which it does not do "
+        raise ValueError("world_size > 1 needs lowmembp.estimator.step to shard the model (FSDP), which it does not do "
                          "yet; plan for one GPU (world_size=1)")
     return {}
 
@@ -261,3 +264,13 @@ def _rank(r: dict):
         return (1, -r["largest_batch"], cost, r["label"])
     return (2, r["peak_bytes"], 0, r["label"])
 
+
+
+def plan(*args, **kwargs) -> Plan:
+    """Deprecated name of :func:`make_plan` (removed in the next release)."""
+    warnings.warn("lowmembp.plan.plan(...) is deprecated and will be removed in the next release; use "
+                  "lowmembp.make_plan(...)", DeprecationWarning, stacklevel=2)
+    return make_plan(*args, **kwargs)
+
+
+_deprecated_call(__name__, "lowmembp.make_plan", lambda: make_plan)

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from lowmembp.estimate import DTYPES
+from lowmembp.estimator.step import DTYPES
 
 
 def main(argv: list[str] | None = None, start_method: str | None = None) -> int:
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None, start_method: str | None = None) -> int:
                          "training job) or bf16/fp16 (the model loaded in that dtype; LoRA adapters stay fp32)")
     ap.add_argument("--world-size", type=int, default=1,
                     help="GPUs sharing the model (FSDP2: one rank's peak, the batch per GPU; "
-                         "lowmembp.estimate.fsdp_peak)")
+                         "lowmembp.estimator.step.fsdp_peak)")
     ap.add_argument("--methods", default=None, help="only combinations of these methods (comma-separated)")
     ap.add_argument("--exclude", default=None, help="leave these methods out (comma-separated)")
     ap.add_argument("--max-methods", type=int, default=None, help="at most this many methods per combination")
@@ -51,14 +51,14 @@ def main(argv: list[str] | None = None, start_method: str | None = None) -> int:
     ap.add_argument("--csv", default=None, metavar="FILE", help="also write the rows as CSV to FILE")
     a = ap.parse_args(argv)
 
-    from lowmembp.plan import plan
+    from lowmembp.plan import make_plan
     from lowmembp.plan.combos import parse_option_sweeps
 
     def names(text):
         return [n.strip() for n in text.split(",") if n.strip()] if text else None
 
     try:
-        p = plan(a.model, batch_size=a.batch_size, gpu_memory=a.gpu_memory, seq_len=a.seq_len, dtype=a.dtype,
+        p = make_plan(a.model, batch_size=a.batch_size, gpu_memory=a.gpu_memory, seq_len=a.seq_len, dtype=a.dtype,
                  world_size=a.world_size, methods=names(a.methods), exclude=names(a.exclude),
                  max_methods=a.max_methods, options=parse_option_sweeps(a.option), margin=a.margin,
                  reserved=a.reserved, runs=a.runs, jobs=a.jobs, image_size=a.image_size,

@@ -5,13 +5,13 @@
     peaks.fit_line(4)                      # one more step per depth at batch 5: the batch line (steps.BatchLine)
     peaks.at(37)                           # the peak at 37 from the line (no step), or from steps when no line
 
-Depth as :func:`lowmembp.estimate.estimate_by_depth` does it: the same steps on a 2- and a 3-block build, every
-count extended to the full depth (:func:`lowmembp.estimate.extend_by_depth`); ``shallow=None``: the model as it is.
+Depth as :func:`lowmembp.estimator.step.estimate_by_depth` does it: the same steps on a 2- and a 3-block build, every
+count extended to the full depth (:func:`lowmembp.estimator.step.extend_by_depth`); ``shallow=None``: the model as it is.
 Each depth's model is built once (:class:`lowmembp.plan.steps.Steps`) and runs every batch asked for.
 """
 from __future__ import annotations
 
-from lowmembp.estimate import ModelSpec, extend_by_depth
+from lowmembp.estimator.step import ModelSpec, extend_by_depth
 from lowmembp.plan.steps import MIN_BATCH, BatchLine, Steps
 
 __all__ = ["Peaks"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 
-from lowmembp.methods.registry import methods, parse
+from lowmembp.methods.registry import list_methods, parse
 
 __all__ = ["NOT_ESTIMATED", "combinations", "option_grid", "key_of", "parse_option_sweeps"]
 
@@ -34,7 +34,7 @@ def combinations(include: list[str] | None = None, exclude: list[str] | None = N
     """``(combinations, skipped)``: every valid combination in application order (``"baseline"`` first), and the
     registry's methods left out with the reason. ``include``: only these methods; ``exclude``: not these;
     ``max_methods``: at most that many methods in one combination."""
-    names = sorted(n for n in methods() if n != "baseline")
+    names = sorted(n for n in list_methods() if n != "baseline")
     for n in (include or []) + (exclude or []):
         if n not in names and n != "baseline":
             raise ValueError(f"unknown method {n!r}; known: {', '.join(names)}")

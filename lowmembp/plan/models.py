@@ -1,12 +1,12 @@
-"""What ``--model`` names: a paper model (:data:`lowmembp.estimate.MODELS`), a timm model name, or a transformers
-``config.json`` on disk (file or folder; no hub). Every one is built on the meta device by :mod:`lowmembp.estimate`.
+"""What ``--model`` names: a paper model (:data:`lowmembp.estimator.step.MODELS`), a timm model name, or a transformers
+``config.json`` on disk (file or folder; no hub). Every one is built on the meta device by :mod:`lowmembp.estimator.step`.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
 
-from lowmembp.estimate import MODELS, ModelSpec
+from lowmembp.estimator.step import MODELS, ModelSpec
 
 __all__ = ["resolve_model"]
 
@@ -19,7 +19,7 @@ def resolve_model(model: str | ModelSpec, *, seq_len: int | None = None, num_cla
     elif model in MODELS:
         spec, where = MODELS[model], f"paper model {model} ({MODELS[model].arch})"
     elif Path(model).exists():
-        from lowmembp.hf_config import hf_spec
+        from lowmembp.estimator.hf_config import hf_spec
         spec = hf_spec(model, seq_len=seq_len)
         where = f"transformers config {spec.arch} ({spec.kwargs['head']})"
     elif _is_timm(model):

@@ -117,7 +117,7 @@ def _pool(jobs: int, n_tasks: int, preload: list[str], start_method: str | None)
 def modules_needed(spec, overrides, combos: list[str]) -> list[str]:
     """What every worker would import: the planner, the model's own modules (transformers' LLaMA alone takes ~2.4 s)
     and peft when a combination uses it (~1.3 s); imported once, before the workers start."""
-    from lowmembp.estimate import _PEFT_METHODS, build
+    from lowmembp.estimator.step import _PEFT_METHODS, build
 
     try:
         model = build(spec, layers=2, overrides=overrides, device="meta")

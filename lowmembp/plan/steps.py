@@ -1,4 +1,4 @@
-"""The planner's fake-tensor steps: :func:`lowmembp.estimate.estimate`'s procedure, built once, run at several batches.
+"""The planner's fake-tensor steps: :func:`lowmembp.estimator.step.estimate`'s procedure, built once, run at several batches.
 
     steps = Steps(spec, "lora+checkpointing", layers=2, seq_len=2048, dtype="bf16")
     run = steps.run(4, flops=True)     # run.peak: estimate()'s "peak" at batch 4, run.flops, run.events
@@ -7,9 +7,9 @@
 
 Why not :func:`estimate` itself: it builds and converts the model for every call, and also counts the saved tensors
 (an accountant with module hooks) that the planner does not read. Here the model is built once per combination and
-depth (:func:`lowmembp.estimate.prepare_model`, the optimizer state made by :func:`lowmembp.peak.prime_optimizer`),
-and every step is :func:`lowmembp.estimate.train_step` under a :class:`lowmembp.peak.StorageTracker` with the same
-registrations as :func:`lowmembp.peak.measure_step_peak` (riding in the fake mode, :class:`RecordingFakeMode`, rather
+depth (:func:`lowmembp.estimator.step.prepare_model`, the optimizer state made by :func:`lowmembp.measurement.peak.prime_optimizer`),
+and every step is :func:`lowmembp.estimator.step.train_step` under a :class:`lowmembp.measurement.peak.StorageTracker` with the same
+registrations as :func:`lowmembp.measurement.peak.measure_step_peak` (riding in the fake mode, :class:`RecordingFakeMode`, rather
 than stacked above it as a second dispatch mode: the same ops, less dispatch), so the peak is ``estimate()``'s to the
 byte (its first step is exactly estimate's procedure; a later step on the same model starts from the same state:
 optimizer state made, gradients ``None``). ``tests/test_plan_fast.py`` checks both against ``estimate()`` for every
@@ -30,10 +30,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from lowmembp.estimate import (ModelSpec, _batch, block_names, fsdp_peak, make_optimizer, prepare_model,
+from lowmembp.estimator.step import (ModelSpec, _batch, block_names, fsdp_peak, make_optimizer, prepare_model,
                                train_step)
-from lowmembp.fake_mode import DEVICE_QUERY, StepFakeMode, answer_device
-from lowmembp.peak import CATEGORIES, StorageTracker, prime_optimizer
+from lowmembp.estimator.fake_mode import DEVICE_QUERY, StepFakeMode, answer_device
+from lowmembp.measurement.peak import CATEGORIES, StorageTracker, prime_optimizer
 
 __all__ = ["Steps", "StepRun", "BatchLine", "EventTracker", "RecordingFakeMode", "MIN_BATCH"]
 
@@ -41,7 +41,7 @@ MIN_BATCH = 2  # the smallest batch a line is fitted on or gives (module doc: ba
 
 
 class RecordingFakeMode(StepFakeMode):
-    """A :class:`lowmembp.fake_mode.StepFakeMode` that hands every op it runs for its caller to
+    """A :class:`lowmembp.estimator.fake_mode.StepFakeMode` that hands every op it runs for its caller to
     ``observer(func, args, kwargs, out)`` while one is set (not the ops of its own decompositions, which a dispatch
     mode stacked above it would not see either; not ``prim.device``, which only answers a tensor's device).
 
@@ -78,7 +78,7 @@ class RecordingFakeMode(StepFakeMode):
 class EventTracker(StorageTracker):
     """A :class:`StorageTracker` that also keeps, for every storage it starts counting on the device, the running
     total and its split by category right after it (the events the peak is the largest of), and can count the
-    step's FLOPs (``flops``, a :class:`lowmembp.flops.StepFlops`) from the same ops. Entered as a dispatch mode like
+    step's FLOPs (``flops``, a :class:`lowmembp.measurement.flops.StepFlops`) from the same ops. Entered as a dispatch mode like
     its parent, or ridden in a :class:`RecordingFakeMode` with :meth:`recording` (the planner's steps)."""
 
     def __init__(self, flops=None):
@@ -121,7 +121,7 @@ class EventTracker(StorageTracker):
 
 class StepRun:
     """One measured step: ``peak`` (estimate()'s ``"peak"`` dict before any FSDP sharding), ``flops`` (or None),
-    ``events`` (see :class:`EventTracker`), and what :func:`lowmembp.estimate.fsdp_peak` needs."""
+    ``events`` (see :class:`EventTracker`), and what :func:`lowmembp.estimator.step.fsdp_peak` needs."""
 
     def __init__(self, batch_size: int, peak: dict, flops: int | None, events: list[tuple]):
         self.batch_size, self.peak, self.flops, self.events = batch_size, peak, flops, events
@@ -149,7 +149,7 @@ class Steps:
             batch = _batch(self.spec, self.model, batch_size, self.seq_len, self.vocab)
             counter = None
             if flops:
-                from lowmembp.flops import step_flop_counter
+                from lowmembp.measurement.flops import step_flop_counter
                 counter = step_flop_counter()
             tracker = EventTracker(counter)
             tracker.track_external(self.model, self.opt, *batch.values())  # as measure_step_peak registers them

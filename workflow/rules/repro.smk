@@ -1,4 +1,4 @@
-# Paper-scale reproductions (lowmembp.repro, listed in workflow/catalogue.py): estimated on fake tensors on the CPU,
+# Paper-scale reproductions (experiments.repro, listed in workflow/catalogue.py): estimated on fake tensors on the CPU,
 # one CSV each.
 
 

@@ -25,14 +25,14 @@ def capacity(models: dict, methods: list[str], gpus: list[str]):
     """A long table: model, method, gpu, largest_batch, how it was checked, the peak at the paper batch."""
     import pandas as pd
 
-    from lowmembp.estimate import MODELS
-    from lowmembp.plan import plan
+    from lowmembp.estimator.step import MODELS
+    from lowmembp.plan import make_plan
 
     rows = []
     for model, kw in models.items():
         t0 = time.perf_counter()
         spec = MODELS[model]
-        p = plan(model, batch_size=spec.batch_size, gpu_memory=gpus[0], more_gpus=gpus[1:],
+        p = make_plan(model, batch_size=spec.batch_size, gpu_memory=gpus[0], more_gpus=gpus[1:],
                  combos=[m for m in methods if m != "baseline"], runs=os.devnull, **kw)
         logging.info("%s: %d combinations in %.1f s", model, len(p.rows), time.perf_counter() - t0)
         for r in p.rows:

@@ -1,4 +1,4 @@
-"""A paper-scale reproduction's rows (results/repro/<name>.csv, from lowmembp.repro) -> its figure.
+"""A paper-scale reproduction's rows (results/repro/<name>.csv, from experiments.repro) -> its figure.
 
 - block_breakdown: one panel per model; four stacked bars (paper baseline, paper LowMemoryBP, real-code baseline,
   real-code LowMemoryBP), each split by op kind, in 16-bit units of b·s·d per block, the saving written on top.

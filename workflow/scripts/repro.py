@@ -1,8 +1,8 @@
-"""Run one paper-scale reproduction from lowmembp.repro and write its rows as CSV (atomically).
+"""Run one paper-scale reproduction from experiments.repro and write its rows as CSV (atomically).
 
     python repro.py NAME OUT.csv [key=value ...]      # by hand; under Snakemake: rule repro
 
-NAME is a reproduction of workflow/catalogue.py (lowmembp.repro.REPROS); key=value pairs (or the config's
+NAME is a reproduction of workflow/catalogue.py (experiments.repro.REPROS); key=value pairs (or the config's
 repro.options.<NAME>) are passed to the reproduction's function as keyword arguments (e.g. a reduced scale).
 """
 
@@ -14,8 +14,8 @@ from lowmembp.atomic import atomic_open
 
 
 def run(name: str, out: str, **options):
-    """Run reproduction ``name`` (lowmembp.repro.REPROS) with ``options`` and write its table to ``out``."""
-    from lowmembp.repro import run as run_repro
+    """Run reproduction ``name`` (experiments.repro.REPROS) with ``options`` and write its table to ``out``."""
+    from experiments.repro import run as run_repro
 
     t0 = time.perf_counter()
     df = run_repro(name, **options)

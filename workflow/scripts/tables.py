@@ -496,7 +496,7 @@ REPRO_CAPTIONS = {
 
 
 def repro_table(name: str, repro_csv: str | Path, out: dict[str, str], title: str | None = None) -> None:
-    """A reproduction's rows (lowmembp.repro: paper value, ours, ratio and a note already side by side) -> table.
+    """A reproduction's rows (experiments.repro: paper value, ours, ratio and a note already side by side) -> table.
 
     A table without a ``ratio`` column gets one (ours / paper) from its first numeric ``paper...`` / ``ours...``
     pair."""
@@ -511,7 +511,7 @@ def repro_table(name: str, repro_csv: str | Path, out: dict[str, str], title: st
             df.insert(df.columns.get_loc(o) + 1, "ratio", df[o] / df[p])
             caption = caption or f"`ratio` = {o} / {p}."
     write(df, out["md"], out["csv"], title or name.replace("_", " "),
-          [f"From `python -m lowmembp.repro {repro.name}` ({repro.how})."], out.get("html"),
+          [f"From `python -m experiments.repro {repro.name}` ({repro.how})."], out.get("html"),
           caption)
 
 

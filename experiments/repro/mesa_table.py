@@ -1,0 +1,73 @@
+"""The Mesa README's memory column: ImageNet training, batch 128, AMP, baseline vs Mesa (8-bit activations).
+
+Ours: the peak of one whole training step (all parameters trainable, AdamW) of the real timm model with eager attention
+(the timm of 2021 that Mesa measured: softmax output and attention matmul operands saved) on fake tensors,
+``baseline`` vs ``mesa`` (Linear, GELU, LayerNorm, softmax and attention matmuls saved in int8; lowmembp.methods.mesa).
+Paper: Mesa README (github.com/ziplab/Mesa), "train memory (MB)" on one GPU.
+
+DeiT rows are measured on 2- and 3-block builds and extended to 12 blocks (:func:`lowmembp.estimator.step.estimate_by_depth`:
+the bytes grow by the same amount per block; equal to the byte to full-depth runs, ``by_depth=False``); Swin-T,
+whose depth is per stage, is built whole.
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from experiments.repro._common import MiB, ratio
+
+PAPER = {  # model key -> (label, baseline MB, mesa MB)
+    "deit_ti": ("DeiT-Ti", 4171, 1858),
+    "deit_s": ("DeiT-S", 8459, 3840),
+    "deit_b": ("DeiT-B", 17691, 8616),
+    "swin_t": ("Swin-T", 11812, 5371),
+}
+
+
+def mesa_table(small: bool = False, batch_size: int = 128, models: tuple[str, ...] | None = None,
+               by_depth: bool = True) -> pd.DataFrame:
+    """One row per (model, method): paper MB, ours MiB, ratio, saving (paper, ours); ``by_depth=False`` builds
+    every model at full depth (slower, the same numbers)."""
+    from lowmembp.estimator.step import estimate, estimate_by_depth
+
+    rows = []
+    for key in models or tuple(PAPER):
+        label, p_base, p_mesa = PAPER[key]
+        # eager attention, as the timm of 2021 that Mesa measured (softmax output and attention matmuls saved);
+        # Mesa's own method compresses exactly those
+        kw = dict(batch_size=2 if small else batch_size, dtype="fp16", attention="eager")
+        if small:
+            if key.startswith("deit"):
+                kw.update(overrides={"img_size": 64}, layers=2)
+            else:
+                kw.update(overrides={"img_size": 64, "window_size": 2, "depths": (1, 1, 1, 1)})
+        run = estimate_by_depth if by_depth and not small and key.startswith("deit") else estimate
+        ours = {}
+        for method, paper in (("baseline", p_base), ("mesa", p_mesa)):
+            est = run(key, method, **kw)
+            ours[method] = est["peak"]["bytes"] / MiB
+            r = ratio(ours[method], paper)
+            rows.append({"model": label, "method": method, "paper_MB": paper, "ours_MiB": ours[method], "ratio": r,
+                         "paper_saving_%": None if method == "baseline" else 100 * (1 - p_mesa / p_base),
+                         "ours_saving_%": None if method == "baseline" else
+                         100 * (1 - ours["mesa"] / ours["baseline"]),
+                         "saved_for_backward_MiB": est["saved"]["total"] / MiB,
+                         "note": ""})
+            if r is not None and abs(r - 1) > 0.05 and not small:
+                rows[-1]["note"] = _why(method, r, rows[-1]["paper_saving_%"], rows[-1]["ours_saving_%"])
+    df = pd.DataFrame(rows)
+    df.attrs["caption"] = (f"batch {2 if small else batch_size}, 224 px, 1000 classes, fp16 CPU autocast, AdamW, all "
+                           "parameters trainable; peak of one steady training step on fake tensors. Paper: Mesa "
+                           "README (MB as printed there; the repository reports torch.cuda.max_memory_allocated/2**20).")
+    return df
+
+
+def _why(method: str, r: float, paper_saving: float | None, ours_saving: float | None) -> str:
+    if method == "baseline":
+        return (f"ours is {r:.2f}× the README's: exact tensor bytes of today's timm block with eager attention. "
+                "Attribution (python -m experiments.repro mesa-attribution, MiB per difference): drop-path 0.1 ≈ 0 "
+                "(measured), dropout with p = 0 0 (PyTorch returns the input), CUDA autocast's fp32 softmax "
+                "+4 bytes·B·H·N² a block (counted; PyTorch 1.7.1 of README.md:27-28) — together 0.77–0.79× for "
+                "DeiT; the ≈ 22 % left grows with the activations and needs a GPU run of the 2021 stack "
+                "(torch.cuda.memory_snapshot at the peak) to attribute")
+    return (f"compare the savings: ours {ours_saving:.1f} %, the README's {paper_saving:.1f} %; our baseline holds "
+            "less than the README's (row above), so the same int8 copies free a smaller share of it")

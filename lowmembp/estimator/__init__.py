@@ -1,0 +1,33 @@
+"""The estimator: a whole training step of a paper-scale model on fake tensors, on the CPU, nothing large allocated.
+
+- :mod:`~lowmembp.estimator.step`: the paper-model zoo (``MODELS``, ``ModelSpec``, ``build``), the fake step
+  (``estimate``, ``estimate_by_depth``) and the bytes of weights stored otherwise (``fsdp_peak``,
+  ``nf4_weight_bytes``);
+- :mod:`~lowmembp.estimator.fake_mode`: the fake-tensor mode the steps run under;
+- :mod:`~lowmembp.estimator.hf_config`: a transformers ``config.json`` on disk as a model to estimate.
+
+May import: :mod:`lowmembp.methods`, :mod:`lowmembp.models`, :mod:`lowmembp.measurement`, :mod:`lowmembp._compat`,
+torch, timm, transformers, peft. Never the planner, which builds on it.
+
+    from lowmembp.estimator import estimate
+    estimate("llama_7b", "lora+lowmembp", batch_size=4, seq_len=2048)
+"""
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = ("DTYPES", "MODELS", "ModelSpec", "build", "block_names", "estimate", "estimate_by_depth",
+           "extend_by_depth", "full_depth", "fsdp_peak", "nf4_weight_bytes", "prepare_model", "to_fake_cpu")
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(f"{__name__}.step"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

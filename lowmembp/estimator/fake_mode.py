@@ -1,0 +1,242 @@
+"""The fake mode the estimates step in: torch's ``FakeTensorMode``, its cache hits served in one short path.
+
+    from lowmembp.estimator.fake_mode import StepFakeMode
+    with StepFakeMode(allow_non_fake_inputs=True):   # what FakeTensorMode(...) does, the same outputs
+        ...
+
+Why: a fake training step is nearly all ``FakeTensorMode`` bookkeeping. Three things are cut here, none of them
+changing what an op returns:
+
+- **The cache key** (``_prep_args_for_hash``): torch turns every fake argument into a ``TensorMetadata`` dataclass
+  and flattens it field by field, its shape and stride walked element by element. Here a fake argument becomes one
+  tuple of the same facts (dtype, shape, stride, device, storage offset, storage bytes, ``requires_grad``, conj /
+  neg / inference bits); ``memory_format``, the one field left out, is a function of shape and stride. The key thus
+  tells apart every pair of calls torch's tells apart. Keys in this form start with a private marker, so they never
+  meet torch's own in the shared cache.
+- **Cache hits** (:meth:`StepFakeMode.__torch_dispatch__`): once torch has made a cache entry for a call, the
+  entry is copied into :data:`RECIPES` under this mode's key (the same facts plus the global state torch's key holds:
+  default dtype and device, inference mode), and the next such call builds its outputs from the recipe exactly as
+  torch's ``_get_output_tensor_from_cache_entry`` does (an ``empty_strided`` meta tensor, for a view op set onto its
+  argument's storage, wrapped as a ``FakeTensor`` with the attributes ``FakeTensor.__new__`` gives it), past torch's
+  layers of dispatch (logging guards, ``_disable_dynamo`` frames, the key's dataclass, context managers): ~2.5x
+  less time a hit. Only what torch itself would serve from its cache is served (no recipe without torch's entry),
+  and only without a shape environment, proxy tracing, debug mode or the cache's cross-check.
+- **Two kinds of calls torch never caches**, given recipes from their own first output: ``aten._unsafe_view``
+  (torch bypasses it because it aliases its input without being a view op; its output is ``view``'s, on the
+  input's storage — ~300 µs a call through torch's full dispatch, 70 calls in a 3-block LLaMA LoRA step) and this
+  library's own functional ``torch.library`` ops (``lowmembp::*``, no mutated arguments: their fake
+  implementations allocate fresh outputs from the arguments' shapes). A first output that does not fit a recipe
+  (aliasing where none was expected, a storage larger than its shape needs, an offset) gets none.
+
+``prim.device`` (a tensor's device: on LLaMA-7B shapes two thirds of a fake step's dispatches, the autograd engine
+asking) is answered at once by the handler ``FakeTensorMode.dispatch`` itself calls for it.
+
+Anything else (symbolic shapes, constants, non-strided or quantized tensors, real tensors, another mode's fakes,
+callables, SymInts) goes to torch's own code, whole, which also bypasses the cache where torch does.
+``tests/test_fake_mode.py``: a whole training step gives the same ops with the same output metadata and the same
+storage sharing in both modes, recipes are in use, and a recipe-built tensor is the ``FakeTensor`` torch would build.
+"""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import (_DISPATCH_META_HANDLERS, FakeTensor, FakeTensorConfig, FakeTensorMode,
+                                           _BypassDispatchCache, _CacheKeyState, _DispatchCacheValidEntry)
+
+__all__ = ["StepFakeMode", "KEY_MARK", "DEVICE_QUERY", "answer_device", "RECIPES"]
+
+DEVICE_QUERY = torch.ops.prim.device.default
+answer_device = _DISPATCH_META_HANDLERS[DEVICE_QUERY]  # FakeTensorMode.dispatch's own answer to prim.device
+
+KEY_MARK = object()      # first item of the args part of a key in this form
+_FAKE = object()         # tag of a fake tensor's tuple (no plain value can equal it)
+_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
+_SEQUENCES = frozenset({tuple, list, torch.Size})
+_STRIDED = torch.strided
+_LAYOUT = torch.Tensor.layout.__get__  # the tensor's own layout, past FakeTensor's Python property
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
+# How a recipe makes one output (see _output): an argument returned as it is (in-place ops), a constant, or a new
+# fake tensor from its metadata (on the storage of argument ``view_idx`` when that is not None)
+_INPLACE, _CONSTANT, _TENSOR = 0, 1, 2
+
+RECIPES: dict = {}  # this mode's key -> (is a tuple, (output recipe, ...)); shared by every StepFakeMode, as
+#                     torch shares its cache (FakeTensorMode.cache) between its modes
+_NO_RECIPE = object()  # a key learnt to have none: torch's cache bypasses it, or its first output fit no recipe
+
+
+class _TorchKey(Exception):
+    """An argument this key form does not cover: torch's key code takes the whole call."""
+
+
+class StepFakeMode(FakeTensorMode):
+    """``FakeTensorMode`` with the one-pass cache key, cache hits served from :data:`RECIPES` and ``prim.device``
+    answered directly (module doc); everything else is torch's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._attrs = None  # what FakeTensor.__new__ puts in a new fake tensor's __dict__ (from the first one made)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.dispatch_op(func, types, args, kwargs)
+
+    def dispatch_op(self, func, types, args=(), kwargs=None):
+        """What ``__torch_dispatch__`` does, callable from a subclass's own ``__torch_dispatch__`` without going
+        through this one's ``_disable_dynamo`` wrapper again (torch wraps every mode's ``__torch_dispatch__``)."""
+        if func is DEVICE_QUERY:
+            return answer_device(args)
+        key = self._recipe_key(func, args, kwargs)
+        if key is not None:
+            recipe = RECIPES.get(key)
+            if recipe is not None and recipe is not _NO_RECIPE:
+                return self._from_recipe(recipe, args)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if key is not None and recipe is None:
+            RECIPES[key] = self._recipe(func, args, kwargs or {}, out)
+        return out
+
+    # -- recipes ---------------------------------------------------------------------------------------------
+    def _recipe_key(self, func, args, kwargs):
+        """This mode's key for ``func(*args, **kwargs)``, or None where recipes are not used (module doc)."""
+        if (self.shape_env is not None or not self.cache_enabled or self.cache_crosscheck_enabled
+                or FakeTensorConfig.debug or torch._C._get_dispatch_mode(_PROXY) is not None
+                or torch._ops._get_dispatch_mode_pre_dispatch(_PROXY) is not None):
+            return None
+        try:
+            return (func, self._encode(args), self._encode(kwargs) if kwargs else None, torch.get_default_dtype(),
+                    torch._C._get_default_device(), torch.is_inference_mode_enabled())
+        except _TorchKey:
+            return None
+
+    def _recipe(self, func, args, kwargs, out):
+        """The recipe for a call that just ran: from torch's cache entry for it, or, for the two kinds of calls
+        torch does not cache, from ``out`` itself; :data:`_NO_RECIPE` where there is neither."""
+        try:
+            entry = FakeTensorMode.cache.get(self._cache_key(_CacheKeyState(self.shape_env), func, args, kwargs))
+        except _BypassDispatchCache:
+            entry = None
+        if isinstance(entry, _DispatchCacheValidEntry):
+            return _from_entry(entry)
+        if func is _UNSAFE_VIEW or _own_functional_op(func):
+            return self._from_output(func, args, out)
+        return _NO_RECIPE
+
+    def _from_output(self, func, args, out):
+        outs = out if isinstance(out, tuple) else (out,)
+        inputs = [a.untyped_storage()._cdata for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+        made = []
+        for t in outs:
+            if (not isinstance(t, FakeTensor) or t.fake_mode is not self or t.constant is not None
+                    or _LAYOUT(t) is not _STRIDED or t.is_quantized):
+                return _NO_RECIPE
+            storage = t.untyped_storage()
+            view_idx = None
+            if func is _UNSAFE_VIEW:  # a view of its first argument, whatever else it was given
+                if not isinstance(args[0], FakeTensor) or args[0].untyped_storage()._cdata != storage._cdata:
+                    return _NO_RECIPE
+                view_idx = 0
+            elif storage._cdata in inputs or t.storage_offset() != 0 or storage.nbytes() != _dense_bytes(t):
+                return _NO_RECIPE
+            made.append((_TENSOR, view_idx, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, _LAYOUT(t),
+                         t.fake_device, t.requires_grad, t.is_conj(), t.is_neg()))
+        return isinstance(out, tuple), tuple(made)
+
+    def _from_recipe(self, recipe, args):
+        is_tuple, outs = recipe
+        if not is_tuple:
+            return self._output(outs[0], args)
+        return tuple(self._output(o, args) for o in outs)
+
+    def _output(self, o, args):
+        """One output as torch's ``_get_output_tensor_from_cache_entry`` makes it (no shape environment)."""
+        kind = o[0]
+        if kind == _INPLACE:
+            return args[o[1]]
+        if kind == _CONSTANT:
+            return o[1]
+        _, view_idx, shape, stride, offset, dtype, layout, device, requires_grad, conj, neg = o
+        with torch._C._DisableTorchDispatch():
+            elem = torch.empty_strided(shape, stride, dtype=dtype, layout=layout, device="meta",
+                                       requires_grad=requires_grad)
+            if conj:
+                torch._C._set_conj(elem, True)
+            if neg:
+                torch._C._set_neg(elem, True)
+            if view_idx is not None:
+                elem.set_(args[view_idx].untyped_storage(), offset, shape, stride)
+        return self._fake(elem, device)
+
+    def _fake(self, elem, device):
+        """``FakeTensor(self, elem, device)`` for a meta ``elem`` and a device torch has normalised already."""
+        if self._attrs is None:
+            self._attrs = dict(vars(FakeTensor(self, elem, device)))
+        t = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
+                                        device_for_backend_keys=device)
+        if not self._allow_unsafe_data_ptr_access:
+            torch._C._set_throw_on_mutable_data_ptr(t)
+        else:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
+        attrs = t.__dict__
+        attrs.update(self._attrs)
+        attrs["_fake_device"] = device
+        return t
+
+    # -- the key ---------------------------------------------------------------------------------------------
+    def _prep_args_for_hash(self, result, args, state, id_hashed_objects):
+        try:
+            encoded = self._encode(args)
+        except _TorchKey:
+            return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
+        result.append(KEY_MARK)
+        result.append(encoded)
+
+    def _encode(self, x):
+        """A hashable value that is equal for two arguments only when torch's key would be (module doc)."""
+        kind = type(x)
+        if kind in _PLAIN:
+            return kind, x  # the type too: 1, 1.0 and True are equal but give different dtypes
+        if kind is FakeTensor or isinstance(x, FakeTensor):
+            # strided (so not mkldnn, not sparse), not quantized, not symbolic, this mode's own, no constant
+            if (x.fake_mode is not self or x.constant is not None or x._has_symbolic_sizes_strides
+                    or _LAYOUT(x) is not _STRIDED or x.is_quantized):
+                raise _TorchKey
+            return (_FAKE, x.dtype, x.shape, x.stride(), x._fake_device, x.storage_offset(),
+                    x.untyped_storage().nbytes(), x.requires_grad, x.is_conj(), x.is_neg(), x.is_inference())
+        if kind in _SEQUENCES:
+            return kind, tuple([self._encode(y) for y in x])
+        if kind is dict:
+            return kind, tuple([(self._encode(k), self._encode(v)) for k, v in x.items()])
+        raise _TorchKey
+
+
+def _from_entry(entry: _DispatchCacheValidEntry):
+    """A recipe from torch's cache entry: the same outputs its ``_output_from_cache_entry`` makes."""
+    outs = []
+    for info in entry.output_infos:
+        if info.inplace_idx is not None:
+            outs.append((_INPLACE, info.inplace_idx))
+        elif info.metadata is None and info.view_idx is None:
+            outs.append((_CONSTANT, info.constant_value))
+        else:
+            m = info.metadata
+            if m is None or m.is_sparse or m.layout is not _STRIDED:
+                return _NO_RECIPE
+            outs.append((_TENSOR, info.view_idx, tuple(m.shape), tuple(m.stride), m.storage_offset, m.dtype,
+                         m.layout, m.device, m.requires_grad, m.is_conj, m.is_neg))
+    return entry.is_output_tuple, tuple(outs)
+
+
+def _own_functional_op(func) -> bool:
+    """One of this library's ``torch.library`` ops that mutates nothing and returns no alias."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or getattr(func, "namespace", None) != "lowmembp":
+        return False
+    return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+
+
+def _dense_bytes(t: torch.Tensor) -> int:
+    """Bytes of the storage ``torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)`` makes."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()

@@ -1,0 +1,176 @@
+"""Saved-for-backward accounting: how many bytes the autograd graph keeps, by op kind.
+
+    with SavedTensorAccountant(model) as acc:
+        loss = model(x).sum()          # the forward (backward may follow inside or outside the block)
+    acc.report()   # {"total": 123, "by_kind": {"act": .., "norm": .., "attention": .., "linear": .., "product": ..,
+                   #   "other": ..}, "param_casts": .., "n_storages": ..}
+
+How it counts:
+
+- Every tensor that autograd saves passes through ``torch.autograd.graph.saved_tensors_hooks``; the accountant
+  looks at its storage (``untyped_storage()``) and counts each storage once, with its full size (a saved view of a
+  bigger buffer holds the whole buffer). Works the same on real and on fake tensors (FakeTensorMode keeps one
+  storage object per storage, so identity-based dedupe holds there too).
+- The kind comes from the module running at the moment of the save (forward pre/post hooks keep a module stack;
+  rules in :mod:`lowmembp.measurement.kinds`). A storage saved by several ops is counted under the first kind in
+  ``memory_kinds.PRIORITY`` (linear input first, like the paper).
+- Excluded: parameters and buffers of the model (frozen ones too), and autocast's low-precision copies of weights
+  (a tensor of 2+ dims with the shape of a parameter of the module that saves it, in any dim order), reported apart as ``param_casts``:
+  they do not grow with the batch and are not activations.
+- Checkpointing: a non-reentrant ``torch.utils.checkpoint`` region keeps its inputs as saved tensors made through
+  the default hooks (``_CheckpointFrame.save_inputs``), so they are counted (kind of the module around the region,
+  usually ``other``); what the region's ops would save is not saved (its own hooks) — the point of checkpointing.
+  Tested in ``tests/test_memory.py`` (torch 2.14).
+- Not seen: tensors held outside autograd (a method's own caches). Peak memory (:mod:`lowmembp.measurement.peak`) sees those.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from lowmembp.measurement.kinds import KINDS, classify, rank
+
+__all__ = ["SavedTensorAccountant", "KINDS", "saved_bytes"]
+
+
+@dataclass
+class SavedStorage:
+    """One storage kept for backward."""
+    nbytes: int
+    kind: str
+    module: str          # qualified name of the innermost module running when it was first saved
+    shape: tuple
+    dtype: torch.dtype
+    ref: StorageWeakRef
+
+
+class SavedTensorAccountant:
+    """Context manager counting the bytes autograd saves for backward inside it, by op kind (see module doc).
+
+    ``model`` gives the module hooks and the parameters to exclude; pass ``None`` to count everything as ``other``
+    (no module attribution) with nothing excluded. Re-entering starts a fresh count.
+    """
+
+    def __init__(self, model: nn.Module | None):
+        self.model = model
+        self.storages: list[SavedStorage] = []
+        self.param_cast_bytes = 0
+        self._index: dict[int, int] = {}
+        self._handles: list = []
+        self._stack: list[nn.Module] = []
+        self._names: dict[int, str] = {}
+        self._kind_cache: dict[int, str | None] = {}
+        self._excluded: set[int] = set()
+        self._cast_seen: dict[int, StorageWeakRef] = {}  # storage key -> the cast's storage (while it lives)
+        self._hooks_ctx = None
+
+    # -- context --------------------------------------------------------------------------------------------
+    def __enter__(self) -> "SavedTensorAccountant":
+        self.storages, self._index, self.param_cast_bytes, self._cast_seen = [], {}, 0, {}
+        self._stack, self._excluded = [], set()
+        if self.model is not None:
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                key = _storage_key(t)
+                if key is not None:
+                    self._excluded.add(key)
+            for name, module in self.model.named_modules():
+                self._names[id(module)] = name or type(module).__name__
+                self._handles.append(module.register_forward_pre_hook(self._push))
+                self._handles.append(module.register_forward_hook(self._pop, always_call=True))
+        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks_ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks_ctx.__exit__(*exc)
+        self._hooks_ctx = None
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._stack.clear()
+
+    # -- hooks ----------------------------------------------------------------------------------------------
+    def _push(self, module, args):
+        self._stack.append(module)
+
+    def _pop(self, module, args, output):
+        # pop up to and including this module (robust to a child that raised before its post hook)
+        for i in range(len(self._stack) - 1, -1, -1):
+            if self._stack[i] is module:
+                del self._stack[i:]
+                break
+
+    def _pack(self, t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+            self._record(t)
+        return t
+
+    def _record(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key is None or key in self._excluded:
+            return
+        st = t.untyped_storage()
+        nbytes = int(st.nbytes())
+        if nbytes == 0:
+            return
+        if self._is_param_cast(t):
+            seen = self._cast_seen.get(key)
+            if seen is None or seen.expired():  # a dead cast's address taken by a new one counts again
+                self._cast_seen[key] = StorageWeakRef(st)
+                self.param_cast_bytes += nbytes
+            return
+        kind = classify(self._stack, self._kind_cache) if self.model is not None else "other"
+        i = self._index.get(key)
+        if i is not None and not self.storages[i].ref.expired():
+            entry = self.storages[i]
+            if rank(kind) < rank(entry.kind):
+                entry.kind = kind
+            return
+        module = self._names.get(id(self._stack[-1]), "?") if self._stack else ""
+        self._index[key] = len(self.storages)
+        self.storages.append(SavedStorage(nbytes, kind, module, tuple(t.shape), t.dtype, StorageWeakRef(st)))
+
+    def _is_param_cast(self, t: torch.Tensor) -> bool:
+        if not self._stack:
+            return False
+        shape = sorted(t.shape)
+        for p in self._stack[-1].parameters(recurse=False):
+            if t.dim() >= 2 and sorted(p.shape) == shape:  # the cast copy, possibly transposed (linear's mat2)
+                return True
+        return False
+
+    # -- results --------------------------------------------------------------------------------------------
+    def report(self) -> dict:
+        """``{"total", "by_kind" (every kind, zeros included), "param_casts", "n_storages"}``, bytes as ints."""
+        by_kind = dict.fromkeys(KINDS, 0)
+        for s in self.storages:
+            by_kind[s.kind] += s.nbytes
+        return {"total": sum(by_kind.values()), "by_kind": by_kind, "param_casts": self.param_cast_bytes,
+                "n_storages": len(self.storages)}
+
+    def table(self) -> list[dict]:
+        """One row per saved storage (module, kind, shape, dtype, bytes), in the order first saved."""
+        return [{"module": s.module, "kind": s.kind, "shape": s.shape, "dtype": str(s.dtype).replace("torch.", ""),
+                 "bytes": s.nbytes} for s in self.storages]
+
+
+def saved_bytes(model: nn.Module, fn, *args, **kwargs) -> dict:
+    """Run ``fn(*args, **kwargs)`` (a forward) under a :class:`SavedTensorAccountant` and return its report."""
+    with SavedTensorAccountant(model) as acc:
+        out = fn(*args, **kwargs)
+    del out
+    return acc.report()
+
+
+def _unpack(t):
+    return t
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return StorageWeakRef(t.untyped_storage()).cdata
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None  # sparse / nested / opaque subclass: no plain storage to count

@@ -1,0 +1,286 @@
+"""benchmarks/gpu_run.py: its CPU dry run writes every file with its columns; the official-ops adapter builds the
+right command, keeps their tensor layouts, and imports their Python package; a wrong kernel fails its row."""
+import csv
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+gpu_run = importlib.import_module("gpu_run")
+kernels = importlib.import_module("gpu_run_kernels")
+steps = importlib.import_module("gpu_run_steps")
+official = importlib.import_module("official_lomem")
+
+
+def _csv(path):
+    with open(path, newline="") as f:
+        r = csv.DictReader(f)
+        return r.fieldnames, list(r)
+
+
+@pytest.mark.slow
+def test_cpu_smoke_writes_every_file_with_its_columns(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_run.py"), "--cpu-smoke", "--out", str(out),
+                           "--third-party", str(tmp_path / "absent")],  # as in CI: nothing prepared
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    cols, rows = _csv(out / "kernels.csv")
+    assert cols == kernels.COLUMNS
+    ops = {"regelu2", "resilu2", "geglu", "swiglu", "ms_layernorm", "ms_rmsnorm"}
+    assert {r["op"] for r in rows} == ops
+    for op in ops:
+        for dt in ("float16", "bfloat16"):
+            got = {r["impl"]: r for r in rows if r["op"] == op and r["dtype"] == dt}
+            assert got["ours"]["status"] == "ok" and got["torch"]["status"] == "ok", got
+            assert got["official-stand-in"]["status"] == "ok" and "stand-in" in got["official-stand-in"]["note"]
+            assert int(got["ours"]["saved_bytes"]) > 0
+    acts = [r for r in rows if r["op"] == "regelu2" and r["impl"] == "ours"]
+    assert all(float(r["saved_bytes_per_element"]) < 0.3 for r in acts)  # 2-bit codes, not the input
+    assert all(r["status"] == "skipped" for r in rows if r["impl"] == "liger")
+    assert not any(r["fwd_ms"] for r in rows), "the dry run claims no timing"
+
+    for part, methods in (("fig1", steps.FIG1_METHODS), ("llama", steps.LLAMA_METHODS)):
+        cols, rows = _csv(out / f"{part}.csv")
+        assert cols == steps.STEP_COLUMNS
+        assert [r["method"] for r in rows if r["config"] == rows[0]["config"]] == methods
+        for r in rows:
+            want = "not applicable" if "liger" in r["method"] else "ok"
+            assert r["status"] == want, r
+            if want == "ok":
+                assert int(r["peak_bytes"]) > 0 and int(r["steps"]) >= 2
+    assert {r["lora_targets"] for r in _csv(out / "fig1.csv")[1]} == {"qkv, proj, fc1, fc2", "qkv"}
+
+    cols, rows = _csv(out / "estimator_error.csv")
+    assert cols == steps.ERROR_COLUMNS
+    ratios = [float(r["ratio"]) for r in rows if r["ratio"]]
+    assert len(ratios) == 11  # 2 x 4 ViT + 3 LLaMA (Liger has no estimate)
+    assert all(0.95 < x < 1.05 for x in ratios), ratios  # CPU storage tracker vs the fake-tensor estimate
+    assert _csv(out / "estimates.csv")[0] == steps.ESTIMATE_COLUMNS
+
+    mg = json.loads((out / "margin.json").read_text())
+    assert isinstance(mg["fraction"], float) and isinstance(mg["reserved_bytes"], int)
+    assert "NOT a measurement" in mg["source"] and mg["fraction"] >= 0
+    try:  # the planner reads it as its margin file
+        from lowmembp.plan.sources import margin
+    except ImportError:
+        margin = None
+    if margin is not None:
+        assert "NOT a measurement" in margin(margin_file=out / "margin.json")["source"]
+
+    machine = json.loads((out / "machine.json").read_text())
+    for key in ("gpu", "cuda_torch", "nvcc", "versions", "command", "git", "parts", "started", "seconds"):
+        assert key in machine
+    assert machine["smoke"] is True and "--cpu-smoke" in machine["command"]
+    assert set(gpu_run.PARTS) | {"estimates"} == set(machine["parts"])
+    assert all(p["status"] == "ok" for p in machine["parts"].values()), machine["parts"]
+    assert json.loads((out / "gpu_check" / "gpu_check.json").read_text())["rows"]
+    assert "collected" in (out / "pytest_gpu.txt").read_text()
+    assert "CPU DRY RUN" in (out / "summary.md").read_text()
+
+
+def test_smoke_refuses_to_write_into_results_gpu():
+    assert gpu_run.main(["--cpu-smoke", "--out", str(ROOT / "results" / "gpu")]) == 2
+
+
+def _fake_lomem(root: Path, with_python: bool) -> Path:
+    pkg = root / "lomem"
+    (pkg / "csrc" / "include").mkdir(parents=True)
+    for f in ("regelu2.cpp", "module.cpp", "regelu2_cuda.cu", "layer_norm_cuda.cu"):
+        (pkg / "csrc" / f).write_text("// stub\n")
+    if with_python:  # the shape of their package: functional re-exports, autograd functions over _C
+        (pkg / "__init__.py").write_text("import lomem.functional as functional\n")
+        (pkg / "functional.py").write_text(
+            "import torch\nfrom . import _C\n\n"
+            "class _Act(torch.autograd.Function):\n"
+            "    @staticmethod\n    def forward(ctx, x, fw, bw):\n"
+            "        out, p = fw(x)\n        ctx.save_for_backward(p)\n        ctx.bw = bw\n        return out\n"
+            "    @staticmethod\n    def backward(ctx, g):\n        return ctx.bw(g, ctx.saved_tensors[0]), None, None\n\n"
+            "MARK = 'theirs'\n"
+            "def regelu2(x):\n    return _Act.apply(x, _C.regelu2_fw, _C.regelu2_bw)\n"
+            "def resilu2(x):\n    return _Act.apply(x, _C.resilu2_fw, _C.resilu2_bw)\n"
+            "def layer_norm(x, shape, eps):\n    raise NotImplementedError\n"
+            "def rms_norm(x, shape, eps):\n    raise NotImplementedError\n")
+    return pkg
+
+
+def test_build_command_of_the_official_ops(tmp_path):
+    pkg = _fake_lomem(tmp_path / "repo", with_python=False)
+    kw = official.build_kwargs(tmp_path / "repo", tmp_path / "build", std="-std=c++17")  # repo root or package
+    assert kw == official.build_kwargs(pkg, tmp_path / "build", std="-std=c++17")
+    names = [Path(s).name for s in kw["sources"]]
+    assert names == ["module.cpp", "regelu2.cpp", "layer_norm_cuda.cu", "regelu2_cuda.cu"]
+    assert all(Path(s).is_absolute() for s in kw["sources"])
+    assert kw["extra_include_paths"] == [str((pkg / "csrc" / "include").resolve())]
+    assert kw["name"].isidentifier() and kw["build_directory"] == str((tmp_path / "build").resolve())
+    for flag in ("-O3", "-std=c++17", "--use_fast_math", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "--expt-extended-lambda"):
+        assert flag in kw["extra_cuda_cflags"]
+    assert kw["extra_cflags"] == ["-O3", "-std=c++17"]
+    kw20 = official.build_kwargs(pkg, tmp_path / "build", std="-std=c++20")
+    assert kw20["extra_cflags"] == ["-O3", "-std=c++20"] and "-std=c++17" not in kw20["extra_cuda_cflags"]
+    header = tmp_path / "ATen.h"
+    header.write_text("#error C++20 or later compatible compiler is required to use ATen.\n")
+    assert official.cxx_standard(header) == "-std=c++20"
+    header.write_text("#pragma once\n")
+    assert official.cxx_standard(header) == "-std=c++17"
+    assert official.build_env((9, 0), cpus=16) == {"TORCH_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": "8"}
+    assert official.build_env("8.6", cpus=2)["TORCH_CUDA_ARCH_LIST"] == "8.6"
+    with pytest.raises(ValueError, match="compute capability"):
+        official.arch_of("sm90")
+    with pytest.raises(official.OfficialUnavailable, match="prepare_gpu_run.sh"):
+        official.build_kwargs(tmp_path / "nothing", tmp_path / "build")
+    for f in (pkg / "csrc").glob("*.cu"):
+        f.unlink()
+    with pytest.raises(official.OfficialUnavailable, match="no .cu"):
+        official.find_sources(pkg)
+
+
+def test_stand_in_keeps_their_layouts_and_their_python_is_used(tmp_path):
+    from lowmembp.ops import approx_act as aa
+    C = official.stand_in_c()
+    x = torch.randn(2, 3, 7, dtype=torch.bfloat16) * 3  # 42 elements: the last code byte is partly used
+    y, packed = C.regelu2_fw(x)
+    assert packed.dtype == torch.uint8 and packed.numel() == (x.numel() + 3) // 4  # theirs: no flag byte
+    dy = torch.randn_like(x)
+    assert torch.equal(C.regelu2_bw(dy, packed), aa.backward_reference(dy, aa.forward_reference(x, "gelu")[1], "gelu"))
+    yn, rstd = C.rms_norm_fw(x, [7], 1e-6)
+    assert rstd.dtype == torch.float32 and rstd.shape == (6,)
+
+    pkg = _fake_lomem(tmp_path / "repo", with_python=True)
+    ops = official.Official(C, "stand-in: test", pkg)
+    assert ops.python.startswith("their lomem Python package") and ops.is_stand_in
+    assert sys.modules["lomem.functional"].MARK == "theirs"
+    xr = x.float().requires_grad_()
+    out = ops.regelu2(xr)
+    (g,) = torch.autograd.grad(out, xr, torch.ones_like(out))
+    assert torch.equal(g, aa.backward_reference(torch.ones_like(xr), aa.forward_reference(xr.detach(), "gelu")[1],
+                                                "gelu"))
+    plain = official.Official(C, "stand-in: test", None)  # no copy: the adapter's own wrapper
+    assert plain.python.startswith("adapter's") and torch.equal(plain.regelu2(xr), out)
+    for k in [k for k in sys.modules if k == "lomem" or k.startswith("lomem.")]:
+        del sys.modules[k]
+
+
+def test_a_wrong_kernel_fails_its_row(torch_backend):
+    from lowmembp.ops.approx_act import regelu2
+    rows = []
+    bench = kernels.KernelBench(SimpleNamespace(smoke=True), SimpleNamespace(write=rows.append))
+    x = [torch.randn(4, 64, dtype=torch.bfloat16) * 3]
+    good = bench.run("regelu2", "t", torch.bfloat16, "ours", "approx", regelu2, regelu2, x)
+    bad_y = bench.run("regelu2", "t", torch.bfloat16, "x", "approx", lambda t: regelu2(t) * 1.05, regelu2, x)
+    exact = bench.run("regelu2", "t", torch.bfloat16, "x", "approx", torch.nn.functional.gelu, regelu2, x)
+    assert good["status"] == "ok" and good["saved_bytes"] == (256 + 3) // 4 + 1
+    assert bad_y["status"] == "FAIL" and float(bad_y["y_err"]) > 0.04
+    assert exact["status"] == "FAIL" and float(exact["dx_err"]) > 0.02  # exact GELU' is not the 2-bit derivative
+    assert len(rows) == 3
+
+
+def test_estimator_error_and_margin():
+    measured = [dict(config="c", method="lora", status="ok", peak_bytes="1100", measured_how="cuda"),
+                dict(config="c", method="lora+liger", status="ok", peak_bytes="900"),
+                dict(config="c", method="lora+x", status="oom", peak_bytes="")]
+    estimates = [dict(config="c", method="lora", status="ok", estimate_bytes="1000"),
+                 dict(config="c", method="lora+liger", status="no estimate", note="no fake-tensor path")]
+    err = steps.estimator_error(measured, estimates)
+    assert [r["ratio"] for r in err] == ["1.1000", "", ""]
+    assert "no fake-tensor path" in err[1]["note"] and "oom" in err[2]["note"]
+    alloc = {"fig1": dict(max_memory_allocated=100, max_memory_reserved=120, outside_allocator=500 << 20)}
+    mg = steps.margin_from(err, alloc, smoke=False, where="test")
+    assert mg["fraction"] == pytest.approx(round(1.1 * 1.2 - 1 + 0.005, 2)) and mg["reserved_bytes"] == 500 << 20
+    assert steps.margin_from(err[1:], alloc, smoke=False, where="test") is None
+
+
+def _ctx(tmp_path, smoke=False):
+    return gpu_run.Ctx(gpu_run.parse_args(["--out", str(tmp_path / "o"), "--third-party", str(tmp_path / "tp")]
+                                          + (["--cpu-smoke"] if smoke else [])))
+
+
+def test_part_commands_on_the_gpu(tmp_path):
+    ctx = _ctx(tmp_path)
+    gc = gpu_run.part_command("gpu_check", ctx, 0.0)
+    assert gc[1].endswith("gpu_check.py") and "--cpu-smoke" not in gc and gc[gc.index("--out") + 1].endswith("gpu_check")
+    pt = gpu_run.part_command("pytest", ctx, 0.0)
+    assert pt[1:5] == ["-m", "pytest", "-m", "gpu"] and "--collect-only" not in pt
+    files = gpu_run.gpu_test_files()
+    assert "tests/ops/test_ms_norm.py" in files and "tests/benchmarks/test_gpu_run.py" not in files and pt[-len(files):] == files
+    for part in ("kernels", "fig1", "llama", "estimates"):
+        cmd = gpu_run.part_command(part, ctx, 123.0)
+        assert cmd[cmd.index("--part") + 1] == part and cmd[cmd.index("--deadline") + 1] == "123.0"
+        assert "--cpu-smoke" not in cmd and cmd[cmd.index("--third-party") + 1] == str(tmp_path / "tp")
+    assert "--cpu-smoke" in gpu_run.part_command("fig1", _ctx(tmp_path, smoke=True), 0.0)
+    with pytest.raises(SystemExit):
+        gpu_run.parse_args(["--parts", "fig1,nope"])
+
+
+def test_a_part_past_its_limit_is_killed_and_keeps_its_output(tmp_path):
+    code = "import time; print('started', flush=True); time.sleep(60)"
+    proc = gpu_run.Proc("t", [sys.executable, "-c", code], tmp_path / "t.log", dict(os.environ))
+    rc = proc.wait(3)
+    assert proc.timed_out and rc != 0 and proc.seconds < 30
+    assert "started" in (tmp_path / "t.log").read_text()
+
+
+def test_liger_is_installed_from_the_carried_wheel(tmp_path, monkeypatch):
+    import importlib.util
+    import zipfile
+    if importlib.util.find_spec("liger_kernel") is not None:
+        pytest.skip("liger_kernel is installed here")
+    wheels = tmp_path / "tp" / "wheels"
+    wheels.mkdir(parents=True)
+    name = "liger_kernel-0.8.99"
+    with zipfile.ZipFile(wheels / f"{name}-py3-none-any.whl", "w") as z:  # a stand-in wheel: pip installs it offline
+        z.writestr("liger_kernel/__init__.py", "STAND_IN = True\n")
+        z.writestr(f"{name}.dist-info/METADATA", "Metadata-Version: 2.1\nName: liger-kernel\nVersion: 0.8.99\n")
+        z.writestr(f"{name}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                              "Tag: py3-none-any\n")
+        z.writestr(f"{name}.dist-info/RECORD", "")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    line = gpu_run.ensure_liger(_ctx(tmp_path))
+    assert line.startswith("liger: installed") and "0.8.99" in line, line
+    site = tmp_path / "lowmembp_liger_site"
+    assert (site / "liger_kernel" / "__init__.py").is_file() and str(site) == sys.path[0]
+    assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(site)
+    assert gpu_run.ensure_liger(_ctx(tmp_path, smoke=True)).startswith("liger_kernel importable")
+
+
+def test_prepare_copies_the_sources_and_the_wheel(tmp_path):
+    import zipfile
+    src = tmp_path / "LowMemoryBP"
+    _fake_lomem(src, with_python=True)
+    (src / "setup.py").write_text("# theirs\n")
+    (src / "LICENSE").write_text("MIT\n")
+    index = tmp_path / "index"
+    index.mkdir()
+    name = "liger_kernel-0.8.7"
+    with zipfile.ZipFile(index / f"{name}-py3-none-any.whl", "w") as z:  # pip "downloads" it from a local folder
+        z.writestr("liger_kernel/__init__.py", "")
+        z.writestr(f"{name}.dist-info/METADATA", "Metadata-Version: 2.1\nName: liger-kernel\nVersion: 0.8.7\n")
+        z.writestr(f"{name}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{name}.dist-info/RECORD", "")
+    dest = tmp_path / "tp"
+    env = dict(os.environ, GPU_RUN_THIRD_PARTY=str(dest), PIP_NO_INDEX="1", PIP_FIND_LINKS=str(index),
+               PYTHON=sys.executable)
+    r = subprocess.run(["bash", str(BENCH / "prepare_gpu_run.sh"), str(src)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (dest / "lomem" / "csrc" / "regelu2_cuda.cu").is_file() and (dest / "lomem" / "functional.py").is_file()
+    assert (dest / "setup.py").is_file() and (dest / "wheels" / f"{name}-py3-none-any.whl").is_file()
+    assert "work tree" in (dest / "PREPARED.txt").read_text()
+    assert official.find_sources(dest / "lomem")["sources"]
+    r = subprocess.run(["bash", str(BENCH / "prepare_gpu_run.sh"), str(tmp_path / "absent")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no LowMemoryBP sources" in r.stderr

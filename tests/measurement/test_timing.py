@@ -1,0 +1,70 @@
+"""Step-time statistics (lowmembp.measurement.timing): percentiles from given samples, no timed asserts."""
+import numpy as np
+import pytest
+
+from lowmembp.measurement.timing import summarize, throughput, time_interleaved, time_steps
+
+
+def test_summarize_percentiles_linear_interpolation():
+    rng = np.random.default_rng(7)
+    samples = rng.exponential(0.3, size=13).tolist()
+    s = summarize(samples, "x")
+    srt = sorted(samples)
+    # numpy's linear method: position q*(n-1) between order statistics
+    for q, key in ((0.2, "p20"), (0.5, "p50"), (0.8, "p80")):
+        pos = q * (len(srt) - 1)
+        lo, frac = int(pos), pos - int(pos)
+        want = srt[lo] + frac * (srt[min(lo + 1, len(srt) - 1)] - srt[lo])
+        assert s[key] == pytest.approx(want, rel=1e-12)
+    assert s["n"] == 13 and s["how"] == "x"
+    assert s["p20"] <= s["p50"] <= s["p80"]
+
+
+def test_summarize_single_and_constant():
+    assert summarize([0.25]) == {"p20": 0.25, "p50": 0.25, "p80": 0.25, "n": 1, "how": ""}
+    s = summarize([2.0] * 5)
+    assert s["p20"] == s["p80"] == 2.0
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, float("nan")], [-0.1, 1.0]])
+def test_summarize_rejects_bad_samples(bad):
+    with pytest.raises(ValueError):
+        summarize(bad)
+
+
+def test_time_steps_runs_warmup_and_repeats():
+    calls = []
+    s = time_steps(lambda: calls.append(1), warmup=3, repeats=7)
+    assert len(calls) == 10 and s["n"] == 7 and s["how"] == "cpu perf_counter"
+    with pytest.raises(ValueError):
+        time_steps(lambda: None, repeats=0)
+
+
+def test_throughput():
+    t = throughput({"p50": 0.5}, batch_size=8, tokens_per_sample=197)
+    assert t == {"samples_per_s": 16.0, "tokens_per_s": 16.0 * 197}
+    assert throughput({"p50": 2.0}, 4)["tokens_per_s"] is None
+
+
+def test_time_interleaved_takes_turns_rotates_and_skips_warmup():
+    calls = []
+
+    def step(name):
+        return lambda r: calls.append((name, r))
+
+    times = time_interleaved({"a": step("a"), "b": step("b"), "c": step("c")}, rounds=3, warmup=2, rotate=True)
+    assert [len(t) for t in times.values()] == [3, 3, 3] and all(x >= 0 for t in times.values() for x in t)
+    # one step of each per round, each round starting one name later; warm-up rounds run but are not timed
+    assert calls == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1), ("c", 2), ("a", 2), ("b", 2),
+                     ("a", 3), ("b", 3), ("c", 3), ("b", 4), ("c", 4), ("a", 4)]
+    calls.clear()
+    time_interleaved({"a": step("a"), "b": step("b")}, rounds=2)
+    assert calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+
+
+@pytest.mark.parametrize("kw", [dict(rounds=0), dict(rounds=2, warmup=-1)])
+def test_time_interleaved_rejects_bad_counts(kw):
+    with pytest.raises(ValueError, match="time_interleaved"):
+        time_interleaved({"a": lambda r: None}, **kw)
+    with pytest.raises(ValueError, match="no steps"):
+        time_interleaved({}, rounds=1)
