@@ -6,7 +6,8 @@ fig1   LowMemoryBP Fig. 1 (DESIGN §3): timm ViT-B/16 (random weights), batch 64
        lora+mesa-gelu-ln, lora+lowmembp, lora+liger (refused for timm models: recorded so).
 llama  transformers LLaMA-7B width (hidden 4096, intermediate 11008, 32 heads), 4 layers, batch 4 x seq 1024, bf16
        autocast, LoRA r64 α16 on all linears: lora, lora+lowmembp, lora+liger, lora+checkpointing.
-Each model is built once (fp32 weights under autocast, as :func:`lowmembp.estimator.step.estimate` builds them), warmed up
+Each model is built once (fp32 weights under autocast, as :func:`lowmembp.estimator.step.estimate` builds them), warmed
+up
 right after its build, then the configurations take steps in turn (round-robin), so drifts of clock or temperature
 hit them alike. A step is forward, loss, backward, fused AdamW (lr 1e-4, wd 0.1), ``zero_grad(set_to_none=True)`` —
 the step the estimate measures, on the batch and loss the estimate builds.
@@ -17,7 +18,8 @@ bytes (``memory_allocated`` after its warm-up minus before its build: weights, o
 The median over its steps is reported. CPU dry run: tiny models, the CPU storage tracker of
 :func:`lowmembp.measurement.peak.measure_step_peak` stands in for the allocator (flagged), times are no measurement.
 
-estimates  :func:`lowmembp.estimator.step.estimate` of every configuration (CPU, fake tensors; run in parallel with the GPU
+estimates  :func:`lowmembp.estimator.step.estimate` of every configuration (CPU, fake tensors; run in parallel with the
+GPU
 parts by benchmarks/gpu_run.py).
 """
 from __future__ import annotations

@@ -6,10 +6,12 @@
 
 Models (random weights, 2 blocks, width 64, 4 heads): timm ViT with a 64×128 image and 8-px patches (128 patches +
 class token), BERT for sequence classification and LLaMA for causal LM (2 KV heads), L tokens each. The forward runs
-in training mode under :class:`lowmembp.measurement.saved.SavedTensorAccountant` (storage-deduplicated bytes that autograd
+in training mode under :class:`lowmembp.measurement.saved.SavedTensorAccountant` (storage-deduplicated bytes that
+autograd
 saves, parameters excluded; for ``checkpointing`` that includes the block inputs each checkpoint keeps for
 recomputation — they are saved tensors, see :mod:`lowmembp.measurement.saved`). ``--peak`` adds the
-peak of one whole training step (AdamW) measured by :func:`lowmembp.measurement.peak.measure_step_peak` (CPU tensor tracker),
+peak of one whole training step (AdamW) measured by :func:`lowmembp.measurement.peak.measure_step_peak` (CPU tensor
+tracker),
 activations + temporaries only.
 """
 from __future__ import annotations

@@ -14,8 +14,10 @@ measured peak over ``--max-memory-mb``) or ``error`` (any other failure, with it
 
 What is measured (``experiments.probes``, on the schedule ``Schedule(saved_bytes_at=0, peak_at=1,
 time_from=--timing-warmup)``; the record's layout: ``experiments.record``):
-- step 0: activation bytes saved for backward by op kind (``lowmembp.measurement.saved.SavedTensorAccountant`` on the forward);
-- step 1: peak memory of one whole steady training step (``lowmembp.measurement.peak.measure_step_peak``: CUDA allocator peak,
+- step 0: activation bytes saved for backward by op kind (``lowmembp.measurement.saved.SavedTensorAccountant`` on the
+forward);
+- step 1: peak memory of one whole steady training step (``lowmembp.measurement.peak.measure_step_peak``: CUDA allocator
+peak,
   on CPU torch's MemTracker);
 - every later step from ``--timing-warmup`` on: its wall time (CUDA synchronised), reported as p20/p50/p80;
   throughput = samples (tokens) of those steps / their total time;

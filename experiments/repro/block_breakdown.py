@@ -4,7 +4,8 @@ Units: ``b·s·d`` 16-bit values (``2·b·s·d`` bytes) per block, like the pape
 
 - ``paper_base`` / ``paper_lowmembp``: the paper's idealised block (FlashAttention saving q, k, v, o; fp32 norm inputs
   under autocast; ViT 19 units → 39.47 % freed; LLaMA 11 + 4r units → 29.19 % freed at r = 2.7);
-- ``real_base`` / ``real_lowmembp``: the real timm / transformers block, counted by :mod:`lowmembp.measurement.saved` on fake
+- ``real_base`` / ``real_lowmembp``: the real timm / transformers block, counted by :mod:`lowmembp.measurement.saved` on
+fake
   tensors under 16-bit CPU autocast (one middle block; a storage shared by two ops counted once, under ``linear``).
 
 The last rows per model give the total and the saving: against the real baseline, and against the paper's idealised

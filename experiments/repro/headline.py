@@ -10,7 +10,8 @@ Ours: the peak of one steady training step (AdamW) on fake tensors, each model m
 extended to its depth (:func:`lowmembp.estimator.step.estimate_by_depth`); Swin-T (depth per stage) is built whole at a
 reduced batch. LLaMA rows are QLoRA: the model is loaded in bf16 as the official script does (``estimate(weights=
 "bf16")``: embeddings, norms, head and the residual stream in bf16, peft's adapters fp32), and the frozen block
-linears are stored as bitsandbytes NF4 with double quantisation (:func:`lowmembp.estimator.step.nf4_weight_bytes`: packed
+linears are stored as bitsandbytes NF4 with double quantisation (:func:`lowmembp.estimator.step.nf4_weight_bytes`:
+packed
 4-bit weight N·K/2 bytes + 8-bit absmax per 64 + fp32 per 256 absmax), in place of the bf16 weights the fake-tensor
 build holds (bitsandbytes cannot run on fake tensors); the bf16 compute copy of each weight is a temporary in the
 real run (bitsandbytes' dequantisation), which the bf16 build does not make. What the model does not reproduce of

@@ -5,7 +5,8 @@ Ours: the peak of one whole training step (all parameters trainable, AdamW) of t
 ``baseline`` vs ``mesa`` (Linear, GELU, LayerNorm, softmax and attention matmuls saved in int8; lowmembp.methods.mesa).
 Paper: Mesa README (github.com/ziplab/Mesa), "train memory (MB)" on one GPU.
 
-DeiT rows are measured on 2- and 3-block builds and extended to 12 blocks (:func:`lowmembp.estimator.step.estimate_by_depth`:
+DeiT rows are measured on 2- and 3-block builds and extended to 12 blocks
+(:func:`lowmembp.estimator.step.estimate_by_depth`:
 the bytes grow by the same amount per block; equal to the byte to full-depth runs, ``by_depth=False``); Swin-T,
 whose depth is per stage, is built whole.
 """

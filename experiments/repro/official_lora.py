@@ -18,7 +18,8 @@ out × in (weight-sized) temporary per layer.
 ``(x Aᵀ + a) Bᵀ``, with its terms ``Σ g B`` and ``(Σ g) aᵀ`` in the gradients; the official code has none).
 :func:`official_lora_forward` is the official ``Linear.forward`` on a peft LoRA ``Linear`` (its ``base_layer``,
 ``lora_A``, ``lora_B``, ``scaling``); :func:`emulated` makes every peft LoRA ``Linear`` run it while the context is
-open, so the fake-tensor step of :func:`lowmembp.estimator.step.estimate` measures the official code's saved bytes. Not a
+open, so the fake-tensor step of :func:`lowmembp.estimator.step.estimate` measures the official code's saved bytes. Not
+a
 method of the library: the library's ``lora`` is peft's.
 """
 from __future__ import annotations

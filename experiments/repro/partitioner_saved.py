@@ -14,7 +14,8 @@ few tensors: on the small ViT of the README it saved 4–6 % more). ``forward`` 
 backward (compiling both graphs). The saved values are the backward graph's inputs other than the incoming
 gradients (``tangents_*``). A saved view or alias of another value is folded into the value it views (one storage:
 the row keeps the base's name and counts its bytes once, ``aliases`` lists the views), as
-:class:`lowmembp.measurement.saved.SavedTensorAccountant` counts one storage once. ``module`` is the module that made the base
+:class:`lowmembp.measurement.saved.SavedTensorAccountant` counts one storage once. ``module`` is the module that made
+the base
 value (Dynamo's ``nn_module_stack``, the model's own qualified name), ``op`` the ATen op; graph inputs are named in
 ``graph_input`` (Dynamo's source, e.g. ``L['kwargs']['input_ids']``) and parameters / buffers are left out, as the
 accountant leaves them out. ``tests/test_compile_method.py`` checks the bytes against the accountant's.

@@ -4,12 +4,14 @@ For LLaMA-7B (batch 4 × 512 tokens, bf16 autocast, LoRA r 64 α 16 on all seven
 setting without the NF4 base) and ViT-B/16 (batch 64, fp16 autocast, LoRA r 4 on qkv/proj/fc1/fc2 — LowMemoryBP
 Fig. 1): the peak of one steady training step (device memory), the activation bytes saved for backward, the host
 bytes that offloading holds, and each row's change against the row before. Every number is measured by
-:func:`lowmembp.estimator.step.estimate_by_depth` (the real model code on fake tensors, two shallow builds extended to the
+:func:`lowmembp.estimator.step.estimate_by_depth` (the real model code on fake tensors, two shallow builds extended to
+the
 full depth); nothing is typed in. A row whose method cannot be estimated on a CPU (``liger``) carries the method's
 own refusal in ``note`` and no numbers.
 
 Rows: LoRA → LoRA-FA (A frozen) → + chunked cross-entropy (LLaMA only) → + LowMemoryBP (ReSiLU2/ReGELU2 + MS-norms)
-→ + selective activation checkpointing (policy save-attention) → + activation offloading; then Liger-Kernel in place of the
+→ + selective activation checkpointing (policy save-attention) → + activation offloading; then Liger-Kernel in place of
+the
 layers it rewrites (LoRA-FA + Liger + SAC + offload).
 """
 from __future__ import annotations
@@ -22,7 +24,8 @@ GPU_ONLY = {"liger"}  # methods with no CPU / fake-tensor path: their rows carry
 
 # model -> (caption, method options, [(label, spec)]). SAC keeps the attention outputs only: with frozen weights
 # (LoRA, LoRA-FA) autograd saves no matmul output, so the "save-matmuls" policy of full fine-tuning would keep more
-# than no checkpointing at all (ViT-B/16: 2283 -> 5211 MiB peak; python -m experiments.repro stacked with policy changed).
+# than no checkpointing at all (ViT-B/16: 2283 -> 5211 MiB peak; python -m experiments.repro stacked with policy
+# changed).
 STACKS = {
     "llama_7b": ("LLaMA-7B, batch 4 × 512 tokens, bf16 autocast, LoRA r 64 α 16 on q/k/v/o/gate/up/down",
                  {"rank": 64, "alpha": 16, "policy": "save-attention"}, [

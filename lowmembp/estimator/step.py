@@ -6,7 +6,8 @@
 
 How: the model is built on the meta device (timm calls ``.item()`` at construction, which fake tensors refuse; real
 runs build on the CPU), ``lora`` (peft) wraps it there, then :func:`to_fake_cpu` (``to_empty``'s result, made faster)
-moves it into a ``FakeTensorMode`` (:class:`lowmembp.estimator.fake_mode.StepFakeMode`; fake tensors carry shapes, dtypes and
+moves it into a ``FakeTensorMode`` (:class:`lowmembp.estimator.fake_mode.StepFakeMode`; fake tensors carry shapes,
+dtypes and
 storages but no data), the remaining methods are applied there, and one training step (forward, loss, backward, fused
 AdamW step: no per-tensor temporaries) runs for real on the fake tensors, under the saved-tensor accountant (forward)
 and the peak tracker (whole step), after the optimizer state is created by one step on zero gradients (so the measured
@@ -153,7 +154,8 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     paper setting; ``layers``: build only that many blocks; ``device``: ``"fake"`` (no allocation) or ``"cpu"``
     (real tensors, same procedure); ``peak=False`` skips the training step (saved bytes only, one forward);
     ``attention``: ``"sdpa"`` (default) or ``"eager"`` (see :func:`build`); ``flops=True``: also count the FLOPs
-    of the measured step (forward, backward with any recomputation) with :func:`lowmembp.measurement.flops.step_flop_counter`
+    of the measured step (forward, backward with any recomputation) with
+    :func:`lowmembp.measurement.flops.step_flop_counter`
     (result key ``"flops"``; ``None`` otherwise). A :class:`ModelSpec` of family ``"hf"`` is a transformers
     config.json on disk (:func:`lowmembp.estimator.hf_config.hf_spec`).
 

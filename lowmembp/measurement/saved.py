@@ -15,13 +15,15 @@ How it counts:
   rules in :mod:`lowmembp.measurement.kinds`). A storage saved by several ops is counted under the first kind in
   ``memory_kinds.PRIORITY`` (linear input first, like the paper).
 - Excluded: parameters and buffers of the model (frozen ones too), and autocast's low-precision copies of weights
-  (a tensor of 2+ dims with the shape of a parameter of the module that saves it, in any dim order), reported apart as ``param_casts``:
+  (a tensor of 2+ dims with the shape of a parameter of the module that saves it, in any dim order), reported apart as
+  ``param_casts``:
   they do not grow with the batch and are not activations.
 - Checkpointing: a non-reentrant ``torch.utils.checkpoint`` region keeps its inputs as saved tensors made through
   the default hooks (``_CheckpointFrame.save_inputs``), so they are counted (kind of the module around the region,
   usually ``other``); what the region's ops would save is not saved (its own hooks) — the point of checkpointing.
   Tested in ``tests/test_memory.py`` (torch 2.14).
-- Not seen: tensors held outside autograd (a method's own caches). Peak memory (:mod:`lowmembp.measurement.peak`) sees those.
+- Not seen: tensors held outside autograd (a method's own caches). Peak memory (:mod:`lowmembp.measurement.peak`) sees
+those.
 """
 from __future__ import annotations
 

@@ -31,7 +31,8 @@ ordinary torch RNG outside the compiled graphs).
 Measuring a compiled step: :func:`lowmembp.measurement.peak.measure_step_peak` sees that the model is compiled
 (:func:`is_compiled`) and reads the allocator (CUDA: ``max_memory_allocated``; CPU: the allocator's events through
 ``torch.profiler``) instead of its dispatch-mode tracker, which only sees eager ops. Saved-for-backward bytes of a
-compiled forward are counted by :class:`lowmembp.measurement.saved.SavedTensorAccountant` as for an eager one: the compiled
+compiled forward are counted by :class:`lowmembp.measurement.saved.SavedTensorAccountant` as for an eager one: the
+compiled
 autograd function saves its tensors through ``ctx.save_for_backward``, which the saved-tensor hooks see (module hooks
 do not run inside a compiled graph, so everything is counted under the kind ``other``).
 """

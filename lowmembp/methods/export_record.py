@@ -119,7 +119,8 @@ def record_fold(base: nn.Module, norm: nn.Module, gamma, beta, consumers, residu
 
 def record_act(base: nn.Module, original: nn.Module) -> None:
     """Note, before replacing it, the module ``original`` (an activation: ReGELU2 / ReSiLU2 take its place; a norm
-    or activation a Mesa layer replaces). :func:`lowmembp.methods.export.export` puts it back, with the live parameters of
+    or activation a Mesa layer replaces). :func:`lowmembp.methods.export.export` puts it back, with the live parameters
+    of
     its replacement."""
     _record(base).acts.append(ActSwap(_paths(base).get(id(original), "?"), original))
 

@@ -38,7 +38,8 @@ Exact in the forward (fp32: to rounding) with these stated exceptions, which are
 
 Refuses: a model no adapter recognises (UnsupportedModelError naming the families), a model that already holds MS
 norms (for the norm half) or ReGELU2/ReSiLU2 (for the act half), merged or DoRA LoRA layers, weights already
-quantised. QLoRA: ``lowmembp.apply(model, "lora+lowmembp", quantize="nf4")`` in one call folds γ into the full-precision weights
+quantised. QLoRA: ``lowmembp.apply(model, "lora+lowmembp", quantize="nf4")`` in one call folds γ into the full-precision
+weights
 (and verifies that, fp against fp) and then quantises them to NF4 (lowmembp.methods.qlora, the official LowMemoryBP
 order): the result holds NF4(W·diag γ), not the baseline QLoRA model's NF4(W) — a difference of the order of NF4's
 own error.

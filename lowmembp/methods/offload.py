@@ -16,16 +16,19 @@ How, by device:
   device-to-host copies overlap the forward's compute (``record_stream`` keeps the device storage from being reused
   before its copy is done); in the backward the tensor is copied back on the side stream and the compute stream
   waits for it (no prefetch: torchtune also prefetches the next layer's tensors).
-- fake tensors (paper-scale estimates, :mod:`lowmembp.estimator.step`): the copy is made (a fake host tensor, no data), so
+- fake tensors (paper-scale estimates, :mod:`lowmembp.estimator.step`): the copy is made (a fake host tensor, no data),
+so
   the device storage dies as it would on a GPU; the copy is reported to the peak tracker as host memory.
 - CPU: the saved tensors are already in host memory — nothing is moved (``save_on_cpu`` would copy them, CPU to
   CPU) — but they are still accounted: the peak tracker counts them as host bytes, not device bytes, from the
   moment they are saved, so a CPU run shows the split a GPU run would have.
 
 Accounting: a :class:`HostLedger` on the returned model (``model._lowmembp_host_ledger``) follows the live host
-bytes and their peak; :func:`lowmembp.measurement.peak.measure_step_peak` reports them as ``peak["host"]`` (CUDA: from the
+bytes and their peak; :func:`lowmembp.measurement.peak.measure_step_peak` reports them as ``peak["host"]`` (CUDA: from
+the
 ledger; CPU / fake: from its tracker, which also takes them out of the device total). The saved-tensor accountant
-(:mod:`lowmembp.measurement.saved`) still sees every saved tensor: the offload hooks call whatever hooks were active around
+(:mod:`lowmembp.measurement.saved`) still sees every saved tensor: the offload hooks call whatever hooks were active
+around
 them first. Composes with ``checkpointing`` (then a checkpointed block's inputs are offloaded and its own hooks keep
 the rest unsaved) and with ``sac`` (the block inputs are offloaded; the outputs SAC keeps stay on the device).
 """

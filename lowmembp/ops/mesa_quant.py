@@ -41,7 +41,8 @@ outputs.
 
 CPU reference: it works in chunks of :func:`get_chunk_size` elements (default 8192) so that its int64 / fp32
 temporaries stay small; change that with :func:`set_chunk_size` or, for a block of code, ``with chunk_size(n):``.
-Shape-only tensors (``FakeTensorMode`` or the meta device, e.g. :mod:`lowmembp.estimator.step`) carry no values: there the
+Shape-only tensors (``FakeTensorMode`` or the meta device, e.g. :mod:`lowmembp.estimator.step`) carry no values: there
+the
 reference allocates the output only (uint8 codes, or the dequantised tensor), in one piece, as the Triton kernel
 does — no chunk loop, no temporaries.
 

@@ -18,7 +18,8 @@ about (:mod:`lowmembp.plan.combination`, :mod:`lowmembp.plan.steps`: the same pr
   line without more steps (:class:`lowmembp.plan.steps.BatchLine`), otherwise the search steps each batch it tries
   (:mod:`lowmembp.plan.search`); either way the answer ``B`` is stepped: ``B`` fits and ``B + 1`` does not (also
   for each ``more_gpus`` size). ``estimates``: the fake steps the row took.
-- ``flops_ratio``: FLOPs of the step (forward, backward, recomputation; torch's formulas, :mod:`lowmembp.measurement.flops`)
+- ``flops_ratio``: FLOPs of the step (forward, backward, recomputation; torch's formulas,
+:mod:`lowmembp.measurement.flops`)
   over the baseline's, counted on the same fake step; ``measured_ratio``: step time over the baseline's where the
   pipeline's records have that method (CPU today), with the runs it comes from.
 

@@ -6,7 +6,8 @@
     peaks.at(37)                           # the peak at 37 from the line (no step), or from steps when no line
 
 Depth as :func:`lowmembp.estimator.step.estimate_by_depth` does it: the same steps on a 2- and a 3-block build, every
-count extended to the full depth (:func:`lowmembp.estimator.step.extend_by_depth`); ``shallow=None``: the model as it is.
+count extended to the full depth (:func:`lowmembp.estimator.step.extend_by_depth`); ``shallow=None``: the model as it
+is.
 Each depth's model is built once (:class:`lowmembp.plan.steps.Steps`) and runs every batch asked for.
 """
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """What ``--model`` names: a paper model (:data:`lowmembp.estimator.step.MODELS`), a timm model name, or a transformers
-``config.json`` on disk (file or folder; no hub). Every one is built on the meta device by :mod:`lowmembp.estimator.step`.
+``config.json`` on disk (file or folder; no hub). Every one is built on the meta device by
+:mod:`lowmembp.estimator.step`.
 """
 from __future__ import annotations
 

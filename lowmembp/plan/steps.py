@@ -7,9 +7,12 @@
 
 Why not :func:`estimate` itself: it builds and converts the model for every call, and also counts the saved tensors
 (an accountant with module hooks) that the planner does not read. Here the model is built once per combination and
-depth (:func:`lowmembp.estimator.step.prepare_model`, the optimizer state made by :func:`lowmembp.measurement.peak.prime_optimizer`),
-and every step is :func:`lowmembp.estimator.step.train_step` under a :class:`lowmembp.measurement.peak.StorageTracker` with the same
-registrations as :func:`lowmembp.measurement.peak.measure_step_peak` (riding in the fake mode, :class:`RecordingFakeMode`, rather
+depth (:func:`lowmembp.estimator.step.prepare_model`, the optimizer state made by
+:func:`lowmembp.measurement.peak.prime_optimizer`),
+and every step is :func:`lowmembp.estimator.step.train_step` under a :class:`lowmembp.measurement.peak.StorageTracker`
+with the same
+registrations as :func:`lowmembp.measurement.peak.measure_step_peak` (riding in the fake mode,
+:class:`RecordingFakeMode`, rather
 than stacked above it as a second dispatch mode: the same ops, less dispatch), so the peak is ``estimate()``'s to the
 byte (its first step is exactly estimate's procedure; a later step on the same model starts from the same state:
 optimizer state made, gradients ``None``). ``tests/test_plan_fast.py`` checks both against ``estimate()`` for every
@@ -78,7 +81,8 @@ class RecordingFakeMode(StepFakeMode):
 class EventTracker(StorageTracker):
     """A :class:`StorageTracker` that also keeps, for every storage it starts counting on the device, the running
     total and its split by category right after it (the events the peak is the largest of), and can count the
-    step's FLOPs (``flops``, a :class:`lowmembp.measurement.flops.StepFlops`) from the same ops. Entered as a dispatch mode like
+    step's FLOPs (``flops``, a :class:`lowmembp.measurement.flops.StepFlops`) from the same ops. Entered as a dispatch
+    mode like
     its parent, or ridden in a :class:`RecordingFakeMode` with :meth:`recording` (the planner's steps)."""
 
     def __init__(self, flops=None):

@@ -265,7 +265,8 @@ def test_mnist_cache_matches_csv_and_recovers_from_a_bad_file(tmp_path, monkeypa
     assert np.array_equal(X3, X0)
 
 
-# ------------------------------------------------------------------------------------------- bases: --save-model / --init
+# ------------------------------------------------------------------------------------------- bases: --save-model /
+# --init
 LM = ["--task", "tweets-lm", "--batch-size", "4", "--max-len", "32", *TINY]
 
 

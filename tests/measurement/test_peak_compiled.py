@@ -2,7 +2,8 @@
 eager ops); on eager steps the two agree.
 
 Tolerance on eager steps: 2 % of the peak. The tracker counts exact tensor storages; the allocator's events also see
-a kernel's private scratch (none in these ops) — the module doc of :mod:`lowmembp.measurement.peak` says where they part.
+a kernel's private scratch (none in these ops) — the module doc of :mod:`lowmembp.measurement.peak` says where they
+part.
 """
 import os
 import sys

@@ -9,7 +9,8 @@ model must hold the same 4-bit bytes and compute the same logits; (2) today's QL
 adapters) — a plain ``lora`` NF4 must give the same model bit for bit; (3) the baseline QLoRA model — the converted
 one differs from it (NF4(W·diag γ) ≠ NF4(W)·diag γ) by the order of NF4's own error, measured here.
 
-The logits are taken in eval mode (quantize_nf4 keeps bitsandbytes' CPU inference repacking off: tests/test_qlora.py)."""
+The logits are taken in eval mode (quantize_nf4 keeps bitsandbytes' CPU inference repacking off:
+tests/test_qlora.py)."""
 import copy
 
 import pytest

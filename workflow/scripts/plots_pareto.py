@@ -6,7 +6,8 @@ device memory of one steady step (MiB). The Pareto front — the methods no othe
 line; a method off it is slower *and* bigger than one on it. Offloading methods also hold host memory: a hollow
 marker above the point shows device + host bytes. Only ``ok`` cells with both numbers are drawn.
 
-Run by Snakemake (rule pareto_figure, workflow/rules/pareto.smk) or by hand: ``python plots_pareto.py RUNS.csv OUT.png``.
+Run by Snakemake (rule pareto_figure, workflow/rules/pareto.smk) or by hand: ``python plots_pareto.py RUNS.csv
+OUT.png``.
 """
 
 import sys
