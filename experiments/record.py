@@ -6,8 +6,8 @@
     row = flatten(rec.to_dict())      # the one flattening into a CSV row; COLUMNS are its fixed columns
     d = error_record(identity, message, started)   # the crash guard's record (a dict, valid)
 
-Sections: ``run`` (identity: task, model, method, optimizer, batch size, seq len, dtype, seed, steps), ``method_options``
-(what the method spec takes, e.g. ``k``, ``rank``), ``hyperparameters`` (lr, weight decay, warm-up, ...),
+Sections: ``run`` (identity: task, model, method, optimizer, batch size, seq len, dtype, seed, steps),
+``method_options`` (what the method spec takes, e.g. ``k``, ``rank``), ``hyperparameters`` (lr, weight decay, warm-up, ...),
 ``task_facts`` (what the task reported: pool sizes, ...), ``base`` (the ``--init`` weights), measurements
 (``saved_bytes`` by kind, ``peak`` by category for the device and the host, ``step_time_s`` quantiles,
 ``throughput``), ``distributed`` (a torchrun run: mode, world size, every rank's peak), the result
@@ -392,8 +392,8 @@ def from_v1(d: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ the CSV flattening
-COLUMNS = ["task", "model", "method", "optimizer", "batch_size", "seed", "status", "message", "steps", "steps_planned", "epochs",
-           "dtype", "seq_len", "peak_bytes", "peak_how", "host_peak_bytes", "host_peak_how", "activation_bytes",
+COLUMNS = ["task", "model", "method", "optimizer", "batch_size", "seed", "status", "message", "steps", "steps_planned",
+           "epochs", "dtype", "seq_len", "peak_bytes", "peak_how", "host_peak_bytes", "host_peak_how", "activation_bytes",
            "step_time_p20", "step_time_p50", "step_time_p80", "step_time_n", "samples_per_s", "tokens_per_s",
            "distributed", "world_size", "peak_bytes_rank_max", "peak_bytes_rank_mean",
            "final_loss", "metric_name", "metric_value", "metric_split", "base_path", "base_sha256",

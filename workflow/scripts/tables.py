@@ -1,10 +1,11 @@
 """runs.csv (and the reproductions' CSVs) -> results/tables/<name>.md, .csv and .html.
 
 Every table of the sweep puts ours beside the paper's value: ratios to the method a row is compared with
-(``compared_with``: ``lora+X`` against ``lora``, every other method against ``baseline``, same task, model, optimizer
-and batch size), the papers' ratios from workflow/resources/paper_claims.yaml, and ``ours/paper``. Column names say what a
-number is: ``*_MiB`` / ``*_ms`` / ``*_%`` carry their unit, ``*_ratio_ours`` and ``*_ratio_paper`` are ratios of
-this method to ``compared_with`` (below 1: less memory, less time), ``*_ours/paper`` is our ratio over the paper's.
+(``compared_with``: ``lora+X`` against ``lora``, every other method against ``baseline``, same task, model,
+optimizer and batch size), the papers' ratios from workflow/resources/paper_claims.yaml, and ``ours/paper``. Column
+names say what a number is: ``*_MiB`` / ``*_ms`` / ``*_%`` carry their unit, ``*_ratio_ours`` and ``*_ratio_paper``
+are ratios of this method to ``compared_with`` (below 1: less memory, less time), ``*_ours/paper`` is our ratio over
+the paper's. ``optimizer`` (``--optimizer`` of the training job; adamw where runs.csv predates it) is part of a cell.
 
 - memory: peak and activation memory per cell;
 - speed: step time p50 with its p20–p80 spread; the ratio's spread (p20 / compared p80 … p80 / compared p20) and
@@ -321,8 +322,8 @@ RUN_TABLES = {"memory": memory_table, "speed": speed_table, "accuracy": accuracy
               "accuracy_short": accuracy_short_table}
 TITLES = {name: catalogue.RUN_TABLE[name].title for name in RUN_TABLES}
 RATIO_NOTE = ("`compared_with`: the method a ratio divides by (same task, model, optimizer, batch size). "
-              "`*_ratio_ours` = this method / compared_with in our runs, `*_ratio_paper` the same ratio as published, `*_ours/paper` ours "
-              "over the paper's (1 = we reproduce it); '-' = no number.")
+              "`*_ratio_ours` = this method / compared_with in our runs, `*_ratio_paper` the same ratio as published, "
+              "`*_ours/paper` ours over the paper's (1 = we reproduce it); '-' = no number.")
 CAPTIONS = {
     "memory": "Peak device memory of one training step and the activation bytes saved for backward, in MiB "
               "(mean over seeds), and as ratios to `compared_with` (below 1 = the method saves memory). " + RATIO_NOTE,
