@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lowmembp.methods.optimizers import OPTIMIZERS
 from lowmembp.methods.registry import (check_options, method_options, list_methods, option_kinds, parse, plain_spec,
                                        read_option, spec_options)
 
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--warmup-steps", type=int, help="linear warm-up steps, then cosine decay to 0")
     a("--warmup-epochs", type=float, help="instead of --warmup-steps")
     a("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
+    a("--optimizer",
+      help="adamw (default: fp32 states), adamw8bit (bitsandbytes' 8-bit states) or adamw-fused-backward (each "
+           "parameter stepped inside the backward, its gradient freed at once; not with --grad-accum > 1, fp16 "
+           "or --distributed) (lowmembp.methods.optimizers)")
     a("--dtype", choices=DTYPES, help="fp32, or bf16/fp16 autocast (fp16 with a GradScaler)")
     a("--max-len", type=int, help="maximum tokens per text sample")
     a("--limit", type=int, help="cap the training pool at N examples (for fast tests)")
@@ -84,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 FIXED_DEFAULTS = dict(seed=0, grad_accum=1, dtype="fp32", timing_warmup=2, weight_decay=0.0, download=False,
                       no_progress=False, max_len=None, limit=None, eval_limit=None, warmup_steps=0,
-                      train_split="train", init=None, save_model=None, distributed=None)
+                      train_split="train", init=None, save_model=None, distributed=None, optimizer="adamw")
 """Settings no task overrides; a task's own (``DEFAULTS``, ``METHOD_DEFAULTS``: ``tasks.base.defaults_for``) go
 over these, a config file over those, the command line over everything."""
 MAX_SEED = 2**32 - 1  # numpy's generators take seeds in [0, 2**32)
@@ -273,6 +278,33 @@ def check_destination(key: str, path) -> None:
         raise ArgError(f"{_flag(key)}: {err}") from None
 
 
+def check_optimizer(values: dict) -> None:
+    """The optimizer must be one of :data:`OPTIMIZERS` and fit the run: the step inside the backward cannot
+    accumulate micro-batches, unscale fp16's scaled gradients first or wait for data-parallel reductions; 8-bit
+    states need bitsandbytes (and are not sharded by FSDP2 here)."""
+    name, flag = values.get("optimizer"), "--optimizer"
+    if name not in OPTIMIZERS:
+        raise ArgError(f"{flag} must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+    if name == "adamw-fused-backward":
+        why = [f"--grad-accum {values['grad_accum']} (each backward steps at once: no micro-batches to accumulate)"
+               if (values.get("grad_accum") or 1) > 1 else "",
+               "--dtype fp16 (the GradScaler cannot unscale gradients the backward has already used; use bf16)"
+               if values.get("dtype") == "fp16" else "",
+               f"--distributed {values['distributed']} (each parameter would step before the gradients are "
+               "reduced over ranks)" if values.get("distributed") else ""]
+        why = [w for w in why if w]
+        if why:
+            raise ArgError(f"{flag} adamw-fused-backward does not work with " + "; ".join(why))
+    if name == "adamw8bit":
+        if values.get("distributed") == "fsdp":
+            raise ArgError(f"{flag} adamw8bit with --distributed fsdp is not supported (bitsandbytes' 8-bit states "
+                           "of FSDP2's sharded parameters are untested here); use --distributed ddp or adamw")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise ArgError(f"{flag} adamw8bit needs bitsandbytes: pip install 'bitsandbytes>=0.45,<0.51'") from None
+
+
 def parse_args(argv: list[str] | None = None):
     """Parse and validate; returns (cfg Namespace, task module). Raises ArgError on any bad argument."""
     from experiments import tasks
@@ -380,6 +412,7 @@ def parse_args(argv: list[str] | None = None):
     why = check_distributed(merged["distributed"], merged["batch_size"])
     if why:
         raise ArgError(why)
+    check_optimizer(merged)
     for key in ("out", "save_model"):
         check_destination(key, merged[key])
     if merged["save_model"] is not None and Path(merged["save_model"]).resolve() == Path(merged["out"]).resolve():

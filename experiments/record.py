@@ -6,8 +6,8 @@
     row = flatten(rec.to_dict())      # the one flattening into a CSV row; COLUMNS are its fixed columns
     d = error_record(identity, message, started)   # the crash guard's record (a dict, valid)
 
-Sections: ``run`` (identity: task, model, method, batch size, seq len, dtype, seed, steps), ``method_options``
-(what the method spec takes, e.g. ``k``, ``rank``), ``hyperparameters`` (lr, weight decay, warm-up, ...),
+Sections: ``run`` (identity: task, model, method, optimizer, batch size, seq len, dtype, seed, steps),
+``method_options`` (what the method spec takes, e.g. ``k``, ``rank``), ``hyperparameters`` (lr, weight decay, warm-up, ...),
 ``task_facts`` (what the task reported: pool sizes, ...), ``base`` (the ``--init`` weights), measurements
 (``saved_bytes`` by kind, ``peak`` by category for the device and the host, ``step_time_s`` quantiles,
 ``throughput``), ``distributed`` (a torchrun run: mode, world size, every rank's peak), the result
@@ -60,6 +60,7 @@ class RunIdentity:
     steps_planned: int | None = None
     seq_len: int | None = None  # tokens per sample (ViT: patches + cls)
     epochs: float | None = None
+    optimizer: str = "adamw"  # lowmembp.methods.optimizers.OPTIMIZERS; records written before it: adamw
 
 
 @dataclass
@@ -391,8 +392,8 @@ def from_v1(d: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ the CSV flattening
-COLUMNS = ["task", "model", "method", "batch_size", "seed", "status", "message", "steps", "steps_planned", "epochs",
-           "dtype", "seq_len", "peak_bytes", "peak_how", "host_peak_bytes", "host_peak_how", "activation_bytes",
+COLUMNS = ["task", "model", "method", "optimizer", "batch_size", "seed", "status", "message", "steps", "steps_planned",
+           "epochs", "dtype", "seq_len", "peak_bytes", "peak_how", "host_peak_bytes", "host_peak_how", "activation_bytes",
            "step_time_p20", "step_time_p50", "step_time_p80", "step_time_n", "samples_per_s", "tokens_per_s",
            "distributed", "world_size", "peak_bytes_rank_max", "peak_bytes_rank_mean",
            "final_loss", "metric_name", "metric_value", "metric_split", "base_path", "base_sha256",
@@ -415,8 +416,8 @@ def flatten(d: dict | Record) -> dict:
     r = d if isinstance(d, Record) else Record.from_dict(d)
     version = r.schema_version if isinstance(d, Record) else d.get("schema_version")
     run, dev, host = r.run, r.peak.device, r.peak.host
-    row = {k: getattr(run, k) for k in ("task", "model", "method", "batch_size", "seed", "steps", "steps_planned",
-                                         "epochs", "dtype", "seq_len")}
+    row = {k: getattr(run, k) for k in ("task", "model", "method", "optimizer", "batch_size", "seed", "steps",
+                                         "steps_planned", "epochs", "dtype", "seq_len")}
     row.update(status=r.status, message=r.message,
                peak_bytes=dev and dev.bytes, peak_how=dev and dev.how,
                host_peak_bytes=host and host.bytes, host_peak_how=host and host.how,

@@ -6,6 +6,10 @@
         --batch-size 64 --seed 0 --out results/runs/y.json
     python -m experiments.train --list        # models, tasks, methods and their options
 
+The optimizer (``--optimizer``, recorded in the record's ``run``): ``adamw`` (default), ``adamw8bit`` or
+``adamw-fused-backward`` (:mod:`lowmembp.methods.optimizers`; the loop is the same for all three: with the step in
+the backward, ``step()`` and ``zero_grad()`` find nothing left to do).
+
 Exit status: 2 for a bad argument (any of them: ranges, an unwritable ``--out`` / ``--save-model``, ``--device cuda``
 without CUDA, missing data or weights), at once, before any work, with a message saying what is valid or what to
 fetch, and no record. Otherwise the run has started and it always ends with a record and exit 0: status ``ok``,
@@ -147,7 +151,9 @@ class Run:
             raise RuntimeError(f"method {cfg.method!r} left no trainable parameter")
         self.steps, warmup = planned_steps(cfg, len(setup.train))
         out["run"]["steps_planned"] = self.steps
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        from lowmembp.methods.optimizers import make_optimizer
+
+        self.optimizer = make_optimizer(params, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lambda s: _lr_factor(s, self.steps, warmup))
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
@@ -265,7 +271,8 @@ def train(cfg, task, out: dict, ctx=None) -> None:
 
 def identity(cfg) -> dict:
     return {"task": cfg.task, "model": cfg.model, "method": cfg.method, "batch_size": cfg.batch_size,
-            "dtype": cfg.dtype, "seed": cfg.seed, "steps": 0, "epochs": cfg.epochs}
+            "dtype": cfg.dtype, "seed": cfg.seed, "steps": 0, "epochs": cfg.epochs,
+            "optimizer": getattr(cfg, "optimizer", None) or "adamw"}
 
 
 def new_sections(cfg) -> dict:
@@ -302,7 +309,8 @@ def finish(cfg, sections: dict, status: str, message: str | None, started: str) 
 
 def summary(rec: dict, out: str) -> str:
     run, dev = rec["run"], rec["peak"]["device"]
-    parts = [f"[{rec['status']}] {run['model']}/{run['task']}/{run['method']} bs={run['batch_size']} "
+    opt = "" if run["optimizer"] == "adamw" else f" optimizer={run['optimizer']}"
+    parts = [f"[{rec['status']}] {run['model']}/{run['task']}/{run['method']}{opt} bs={run['batch_size']} "
              f"seed={run['seed']} dtype={run['dtype']} steps={run['steps']}"]
     if rec["final_loss"] is not None:
         parts.append(f"loss={rec['final_loss']:.4f}")

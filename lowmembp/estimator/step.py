@@ -147,7 +147,7 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
              seq_len: int | None = None, dtype: str | None = None, layers: int | None = None,
              overrides: dict | None = None, device: str = "fake", peak: bool = True, seed: int = 0,
              attention: str = "sdpa", flops: bool = False, world_size: int = 1, weights: str = "fp32",
-             **method_options) -> dict:
+             optimizer: str = "adamw", **method_options) -> dict:
     """Saved-for-backward bytes (whole model and one middle block) and the peak of one training step.
 
     ``model``: a key of :data:`MODELS` or a :class:`ModelSpec`; ``batch_size``/``seq_len``/``dtype`` default to the
@@ -165,6 +165,13 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     bytes an element — peft's LoRA / LoRA-FA adapters stay fp32, as peft makes them on a 16-bit base
     (``autocast_adapter_dtype``).
 
+    ``optimizer``: a name of :data:`lowmembp.methods.optimizers.OPTIMIZERS`, its states as that optimizer holds
+    them: ``"adamw"`` (fp32 states), ``"adamw8bit"`` (bitsandbytes' 8-bit states and their per-block absmax, run on
+    the fake tensors: bitsandbytes' own code makes them; its step adds no temporaries, as its CUDA kernel updates in
+    place — its CPU fallback dequantises each parameter's states to fp32 first, which the estimate leaves out),
+    ``"adamw-fused-backward"`` (each parameter stepped inside the backward and its gradient freed: the peak's
+    gradients are those in flight, never all of them).
+
     ``world_size=N`` (> 1): the peak of one rank of FSDP2 training (``fully_shard`` per block, then the root; see
     :func:`fsdp_peak`) with ``batch_size`` samples *per rank* (activations stay per rank; the training job's
     ``--batch-size`` is the global batch, N times this).
@@ -181,13 +188,14 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     bs = batch_size or spec.batch_size
     L = seq_len or spec.seq_len
+    check_optimizer(optimizer)
     torch.manual_seed(seed)
     mode = StepFakeMode(allow_non_fake_inputs=True) if device == "fake" else contextlib.nullcontext()
     model_ = prepare_model(spec, method, mode, layers=layers, overrides=overrides, device=device,
                            attention=attention, weights=weights, **method_options)
+    opt = make_optimizer(model_, optimizer)  # outside the mode: bitsandbytes reads its quantisation maps back
     with mode:
         batch = _batch(spec, model_, bs, L, (overrides or {}).get("vocab_size"))
-        opt = make_optimizer(model_)
         acc = SavedTensorAccountant(model_)
 
         def step():
@@ -220,7 +228,8 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
                 per_block[row["kind"]] += row["bytes"]
     tokens = L if spec.family != "timm" else _timm_tokens(model_)
     return {"model": spec.arch, "method": method, "batch_size": bs, "seq_len": tokens, "dtype": dtype,
-            "weights": weights, "layers": len(blocks), "saved": acc.report(), "per_block": per_block, "peak": pk,
+            "weights": weights, "optimizer": optimizer, "layers": len(blocks), "saved": acc.report(),
+            "per_block": per_block, "peak": pk,
             "flops": int(counter.get_total_flops()) if counter is not None else None}
 
 
@@ -276,10 +285,27 @@ def to_fake_cpu(model: nn.Module) -> nn.Module:
     return model._apply(fresh)
 
 
-def make_optimizer(model: nn.Module) -> torch.optim.Optimizer | None:
-    """:func:`estimate`'s optimizer: fused AdamW over the trainable parameters (``None`` when there are none)."""
+def make_optimizer(model: nn.Module, optimizer: str = "adamw") -> torch.optim.Optimizer | None:
+    """:func:`estimate`'s optimizer over the trainable parameters (``None`` when there are none): ``optimizer`` a
+    name of :data:`lowmembp.methods.optimizers.OPTIMIZERS`; torch's AdamW in its fused form (no per-tensor
+    temporaries), also per parameter inside the backward. Make it outside the fake mode (bitsandbytes reads its
+    quantisation maps back at construction)."""
+    from lowmembp.methods.optimizers import make_optimizer as make
+
+    check_optimizer(optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True) if params else None
+    if not params:
+        return None
+    kw = {} if optimizer == "adamw8bit" else {"fused": True}
+    return make(params, optimizer, lr=1e-4, weight_decay=0.1, **kw)
+
+
+def check_optimizer(optimizer: str) -> None:
+    """ValueError naming the choices unless ``optimizer`` is one of them."""
+    from lowmembp.methods.optimizers import OPTIMIZERS
+
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
 
 
 def train_step(spec: ModelSpec, model: nn.Module, batch: dict, opt, dtype: str, around_forward=None) -> None:

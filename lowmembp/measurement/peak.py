@@ -177,6 +177,10 @@ class StorageTracker(TorchDispatchMode):
         """Everything but the dispatch mode itself: the optimizer hooks, and :func:`note_host` reaching us."""
         def pre(opt, args, kwargs):
             self._in_opt = True
+            for group in opt.param_groups:  # what the optimizer steps is a gradient (also one stepped, and freed,
+                for p in group["params"]:   # inside the backward: lowmembp.methods.optimizers)
+                    if p.grad is not None:
+                        self.track(p.grad, "gradients")
 
         def post(opt, args, kwargs):
             self._in_opt = False
@@ -256,6 +260,11 @@ def measure_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         return out
     if not fake and _is_compiled(model):
         return _compiled_cpu_peak(model, optimizer, step, external)
+    if not fake and _opaque_step(optimizer):
+        out = _compiled_cpu_peak(model, optimizer, step, external)
+        out["how"] = ("cpu allocator events (torch.profiler profile_memory): the optimizer's CPU kernel allocates "
+                      "scratch inside one op, unseen by the storage tracker")
+        return out
     tracker = StorageTracker()
     tracker.track_external(model, optimizer, *external)
     tracker.watch(model)
@@ -288,6 +297,23 @@ def prime_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _opaque_step(optimizer) -> bool:
+    """Whether ``optimizer``'s step runs a kernel whose own allocations a dispatch mode cannot see (bitsandbytes'
+    8-bit update: on the CPU it dequantises each parameter's two states to fp32 inside one op)."""
+    return optimizer is not None and type(optimizer).__module__.startswith("bitsandbytes")
+
+
+def _gradient_bytes(model: nn.Module, optimizer) -> int:
+    """The gradients' share of an allocator peak: one per trainable parameter, or, when the optimizer steps each
+    parameter inside the backward and frees its gradient, the largest one (those in flight)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    from lowmembp.methods.optimizers import frees_gradients
+
+    if frees_gradients(optimizer):
+        return max((_nbytes([p]) for p in trainable), default=0)
+    return _nbytes(trainable)
+
+
 def _is_compiled(model: nn.Module) -> bool:
     from lowmembp.methods.compile import is_compiled
     return is_compiled(model)
@@ -299,7 +325,7 @@ def _compiled_cpu_peak(model, optimizer, step, external) -> dict:
     base, peak = _profiled_peak(model, optimizer, step, external)
     total = base + peak
     params = _nbytes(list(model.parameters()) + list(model.buffers()))
-    grads = _nbytes([p for p in model.parameters() if p.requires_grad])  # one gradient per trainable parameter
+    grads = _gradient_bytes(model, optimizer)
     opt = 0
     if optimizer is not None:
         opt = _nbytes([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
@@ -315,7 +341,7 @@ def _cuda_peak(model, optimizer, step, device) -> dict:
     torch.cuda.synchronize(device)
     peak = int(torch.cuda.max_memory_allocated(device))
     params = _nbytes(list(model.parameters()) + list(model.buffers()))
-    grads = _nbytes([p for p in model.parameters() if p.requires_grad])  # one gradient per trainable parameter
+    grads = _gradient_bytes(model, optimizer)
     opt = 0
     if optimizer is not None:
         opt = _nbytes([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)])

@@ -46,8 +46,8 @@ from lowmembp.plan.sources import GiB, margin as margin_of, measured_ratios, par
 
 __all__ = ["make_plan", "Plan", "evaluate"]
 
-PEAK_SOURCE = ("fake-tensor step of lowmembp.estimator.step (exact tensor bytes: forward, backward, AdamW step with its "
-               "state), {depth}")
+PEAK_SOURCE = ("fake-tensor step of lowmembp.estimator.step (exact tensor bytes: forward, backward, the optimizer's "
+               "step with its state as that optimizer holds it), {depth}")
 FLOPS_SOURCE = ("torch.utils.flop_counter formulas summed over the same fake step (lowmembp.measurement.flops: matmuls, "
                 "attention incl. recomputation; pointwise ops = 0)")
 _STATIC = ("parameters", "gradients", "optimizer_state")
@@ -84,7 +84,7 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
          overrides: dict | None = None, num_classes: int | None = None, image_size: int | None = None,
          max_batch: int = 1 << 16, depth: str = "auto", combos: list[str] | None = None,
          more_gpus: list[str | int] | None = None, weights: str = "fp32", progress=None,
-         start_method: str | None = None) -> Plan:
+         start_method: str | None = None, optimizer: str | list[str] = "adamw") -> Plan:
     """Plan every valid method combination (see the module doc). ``methods``/``exclude``/``max_methods`` narrow the
     combinations; ``options``: sweeps, ``{"tokentune": {"k": [16, 256]}}``; ``margin``/``reserved``: the allocator
     fraction and the fixed reserve (default: ``results/gpu/margin.json`` if present, else rules of thumb);
@@ -94,6 +94,8 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
     ``more_gpus``: other GPU sizes, each row then also has ``largest_batch_by_gpu`` (the same estimates reused);
     ``weights``: the parameters' dtype (``"fp32"``, or ``"bf16"``/``"fp16"``: the model loaded in that dtype, see
     :func:`lowmembp.estimator.step.estimate`);
+    ``optimizer``: a name of :data:`lowmembp.methods.optimizers.OPTIMIZERS` (``"adamw"``, ``"adamw8bit"``,
+    ``"adamw-fused-backward"``), or a list of them: every combination planned with each (a row per pair);
     ``progress``: called with each finished row, or ``"bar"``: a progress bar on stderr
     (:class:`lowmembp.plan.progress.Bar`, shown when stderr is a terminal);
     ``start_method``: how the ``jobs`` worker processes start (:mod:`lowmembp.plan.pool`): None, a fork server (safe
@@ -108,6 +110,7 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
     dtype = dtype or spec.dtype
     if weights not in DTYPES:
         raise ValueError(f"weights must be one of {list(DTYPES)} (the parameters' dtype), got {weights!r}")
+    optimizers = _optimizers(optimizer)
     budget = parse_bytes(gpu_memory)
     mg = margin_of(margin, reserved, margin_file=margin_file)
     capacity = (budget - mg["reserved_bytes"]) / (1 + mg["fraction"])
@@ -122,8 +125,10 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
                   shallow=shallow, depth=blocks, capacity=capacity, weights=weights, margin=mg, max_batch=max_batch,
                   extra=extra, more=more)
     grids = {c: option_grid(c, options) for c in combos}
-    singles = [dict(common, method=c, options=o) for c in combos if "+" not in c for o in grids[c]]
-    multis = [dict(common, method=c, options=o) for c in combos if "+" in c for o in grids[c]]
+    singles = [dict(common, method=c, options=o, optimizer=z) for z in optimizers for c in combos if "+" not in c
+               for o in grids[c]]
+    multis = [dict(common, method=c, options=o, optimizer=z) for z in optimizers for c in combos if "+" in c
+              for o in grids[c]]
     bar = Bar(len(singles) + len(multis)) if progress == "bar" else None
     try:
         rows, failed = run_rows(evaluate, singles, multis, jobs=jobs, start_method=start_method,
@@ -138,7 +143,8 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
     for i, r in enumerate(rows, 1):
         r["rank"] = i
     settings = {"model": spec.arch, "model_source": where, "family": spec.family, "batch_size": batch_size,
-                "seq_len": spec.seq_len, "dtype": dtype, "weights": weights, "gpu_memory_bytes": budget,
+                "seq_len": spec.seq_len, "dtype": dtype, "weights": weights, "optimizer": optimizers,
+                "gpu_memory_bytes": budget,
                 "capacity_bytes": int(capacity), "world_size": world_size, "margin": mg, "combinations": len(rows),
                 "jobs": jobs}
     sources = {"peak": PEAK_SOURCE.format(depth=depth_note), "margin": mg["source"], "flops": FLOPS_SOURCE,
@@ -154,14 +160,16 @@ def evaluate(job: dict) -> dict:
     """One row: one combination's peak at the requested batch, its largest batch, its FLOPs (module doc)."""
     t0, c0 = time.perf_counter(), time.process_time()
     method, opts, spec = job["method"], job["options"], job["spec"]
-    row = {"method": method, "options": dict(opts), "label": _label(method, opts), "status": "ok", "reason": ""}
+    optimizer = job.get("optimizer", "adamw")
+    row = {"method": method, "options": dict(opts), "optimizer": optimizer, "label": _label(method, opts, optimizer),
+           "status": "ok", "reason": ""}
     cap, bs = job["capacity"], job["batch_size"]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             peaks = Peaks(spec, method, shallow=job["shallow"], depth=job["depth"], seq_len=job["seq_len"],
                           dtype=job["dtype"], overrides=job["overrides"], weights=job.get("weights", "fp32"),
-                          **job["extra"], **opts)
+                          optimizer=optimizer, **job["extra"], **opts)
             first = peaks.direct(bs, flops=True)
             pk, cats = first["peak"]["bytes"], first["peak"]["by_category"]
             static = sum(cats.get(k, 0) for k in _STATIC)
@@ -239,8 +247,22 @@ def _depth_mode(spec: ModelSpec, overrides, depth: str) -> tuple[tuple[int, int]
     return (2, 3), blocks, f"2- and 3-block builds extended to {blocks} blocks (as estimate_by_depth)"
 
 
-def _label(method: str, opts: dict) -> str:
-    return method + "".join(f" {k}={v}" for k, v in sorted(opts.items()))
+def _label(method: str, opts: dict, optimizer: str = "adamw") -> str:
+    return (method + "".join(f" {k}={v}" for k, v in sorted(opts.items()))
+            + ("" if optimizer == "adamw" else f" [{optimizer}]"))
+
+
+def _optimizers(optimizer) -> list[str]:
+    """The optimizers to plan with, as a list of known names (one name or several); ValueError otherwise."""
+    from lowmembp.methods.optimizers import OPTIMIZERS
+
+    names = [optimizer] if isinstance(optimizer, str) else list(optimizer or [])
+    if not names:
+        raise ValueError(f"optimizer: give one or more of {', '.join(OPTIMIZERS)}")
+    bad = [n for n in names if n not in OPTIMIZERS]
+    if bad:
+        raise ValueError(f"unknown optimizer(s) {', '.join(map(repr, bad))}; choose from {', '.join(OPTIMIZERS)}")
+    return list(dict.fromkeys(names))
 
 
 def _add_costs(rows: list[dict], measured: dict[str, list[dict]]) -> None:

@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None, start_method: str | None = None) -> int:
     ap.add_argument("--weights", choices=list(DTYPES), default="fp32",
                     help="the dtype the weights are stored in: fp32 (default: fp32 weights under autocast, as the "
                          "training job) or bf16/fp16 (the model loaded in that dtype; LoRA adapters stay fp32)")
+    ap.add_argument("--optimizer", default="adamw",
+                    help="adamw (default), adamw8bit, adamw-fused-backward, or several comma-separated: each "
+                         "combination planned with each (lowmembp.methods.optimizers)")
     ap.add_argument("--world-size", type=int, default=1,
                     help="GPUs sharing the model (FSDP2: one rank's peak, the batch per GPU; "
                          "lowmembp.estimator.step.fsdp_peak)")
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None, start_method: str | None = None) -> int:
                  max_methods=a.max_methods, options=parse_option_sweeps(a.option), margin=a.margin,
                  reserved=a.reserved, runs=a.runs, jobs=a.jobs, image_size=a.image_size,
                  more_gpus=names(a.also_gpu), weights=a.weights, progress=_progress if a.progress else "bar",
-                 start_method=start_method)
+                 start_method=start_method, optimizer=names(a.optimizer))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -23,11 +23,11 @@ class Peaks:
 
     def __init__(self, spec: ModelSpec, method: str, *, shallow: tuple[int, int] | None, depth: int | None,
                  seq_len: int | None, dtype: str, overrides: dict | None = None, world_size: int = 1,
-                 **method_options):
+                 optimizer: str = "adamw", **method_options):
         self.shallow, self.depth = shallow, depth
         layers = shallow if shallow is not None else (None,)
         self.steps = {d: Steps(spec, method, layers=d, seq_len=seq_len, dtype=dtype, overrides=overrides,
-                               world_size=world_size, **method_options) for d in layers}
+                               world_size=world_size, optimizer=optimizer, **method_options) for d in layers}
         self.runs: dict[int, dict] = {}      # batch -> {depth: StepRun}
         self.lines: dict | None = None       # depth -> BatchLine, once fitted
         self.steps_run = 0

@@ -8,7 +8,7 @@ from lowmembp.plan.sources import GiB
 
 __all__ = ["text_table", "verdict", "to_json", "write_csv", "CSV_COLUMNS"]
 
-CSV_COLUMNS = ["rank", "label", "method", "status", "peak_bytes", "need_bytes", "fits", "largest_batch",
+CSV_COLUMNS = ["rank", "label", "method", "optimizer", "status", "peak_bytes", "need_bytes", "fits", "largest_batch",
                "largest_batch_how", "largest_batch_by_gpu", "flops", "flops_ratio", "measured_ratio",
                "measured_where", "batch_line", "estimates", "seconds", "cpu_seconds", "reason"]
 
@@ -29,11 +29,11 @@ def text_table(p) -> str:
     s = p.settings
     head = (f"What fits: {s['model_source']}, batch {s['batch_size']}, "
             + (f"{s['seq_len']} tokens, " if s.get("seq_len") else "") + f"{s['dtype']} autocast, "
-            f"{s.get('weights', 'fp32')} weights, "
+            f"{s.get('weights', 'fp32')} weights, {', '.join(_as_list(s.get('optimizer', 'adamw')))}, "
             f"{_size(s['gpu_memory_bytes'])} GPU (tensors up to {_size(s['capacity_bytes'])} after the margin), "
             f"{s['world_size']} GPU")
     more = next((list(r.get("largest_batch_by_gpu", {})) for r in p.rows if r["status"] == "ok"), [])
-    cols = ["#", "method", "peak GiB", "+margin", "fits", "max batch"] + [f"@{g}" for g in more] + \
+    cols = ["#", "method", "optimizer", "peak GiB", "+margin", "fits", "max batch"] + [f"@{g}" for g in more] + \
         ["FLOPs x", "measured x"]
     body = []
     for r in p.rows:
@@ -41,11 +41,12 @@ def text_table(p) -> str:
             continue
         meas = "-" if r.get("measured_ratio") is None else f"{r['measured_ratio']:.2f} ({len(r['measured'])})"
         best = str(r["largest_batch"]) + ("+" if r["largest_batch_how"].startswith("at least") else "")
-        body.append([str(r["rank"]), r["label"], _gib(r["peak_bytes"]), _gib(r["need_bytes"]),
+        body.append([str(r["rank"]), _label_only(r), r.get("optimizer", "adamw"), _gib(r["peak_bytes"]),
+                     _gib(r["need_bytes"]),
                      "yes" if r["fits"] else "no", best] + [str(r["largest_batch_by_gpu"][g]) for g in more]
                     + [_x(r.get("flops_ratio")), meas])
     widths = [max(len(c), *(len(row[i]) for row in body)) if body else len(c) for i, c in enumerate(cols)]
-    right = {i for i, c in enumerate(cols) if c not in ("method", "fits")}
+    right = {i for i, c in enumerate(cols) if c not in ("method", "optimizer", "fits")}
 
     def line(cells):
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -93,6 +94,9 @@ def verdict(p) -> str:
     low = min(ok, key=lambda r: (r["floor_bytes"], len(r["label"])))  # a tie: the plainest combination
     hint = (" The weights are fp32: --weights bf16 plans the model loaded in bf16 (half their bytes)."
             if s.get("weights", "fp32") == "fp32" else "")
+    if _as_list(s.get("optimizer", "adamw")) == ["adamw"]:
+        hint += (" The optimizer is AdamW with fp32 states: --optimizer adamw,adamw8bit,adamw-fused-backward plans "
+                 "8-bit states and the step inside the backward too.")
     if low["floor_bytes"] > cap:
         return (f"Nothing fits at any batch: the smallest weights + optimizer state ({low['label']}: "
                 f"{_size(low['floor_bytes'])}) already exceed the {_size(cap)} the tensors may use.{hint}")
@@ -100,6 +104,16 @@ def verdict(p) -> str:
     return (f"Nothing fits, not even batch 1: the weights and optimizer state would ({low['label']}: "
             f"{_size(low['floor_bytes'])} of {_size(cap)}), the activations do not; the least memory at batch {bs}: "
             f"{least['label']} ({_size(least['peak_bytes'])}).{hint}")
+
+
+def _as_list(v) -> list[str]:
+    return [v] if isinstance(v, str) else list(v)
+
+
+def _label_only(r: dict) -> str:
+    """The row's label without the optimizer (a column of its own in the table)."""
+    tail = f" [{r.get('optimizer', 'adamw')}]"
+    return r["label"][:-len(tail)] if r["label"].endswith(tail) else r["label"]
 
 
 def to_json(p) -> str:

@@ -136,15 +136,15 @@ class Steps:
 
     def __init__(self, spec: ModelSpec, method: str, *, layers: int | None, seq_len: int | None, dtype: str,
                  overrides: dict | None = None, world_size: int = 1, seed: int = 0, weights: str = "fp32",
-                 **method_options):
+                 optimizer: str = "adamw", **method_options):
         self.spec, self.seq_len, self.dtype, self.world_size = spec, seq_len or spec.seq_len, dtype, world_size
         self.vocab = (overrides or {}).get("vocab_size")
         torch.manual_seed(seed)
         self.mode = RecordingFakeMode(allow_non_fake_inputs=True)
         self.model = prepare_model(spec, method, self.mode, layers=layers, overrides=overrides, weights=weights,
                                    **method_options)
+        self.opt = make_optimizer(self.model, optimizer)  # outside the mode, as estimate() makes it
         with self.mode:
-            self.opt = make_optimizer(self.model)
             prime_optimizer(self.opt)
         self.blocks = block_names(self.model)
 

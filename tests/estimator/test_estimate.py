@@ -152,3 +152,43 @@ def test_weights_in_16_bits(method):
     assert bf16["peak"]["bytes"] < fp32["peak"]["bytes"]
     with pytest.raises(ValueError, match="weights must be one of"):
         estimate("llama_7b", method, weights="int8", **kw)
+
+
+def test_optimizers_fake_equals_real_and_their_state_bytes():
+    """Each optimizer's step on fake tensors against the same step on the CPU: AdamW and AdamW fused into the
+    backward to the byte (the storage tracker on both); AdamW8bit's states to the byte (bitsandbytes' own layout:
+    uint8 states and an fp32 absmax per 256 elements for tensors of >= 4096, fp32 below, two shared 1 KiB maps), its
+    peak within its CPU kernel's scratch (the CPU allocator's peak: each 8-bit parameter's states dequantised to
+    fp32 inside one op; the estimate models the in-place CUDA kernel)."""
+    from lowmembp.methods.optimizers import BNB_QMAP_BYTES, adamw8bit_state_bytes
+
+    kw = dict(LLAMA_SMALL, dtype="fp32")
+    numels = [p.numel() for p in build(MODELS["llama_7b"], layers=2, overrides=kw["overrides"]).parameters()]
+    est = {o: estimate("llama_7b", "baseline", optimizer=o, **kw)
+           for o in ("adamw", "adamw8bit", "adamw-fused-backward")}
+    for o in ("adamw", "adamw-fused-backward"):
+        real = estimate("llama_7b", "baseline", optimizer=o, device="cpu", **kw)
+        assert (est[o]["peak"]["bytes"], est[o]["peak"]["by_category"]) == \
+            (real["peak"]["bytes"], real["peak"]["by_category"]), o
+        assert est[o]["optimizer"] == o
+    cats = {o: e["peak"]["by_category"] for o, e in est.items()}
+    assert cats["adamw"]["optimizer_state"] == cats["adamw-fused-backward"]["optimizer_state"] == \
+        8 * sum(numels) + 4 * len(numels)  # exp_avg, exp_avg_sq and the step counter of each
+    assert cats["adamw8bit"]["optimizer_state"] == BNB_QMAP_BYTES + sum(map(adamw8bit_state_bytes, numels))
+    assert cats["adamw-fused-backward"]["gradients"] <= 4 * max(numels)
+    assert est["adamw-fused-backward"]["peak"]["bytes"] < est["adamw"]["peak"]["bytes"]
+    real8 = estimate("llama_7b", "baseline", optimizer="adamw8bit", device="cpu", **kw)["peak"]
+    assert real8["by_category"]["optimizer_state"] == cats["adamw8bit"]["optimizer_state"]
+    scratch = 6 * 4 * max(n for n in numels if n >= 4096)  # fp32: two states, gradient copy, denominator, ...
+    assert 0 <= real8["bytes"] - est["adamw8bit"]["peak"]["bytes"] <= scratch
+    with pytest.raises(ValueError, match="adamw8bit"):
+        estimate("llama_7b", optimizer="sgd", peak=False, **kw)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw-fused-backward"])
+def test_optimizers_estimate_by_depth_equals_full_depth(optimizer):
+    kw = dict(LLAMA_SMALL, layers=5, optimizer=optimizer)
+    ext, full = estimate_by_depth("llama_7b", "lora", **kw), estimate("llama_7b", "lora", **kw)
+    assert ext["peak"]["bytes"] == full["peak"]["bytes"]
+    assert ext["peak"]["by_category"] == full["peak"]["by_category"]
+    assert ext["optimizer"] == optimizer

@@ -353,3 +353,41 @@ def test_save_weights_leaves_nothing_when_writing_fails(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         save_weights(torch.nn.Linear(2, 2), tmp_path / "w.safetensors")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "adamw-fused-backward"])
+def test_each_optimizer_trains_and_is_recorded(optimizer, tmp_path, capsys):
+    """A few steps with each optimizer; fused into the backward it is AdamW: the same loss to the last digit."""
+    out = tmp_path / "r.json"
+    argv = ["--task", "tweets-sentiment", "--method", "lora", "--rank", "2", "--batch-size", "4", *TINY]
+    assert run(argv + ["--optimizer", optimizer, "--out", out]) == 0
+    rec = record(out)
+    assert rec["status"] == "ok", rec["message"]
+    assert rec["run"]["optimizer"] == optimizer and rec["final_loss"] > 0
+    from experiments.record import flatten
+    assert flatten(rec)["optimizer"] == optimizer
+    assert (f"optimizer={optimizer}" in capsys.readouterr().out) == (optimizer != "adamw")
+    if optimizer == "adamw-fused-backward":
+        ref = tmp_path / "ref.json"
+        assert run(argv + ["--out", ref]) == 0
+        assert record(ref)["final_loss"] == rec["final_loss"]
+        assert record(ref)["metric"] == rec["metric"]
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--optimizer", "sgd"], "--optimizer must be one of adamw, adamw8bit, adamw-fused-backward"),
+    (["--optimizer", "adamw-fused-backward", "--grad-accum", "2"], "--grad-accum 2"),
+    (["--optimizer", "adamw-fused-backward", "--dtype", "fp16"], "GradScaler"),
+])
+def test_optimizer_that_does_not_fit_the_run_fails_at_once(extra, needle, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert run(["--task", "mnist5k", "--method", "baseline", "--batch-size", "2", *extra, "--out", out]) == 2
+    assert needle in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_records_without_an_optimizer_read_as_adamw():
+    from experiments.record import error_record
+    rec = error_record({"task": "mnist5k"}, "x", "2026-01-01T00:00:00+00:00")
+    del rec["run"]["optimizer"]
+    assert Record.from_dict(rec).run.optimizer == "adamw"

@@ -305,3 +305,32 @@ def test_the_fork_server_imports_what_the_workers_need_once():
     assert "timm.models.swin_transformer" in _modules_needed(swin, None, ["baseline"])
     # the worker module quietens bitsandbytes' "cannot download the CPU 4-bit kernel" line, here and in workers
     assert logging.getLogger("bitsandbytes.backends.cpu.ops").level == logging.ERROR
+
+
+def test_optimizer_axis_rows_are_estimates_with_that_optimizer(tiny_config, capsys):
+    """Every combination with every optimizer asked for: one row each, its peak estimate()'s with that optimizer
+    to the byte; the 8-bit states and the step inside the backward need less than AdamW's."""
+    opts = ["adamw", "adamw8bit", "adamw-fused-backward"]
+    p = make_plan("bert_large", batch_size=3, gpu_memory=int(1.7 * 2**20), methods=["checkpointing"], jobs=1,
+                  optimizer=opts, **NO_MARGIN, **BERT)
+    rows = {(r["method"], r["optimizer"]): r for r in p.rows}
+    assert set(rows) == {(m, o) for m in ("baseline", "checkpointing") for o in opts}
+    for (method, opt), r in rows.items():
+        assert r["status"] == "ok", r
+        assert r["peak_bytes"] == estimate("bert_large", method, batch_size=3, optimizer=opt, **BERT)["peak"]["bytes"]
+        assert r["label"] == method + ("" if opt == "adamw" else f" [{opt}]")
+    for method in ("baseline", "checkpointing"):
+        assert rows[(method, "adamw8bit")]["floor_bytes"] < rows[(method, "adamw")]["floor_bytes"]
+        assert rows[(method, "adamw-fused-backward")]["peak_bytes"] < rows[(method, "adamw")]["peak_bytes"]
+    assert p.settings["optimizer"] == opts
+    table = p.table()
+    assert "optimizer" in table.splitlines()[3] and "adamw-fused-backward" in table
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        make_plan("bert_large", batch_size=3, optimizer="sgd", **BERT)
+    from lowmembp.plan.__main__ import main
+    args = ["--model", str(tiny_config), "--batch-size", "2", "--seq-len", "16", "--gpu-memory", "4MiB",
+            "--methods", "checkpointing", "--jobs", "1", "--optimizer", "adamw8bit", "--json"]
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {r["optimizer"] for r in doc["rows"]} == {"adamw8bit"} and doc["settings"]["optimizer"] == ["adamw8bit"]
+    assert main(args[:-3] + ["--optimizer", "sgd"]) == 2

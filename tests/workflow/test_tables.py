@@ -118,3 +118,24 @@ def test_headline_batch_label_when_no_seed_of_a_method_finished():
     assert _batch_seeds(32.0, np.nan) == "32 (no seed finished)"
     assert _batch_seeds(32.0, 2.0) == "32 (2 seeds)"
     assert _batch_seeds(8, 1) == "8 (1 seed)"
+
+
+def test_optimizer_is_a_column_and_part_of_the_cell():
+    """Runs with another optimizer are their own cells, compared within that optimizer; runs.csv without the
+    column (older aggregations) read as adamw."""
+    runs = _runs()
+    assert "optimizer" not in runs
+    mem = tables.memory_table(runs, tables.load_claims())
+    assert set(mem["optimizer"]) == {"adamw"}
+    eight = runs[runs["method"].isin(["baseline", "lowmembp"])].assign(optimizer="adamw8bit")
+    eight["peak_bytes"] = eight["peak_bytes"] / 2
+    eight.loc[eight["method"] == "lowmembp", "peak_bytes"] *= 0.9
+    both = pd.concat([runs.assign(optimizer="adamw"), eight], ignore_index=True)
+    mem = tables.memory_table(both, tables.load_claims()).set_index(["method", "optimizer", "batch_size"])
+    assert mem.loc[("lowmembp", "adamw", 32), "peak_ratio_ours"] == pytest.approx(0.75)
+    assert mem.loc[("lowmembp", "adamw8bit", 32), "peak_ratio_ours"] == pytest.approx(0.75 * 0.9)
+    assert mem.loc[("baseline", "adamw8bit", 32), "peak_MiB"] == pytest.approx(50)  # not averaged with adamw's
+    head = tables.headline_table(both, tables.load_claims())
+    assert sorted(head[head["method"] == "lowmembp"]["optimizer"]) == ["adamw", "adamw8bit"]
+    shown = tables.headline_display(head)["method (compared with)"].tolist()
+    assert "lowmembp, adamw8bit (vs baseline)" in shown and "lowmembp (vs baseline)" in shown

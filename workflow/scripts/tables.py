@@ -1,10 +1,11 @@
 """runs.csv (and the reproductions' CSVs) -> results/tables/<name>.md, .csv and .html.
 
 Every table of the sweep puts ours beside the paper's value: ratios to the method a row is compared with
-(``compared_with``: ``lora+X`` against ``lora``, every other method against ``baseline``, same task, model and batch
-size), the papers' ratios from workflow/resources/paper_claims.yaml, and ``ours/paper``. Column names say what a
-number is: ``*_MiB`` / ``*_ms`` / ``*_%`` carry their unit, ``*_ratio_ours`` and ``*_ratio_paper`` are ratios of
-this method to ``compared_with`` (below 1: less memory, less time), ``*_ours/paper`` is our ratio over the paper's.
+(``compared_with``: ``lora+X`` against ``lora``, every other method against ``baseline``, same task, model,
+optimizer and batch size), the papers' ratios from workflow/resources/paper_claims.yaml, and ``ours/paper``. Column
+names say what a number is: ``*_MiB`` / ``*_ms`` / ``*_%`` carry their unit, ``*_ratio_ours`` and ``*_ratio_paper``
+are ratios of this method to ``compared_with`` (below 1: less memory, less time), ``*_ours/paper`` is our ratio over
+the paper's. ``optimizer`` (``--optimizer`` of the training job; adamw where runs.csv predates it) is part of a cell.
 
 - memory: peak and activation memory per cell;
 - speed: step time p50 with its p20–p80 spread; the ratio's spread (p20 / compared p80 … p80 / compared p20) and
@@ -41,7 +42,8 @@ from table_html import page  # noqa: E402
 
 CLAIMS = HERE.parent / "resources" / "paper_claims.yaml"
 MiB = 2**20
-KEYS = ["task", "model", "method", "batch_size"]
+KEYS = ["task", "model", "method", "optimizer", "batch_size"]  # a cell: runs.csv before the optimizer was a column
+DEFAULT_OPTIMIZER = "adamw"                                    # read as adamw (the records' own default)
 COMPARED = "compared_with"
 PERCENT_METRICS = {"accuracy"}  # metrics stored as fractions, shown in %
 
@@ -94,18 +96,22 @@ OPTIONAL = ("steps", "step_time_p20", "step_time_p80", "samples_per_s", "message
 
 
 def _complete(runs: pd.DataFrame) -> pd.DataFrame:
-    """runs with the optional columns a hand-made or older runs.csv may lack (as NaN)."""
-    return runs.assign(**{c: np.nan for c in OPTIONAL if c not in runs})
+    """runs with the optional columns a hand-made or older runs.csv may lack (as NaN; the optimizer as adamw)."""
+    opt = runs["optimizer"].fillna(DEFAULT_OPTIMIZER) if "optimizer" in runs else DEFAULT_OPTIMIZER
+    return runs.assign(**{c: np.nan for c in OPTIONAL if c not in runs}, optimizer=opt)
 
 
 def _ref_values(df: pd.DataFrame, value: str) -> np.ndarray:
+    """The compared method's ``value`` in the same task, model, optimizer and batch size."""
     idx = df.set_index(KEYS)[value]
-    return np.asarray([idx.get((t, m, reference_method(x), b), np.nan) if reference_method(x) else np.nan
-                       for t, m, x, b in zip(df["task"], df["model"], df["method"], df["batch_size"])], dtype=float)
+    return np.asarray([idx.get((t, m, reference_method(x), o, b), np.nan) if reference_method(x) else np.nan
+                       for t, m, x, o, b in zip(df["task"], df["model"], df["method"], df["optimizer"],
+                                                df["batch_size"])], dtype=float)
 
 
 def with_reference(df: pd.DataFrame, value: str, ref_value: str | None = None) -> pd.Series:
-    """df[value] / df[ref_value or value] of the compared method in the same task, model and batch size."""
+    """df[value] / df[ref_value or value] of the compared method in the same task, model, optimizer and batch
+    size."""
     return df[value] / _ref_values(df, ref_value or value)
 
 
@@ -262,13 +268,15 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
     the method and the one it is compared with both finished; the metric from the cells long enough to learn."""
     mem, spd, acc = memory_table(runs, claims), speed_table(runs, claims), accuracy_table(runs, claims)
     rows = []
-    for (task, model, method), sub in mem[mem[COMPARED] != ""].groupby(["task", "model", "method"], sort=False):
+    groups = mem[mem[COMPARED] != ""].groupby(["task", "model", "method", "optimizer"], sort=False)
+    for (task, model, method, opt), sub in groups:
         both = sub.dropna(subset=["peak_ratio_ours"])
         m = both.sort_values("batch_size").iloc[-1] if len(both) else sub.sort_values("batch_size").iloc[-1]
         s = spd[(spd["task"] == task) & (spd["model"] == model) & (spd["method"] == method)
-                & (spd["batch_size"] == m["batch_size"])]
+                & (spd["optimizer"] == opt) & (spd["batch_size"] == m["batch_size"])]
         s = s.iloc[0] if len(s) else None
-        a = acc[(acc["task"] == task) & (acc["model"] == model) & (acc["method"] == method)]
+        a = acc[(acc["task"] == task) & (acc["model"] == model) & (acc["method"] == method)
+                & (acc["optimizer"] == opt)]
         a = a.iloc[0] if len(a) else None
         ref_mean = (a["metric_mean"] - a["change_vs_compared"]) if a is not None else np.nan
 
@@ -279,7 +287,7 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
             return 100 * (r - 1)
 
         rows.append({
-            "task": task, "model": model, "method": method, COMPARED: m[COMPARED],
+            "task": task, "model": model, "method": method, "optimizer": opt, COMPARED: m[COMPARED],
             "memory_batch": int(m["batch_size"]),
             "peak_saved_%_ours": pct_saved(m["peak_ratio_ours"]),
             "peak_saved_%_paper": pct_saved(m["peak_ratio_paper"]),
@@ -302,7 +310,7 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
                                                            s["time_source"] if s is not None else "",
                                                            a["metric_source"] if a is not None else ""] if x)),
         })
-    cols = ["task", "model", "method", COMPARED, "memory_batch", "peak_saved_%_ours", "peak_saved_%_paper",
+    cols = ["task", "model", "method", "optimizer", COMPARED, "memory_batch", "peak_saved_%_ours", "peak_saved_%_paper",
             "activations_saved_%_ours", "activations_saved_%_paper", "step_time_change_%_ours",
             "step_time_change_%_p20/p80", "step_time_change_%_p80/p20", "within_noise", "step_time_change_%_paper",
             "accuracy_batch", "seeds", "metric", "unit", "metric_compared", "metric_method", "metric_change_ours",
@@ -313,9 +321,9 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
 RUN_TABLES = {"memory": memory_table, "speed": speed_table, "accuracy": accuracy_table,
               "accuracy_short": accuracy_short_table}
 TITLES = {name: catalogue.RUN_TABLE[name].title for name in RUN_TABLES}
-RATIO_NOTE = ("`compared_with`: the method a ratio divides by (same task, model, batch size). `*_ratio_ours` = this "
-              "method / compared_with in our runs, `*_ratio_paper` the same ratio as published, `*_ours/paper` ours "
-              "over the paper's (1 = we reproduce it); '-' = no number.")
+RATIO_NOTE = ("`compared_with`: the method a ratio divides by (same task, model, optimizer, batch size). "
+              "`*_ratio_ours` = this method / compared_with in our runs, `*_ratio_paper` the same ratio as published, "
+              "`*_ours/paper` ours over the paper's (1 = we reproduce it); '-' = no number.")
 CAPTIONS = {
     "memory": "Peak device memory of one training step and the activation bytes saved for backward, in MiB "
               "(mean over seeds), and as ratios to `compared_with` (below 1 = the method saves memory). " + RATIO_NOTE,
@@ -448,7 +456,9 @@ def headline_display(df: pd.DataFrame) -> pd.DataFrame:
                   f" [{d['step_time_change_%_p20/p80']:+.0f} … {d['step_time_change_%_p80/p20']:+.0f}]")
         rows.append({
             "task / model": f"{d['task']} / {d['model']}",
-            "method (compared with)": f"{d['method']} (vs {d[COMPARED]})",
+            "method (compared with)": (f"{d['method']}"
+                                       + ("" if d["optimizer"] == DEFAULT_OPTIMIZER else f", {d['optimizer']}")
+                                       + f" (vs {d[COMPARED]})"),
             "peak memory saved: ours / paper": f"{_pct(d['peak_saved_%_ours'])} / {_pct(d['peak_saved_%_paper'])}",
             "activations saved: ours / paper": (f"{_pct(d['activations_saved_%_ours'])} / "
                                                 f"{_pct(d['activations_saved_%_paper'])}"),
