@@ -172,3 +172,11 @@ def test_kernel_equals_the_plain_loss_and_keeps_no_logits_on_cuda(dtype):
         peaks[label] = measure_step_peak(m, opt, step)["bytes"]
     print(f"\ncce on CUDA ({dtype}): step peak plain {peaks['plain']}, cce {peaks['cce']}")
     assert peaks["plain"] - peaks["cce"] >= ids.numel() * 32000 * 4
+
+
+def test_the_planner_lists_it_as_not_estimated_with_the_reason():
+    from lowmembp.plan.combos import combinations
+
+    combos, skipped = combinations(max_methods=1)
+    assert "cce" not in combos and "Triton kernels (CUDA) or torch.compile" in skipped["cce"]
+    assert {"velora", "tiled-mlp"} <= set(combos)

@@ -179,3 +179,11 @@ def test_tile_lengths():
     assert tile_lengths(7, 32, None, 3) == [3, 3, 1]
     assert tile_lengths(70, 32, None, None) == [32, 32, 6]
     assert tile_lengths(5, 32, None, None) == [5]
+
+
+def test_estimated_on_fake_tensors_below_the_plain_model():
+    from lowmembp.estimate import estimate
+
+    saved = {m: estimate("llama_7b", m, batch_size=1, seq_len=256, layers=2)["saved"]["total"]
+             for m in ("baseline", "tiled-mlp")}
+    assert 0 < saved["tiled-mlp"] < saved["baseline"]

@@ -14,7 +14,8 @@ frozen nothing else saves ``x``, so a LoRA layer keeps ``num_groups + rank`` val
 Options (peft's names and defaults): ``num_groups`` (64), ``scale`` (1.0), ``init_type`` (``"batch_average"``;
 ``"batch_average_once"``: the projection fixed after the first batch; ``"random"``: a fixed random unit vector).
 ``num_groups`` must be below every adapted linear's input width (else nothing is compressed: refused). In eval or
-under ``no_grad`` the layer is plain LoRA: the forward is LoRA's exactly, only A's gradient differs.
+under ``no_grad`` the layer is plain LoRA: the forward is LoRA's exactly, only A's gradient differs. On the meta device
+(the fake-tensor estimate) the projection is not updated (its update reads values; a no-grad temporary).
 
 Composes like ``lora`` (``velora+lowmembp``, ``velora+checkpointing``, ``velora+tokentune``, ...); excludes ``lora``
 and ``lora-fa``; no QLoRA (peft's 4-bit LoRA layers do not support VeLoRA). Export: the adapters merge or save as
@@ -50,7 +51,10 @@ def apply_velora(model: nn.Module, rank: int = 4, alpha: float | None = None, ta
     from lowmembp.methods.lora import apply_lora
 
     check_velora(num_groups=num_groups, scale=scale, init_type=init_type)
-    config = VeloraConfig(num_groups=num_groups, scale=float(scale), init_type=init_type)
+    unreal = any(p.is_meta or type(p).__name__ == "FakeTensor" for p in model.parameters())
+    # on the meta device (the estimate) peft's random init would read a norm: the projection starts empty instead
+    config = VeloraConfig(num_groups=num_groups, scale=float(scale),
+                          init_type="batch_average" if unreal else init_type)
     try:
         peft_model = apply_lora(model, rank=rank, alpha=alpha, targets=targets, velora_config=config)
     except (ValueError, TypeError) as e:
@@ -63,4 +67,17 @@ def apply_velora(model: nn.Module, rank: int = 4, alpha: float | None = None, ta
                          f"token would keep as many values as LoRA (or more); pass num_groups < {width}")
     if not any(hasattr(m, "lora_velora_embed") for m in peft_model.modules()):
         raise ValueError("velora: peft placed no VeLoRA adapters (check the targets)")
+    if unreal:
+        _skip_projection_updates(peft_model)
     return peft_model
+
+
+def _skip_projection_updates(model: nn.Module) -> None:
+    """Fake tensors (the estimate) have no values: peft's projection update (a no-grad mean and norm of the batch's
+    groups, data-dependent) cannot run there. Mark every VeLoRA layer's projection as fixed (peft's ``"random"``
+    kind, which is never updated), so the fake step runs what saves memory: the compressed input."""
+    for m in model.modules():
+        if hasattr(m, "lora_velora_embed"):
+            for name in m.lora_velora_init_type:
+                m.lora_velora_init_type[name] = "random"
+                m.lora_velora_initialized[name] = True
