@@ -8,17 +8,18 @@ tiling) and no intermediate activation (the up/gate projections, the activation,
 per token, usually the largest activations of a block). The backward recomputes one tile at a time, so only one
 tile's intermediates are alive at once. Cost: the MLP's forward runs twice (about a third more MLP compute).
 
-Options: ``tiles`` (the number of tiles; the sequence split into that many near-equal parts) or ``tile_len`` (tokens
-per tile; the last tile takes the rest). Default (neither): tiles as long as the MLP's input width (``hidden_size``
-tokens; ``⌈L / hidden_size⌉`` tiles), as Liger-Kernel's and ALST's tiled MLPs choose; with one tile the MLP is
-simply recomputed in the backward. Giving both is an error.
+The tiles are taken over the batch's tokens laid end to end (``B·L`` rows of the ``B × L × D`` input, as Liger's
+TiledMLP does; each tile a contiguous ``rows × D`` view), so a tile may span two sequences. Options: ``tiles`` (the
+number of tiles: the ``B·L`` tokens split into that many near-equal parts) or ``tile_len`` (tokens per tile; the last
+tile takes the rest). Default (neither): tiles as long as the MLP's input width (``hidden_size`` tokens;
+``⌈B·L / hidden_size⌉`` tiles), as Liger-Kernel's and ALST's tiled MLPs choose; with one tile the MLP is simply
+recomputed in the backward. Giving both is an error.
 
 Where: the ``mlp`` child of each block (timm ViT / Swin blocks, LLaMA-family decoder layers: ``mlp(x)``), or BERT's
 ``feed_forward_chunk`` (``intermediate`` + ``output``: dense, activation, dense, dropout and the residual LayerNorm,
 all per token). The module keeps its class and parameters: its ``forward`` (or ``feed_forward_chunk``) is replaced on
-the instance, in training with grad enabled only (eval and ``no_grad`` run the plain forward). The tiles are along the
-second-to-last dimension (the sequence of a ``B × L × D`` input). Dropout inside the MLP draws its masks per tile: the
-same distribution as the plain model's, not the same masks.
+the instance, in training with grad enabled only (eval and ``no_grad`` run the plain forward). Dropout inside the MLP
+draws its masks per tile: the same distribution as the plain model's, not the same masks.
 
 Composes with everything that keeps the MLP a function of each token: ``lora`` / ``velora`` / ``lora-fa`` (their
 adapters run inside the tiles), ``lowmembp`` (approximate activations and MS-norms inside), ``mesa``, ``tokentune``
@@ -90,7 +91,7 @@ def tile_lengths(length: int, width: int, tiles: int | None, tile_len: int | Non
 
 
 class _TiledForward:
-    """The instance-level MLP call: tiles along dim -2, each checkpointed (picklable, as checkpointing's wrapper)."""
+    """The instance-level MLP call: tiles of tokens, each checkpointed (picklable, as checkpointing's wrapper)."""
 
     def __init__(self, owner, attr, inner, tiles, tile_len):
         self.owner, self.attr, self.inner, self.tiles, self.tile_len = owner, attr, inner, tiles, tile_len
@@ -104,9 +105,11 @@ class _TiledForward:
         owner = self.owner
         plain = self.inner or functools.partial(getattr(type(owner), self.attr), owner)
         x = args[0] if len(args) == 1 and not kwargs else None
-        if not (isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-2] > 0 and owner.training
+        if not (isinstance(x, torch.Tensor) and x.dim() >= 2 and x.numel() > 0 and owner.training
                 and torch.is_grad_enabled()):
             return plain(*args, **kwargs)
-        lengths = tile_lengths(x.shape[-2], x.shape[-1], self.tiles, self.tile_len)
-        outs = [checkpoint(plain, tile, use_reentrant=False) for tile in x.split(lengths, dim=-2)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+        tokens = x.reshape(-1, x.shape[-1])  # the batch's sequences end to end (a view of a contiguous input)
+        lengths = tile_lengths(tokens.shape[0], x.shape[-1], self.tiles, self.tile_len)
+        outs = [checkpoint(plain, tile, use_reentrant=False) for tile in tokens.split(lengths)]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
