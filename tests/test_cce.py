@@ -54,7 +54,8 @@ def test_loss_and_gradients_equal_the_models_own(name, items):
     _assert_same(ref, out, _batch(inputs), FP32_LOGSOFTMAX, **extra)
 
 
-@pytest.mark.parametrize("spec", ["lora", "lowmembp", "checkpointing", "tiled-mlp", "lora+lowmembp+checkpointing"])
+@pytest.mark.parametrize("spec", ["lora", "lowmembp", "checkpointing", "tiled-mlp", "lora+lowmembp+checkpointing",
+                                  "velora@num_groups=8"])
 def test_composes_as_without_cce(spec):
     """float64 where the methods allow; lowmembp runs in float32, where the two losses' fp32 roundings meet
     float32 activations: bound 2e-5 of the largest gradient."""

@@ -113,10 +113,18 @@ def test_composes_exactly(spec, name):
     _assert_same(ref, out, _double(inputs()) if fp64 else inputs(), tol=1e-12 if fp64 else 2e-5)
 
 
-def test_composes_with_tokentune_and_trains():
+@pytest.mark.parametrize("spec", ["tokentune+tiled-mlp", "mesa+tiled-mlp", "tiled-mlp+offload",
+                                  "lora+chunked-ce+tiled-mlp", "velora+tiled-mlp"])
+def test_composes_and_trains(spec):
     model, inputs = build("llama")
-    m = lowmembp.apply(model, "tokentune+tiled-mlp", k=3, tile_len=2).train()
-    losses, moved = train_steps(m, inputs())
+    options = {"tokentune": {"k": 3}, "velora": {"num_groups": 8}}
+    m = lowmembp.apply(model, spec, tile_len=2, **options.get(spec.split("+")[0], {})).train()
+    batch = inputs()
+    if "chunked-ce" in spec:
+        batch["labels"] = batch["input_ids"]
+        losses, moved = train_steps(m, batch, loss=lambda mm, bb: mm(**bb).loss)
+    else:
+        losses, moved = train_steps(m, batch)
     assert moved and losses[-1] < losses[0]
 
 
