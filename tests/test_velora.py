@@ -123,8 +123,11 @@ def test_refusals_and_spec_options():
         lowmembp.apply(build("vit")[0], "lora+velora")
     with pytest.raises(ValueError, match="cannot be combined"):
         lowmembp.apply(build("vit")[0], "lora-fa+velora")
+    model = build("llama")[0]
+    names = [n for n, _ in model.named_modules()]
     with pytest.raises(ValueError, match="num_groups=64 is not below the input width 32"):
-        lowmembp.apply(build("llama")[0], "velora")  # peft's default 64 groups on a 32-wide model
+        lowmembp.apply(model, "velora")  # peft's default 64 groups on a 32-wide model
+    assert [n for n, _ in model.named_modules()] == names  # refused: the model is left as it was
     with pytest.raises(ValueError, match="init_type must be one of batch_average, batch_average_once, random"):
         lowmembp.apply(build("llama")[0], "velora", num_groups=4, init_type="mean")
     with pytest.raises(ValueError, match="velora: rank"):

@@ -63,6 +63,7 @@ def apply_velora(model: nn.Module, rank: int = 4, alpha: float | None = None, ta
                      if hasattr(m, "lora_velora_embed") and m.in_features <= num_groups})
     if narrow:
         width, name = narrow[0]
+        peft_model.unload()  # the model as it was given (peft placed its layers in place)
         raise ValueError(f"velora: num_groups={num_groups} is not below the input width {width} of {name}: each "
                          f"token would keep as many values as LoRA (or more); pass num_groups < {width}")
     if not any(hasattr(m, "lora_velora_embed") for m in peft_model.modules()):
