@@ -24,7 +24,8 @@ MODELS = ("llama-tiny",)
 METRIC = "perplexity"
 # fine-tuning a base (--init); the pipeline pre-trains its base with --train-split pretrain --lr 3e-3
 DEFAULTS = dict(steps=60, batch_size=16, lr=1e-3, max_len=128, eval_limit=1000, weight_decay=0.01, warmup_steps=6)
-METHOD_DEFAULTS = {"lora": dict(lr=1e-2), "lora-fa": dict(lr=1e-2)}  # adapters need a larger step than full fine-tuning
+# adapters need a larger step than full fine-tuning
+METHOD_DEFAULTS = {"lora": dict(lr=1e-2), "lora-fa": dict(lr=1e-2), "velora": dict(lr=1e-2)}
 BOS, EOS, PAD, VOCAB = 256, 257, 258, 260  # vocab padded to an even size
 TRAIN_SPLITS = ("train", "pretrain")
 DOMAIN = tweets.LABELS.index("positive")  # the fine-tuning domain

@@ -20,7 +20,8 @@ NAME = "tweets-sentiment"
 MODELS = ("minilm-l6",)
 METRIC = "accuracy"
 DEFAULTS = dict(steps=60, batch_size=16, lr=1e-4, max_len=64, eval_limit=1000, weight_decay=0.01, warmup_steps=6)
-METHOD_DEFAULTS = {"lora": dict(lr=3e-3), "lora-fa": dict(lr=3e-3)}  # adapters need the larger step (see above)
+# adapters need the larger step (see above)
+METHOD_DEFAULTS = {"lora": dict(lr=3e-3), "lora-fa": dict(lr=3e-3), "velora": dict(lr=3e-3)}
 
 
 def check(cfg) -> None:

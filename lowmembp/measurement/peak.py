@@ -315,8 +315,9 @@ def _gradient_bytes(model: nn.Module, optimizer) -> int:
 
 
 def _is_compiled(model: nn.Module) -> bool:
+    from lowmembp.methods.cce import compiles_loss
     from lowmembp.methods.compile import is_compiled
-    return is_compiled(model)
+    return is_compiled(model) or compiles_loss(model)  # cce's torch_compile loss (the CPU's): a compiled step too
 
 
 def _compiled_cpu_peak(model, optimizer, step, external) -> dict:

@@ -41,8 +41,9 @@ def apply_chunked_ce(model: nn.Module, chunk: int = 1024) -> nn.Module:
     return model
 
 
-def causal_lm_head(base: nn.Module, layout) -> nn.Linear:
-    """The lm_head linear of a transformers causal LM, or a ValueError that says why ``base`` is not one."""
+def causal_lm_head(base: nn.Module, layout, method: str = "chunked-ce") -> nn.Linear:
+    """The lm_head linear of a transformers causal LM, or a ValueError (naming ``method``) that says why ``base`` is
+    not one."""
     name = type(base).__name__
     try:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -52,16 +53,16 @@ def causal_lm_head(base: nn.Module, layout) -> nn.Linear:
     get_out = getattr(base, "get_output_embeddings", None)
     out_emb = get_out() if causal and callable(get_out) else None
     if not causal or out_emb is None:
-        raise ValueError(f"chunked-ce: {name} has no causal-LM head (it needs a transformers *ForCausalLM model "
+        raise ValueError(f"{method}: {name} has no causal-LM head (it needs a transformers *ForCausalLM model "
                          "whose loss is the shifted next-token cross-entropy); use it on LLaMA-like causal LMs only")
     heads = [s.get() for s in layout.head]
     one_matrix = type(out_emb) is nn.Linear or getattr(type(out_emb), "computes_linear", False)
     if out_emb not in heads or not one_matrix:
-        raise ValueError(f"chunked-ce: the output embedding of {name} is {type(out_emb).__name__}, not a plain "
+        raise ValueError(f"{method}: the output embedding of {name} is {type(out_emb).__name__}, not a plain "
                          "nn.Linear read from the last hidden state (a transform in between, or a LoRA adapter on "
-                         "lm_head); chunked-ce computes lm_head as one matrix — leave lm_head out of the LoRA targets")
+                         f"lm_head); {method} computes lm_head as one matrix — leave lm_head out of the LoRA targets")
     if not callable(getattr(base, "get_decoder", None)) or base.get_decoder() is base:
-        raise ValueError(f"chunked-ce: {name}.get_decoder() does not give the decoder below the head")
+        raise ValueError(f"{method}: {name}.get_decoder() does not give the decoder below the head")
     return out_emb
 
 
@@ -85,16 +86,21 @@ class _ChunkedCEForward:
             kwargs["input_ids"] = args[0]
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        from lowmembp.ops.chunked_ce import chunked_linear_cross_entropy
-
         kwargs.pop("logits_to_keep", None)
         denominator = kwargs.pop("num_items_in_batch", None)
         out = base.get_decoder()(**kwargs)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         # the model's own shift: position i predicts labels[i + 1]; the last position predicts nothing (-100)
         targets = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1).to(hidden.device)
-        head = self.head
-        loss = chunked_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias, targets,
-                                            chunk=self.chunk, denominator=denominator)
+        loss = self.loss(hidden.reshape(-1, hidden.shape[-1]), targets, denominator)
         return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(out, "hidden_states", None),
                                       attentions=getattr(out, "attentions", None))
+
+    def loss(self, hidden, targets, denominator):
+        """The loss of the ``N × D`` last hidden states against ``N`` targets (-100: ignored): the mean over the
+        counted targets, or their sum over ``denominator`` when given."""
+        from lowmembp.ops.chunked_ce import chunked_linear_cross_entropy
+
+        head = self.head
+        return chunked_linear_cross_entropy(hidden, head.weight, head.bias, targets, chunk=self.chunk,
+                                            denominator=denominator)

@@ -25,8 +25,8 @@ What is undone (the converted model is left as it is unless ``inplace=True``; th
   embedding; otherwise the export stays untied with ``tie_word_embeddings=False`` and warns (``save_pretrained`` /
   ``from_pretrained`` then round-trip exactly; a strict ``load_state_dict`` into a fresh *tied* model cannot).
 - ``lowmembp-act``: ReGELU2 / ReSiLU2 become the original activation modules.
-- ``checkpointing`` (block wrappers, library switches) and ``tokentune`` (patched forwards) are removed; a compiled
-  model (``compile``, ``nn.Module.compile``, a ``torch.compile`` wrapper) comes back eager.
+- ``checkpointing`` (block wrappers, library switches), ``tiled-mlp`` and ``tokentune`` (patched forwards) are
+  removed; a compiled model (``compile``, ``nn.Module.compile``, a ``torch.compile`` wrapper) comes back eager.
 - ``mesa`` / ``mesa-gelu-ln``: Mesa linears become ``nn.Linear``, Mesa norms and activations the recorded originals
   (same parameters), patched attention modules lose their Mesa matmuls / softmax and get their attention
   implementation back (timm ``fused_attn``, the transformers config's ``_attn_implementation``).
@@ -51,6 +51,17 @@ import torch.nn as nn
 # Untie too: a model pickled before the record had its own module finds the record's classes here
 from lowmembp.methods.export_record import (RECORD, ActSwap, AttentionPatch, ExportRecord, NormFold, Untie,  # noqa: F401
                                      _text_config)
+
+def _remove_tiled_mlp(model: nn.Module) -> None:
+    """``tiled-mlp``'s instance-level MLP calls removed (an earlier override they wrapped put back)."""
+    for m in model.modules():
+        d = m.__dict__
+        tiled = d.pop("_lowmembp_tiled_mlp", None)
+        if tiled is not None:
+            d.pop(tiled["attr"], None)
+            if tiled["inner"] is not None:
+                d[tiled["attr"]] = tiled["inner"]
+
 
 __all__ = ["export", "ExportError", "guard_save"]
 
@@ -108,6 +119,7 @@ def export(model: nn.Module, merge_lora: bool = False, inplace: bool = False) ->
     rec: ExportRecord | None = base.__dict__.get(RECORD)
     _remove_tokentune(model)
     _remove_checkpointing(model, base)
+    _remove_tiled_mlp(model)
     deltas: dict[tuple[int, str], tuple[nn.Module, torch.Tensor, torch.Tensor]] = {}
     if rec is not None:
         for f in rec.folds:
@@ -125,8 +137,8 @@ def export(model: nn.Module, merge_lora: bool = False, inplace: bool = False) ->
                           f"older lowmembp, or the modules were placed by hand): export cannot restore the originals")
     model = _finish_lora(model, deltas, merge_lora)
     for m in {id(x): x for x in (model, base, unwrap_peft(model))}.values():
-        for key in (RECORD, "_lowmembp_methods", "lowmembp_report", "_checkpointing", "_mesa_converted",
-                    "_lowmembp_compile", "save_pretrained"):
+        for key in (RECORD, "_lowmembp_methods", "lowmembp_report", "_checkpointing", "_tiled_mlp",
+                    "_mesa_converted", "_lowmembp_compile", "save_pretrained"):
             m.__dict__.pop(key, None)
     return model
 
@@ -475,6 +487,17 @@ def _remove_checkpointing(model: nn.Module, base: nn.Module) -> None:
         base.set_grad_checkpointing(False)
     elif how == "transformers" and hasattr(base, "gradient_checkpointing_disable"):
         base.gradient_checkpointing_disable()
+
+
+def _remove_tiled_mlp(model: nn.Module) -> None:
+    """``tiled-mlp``'s instance-level MLP calls removed (an earlier override they wrapped put back)."""
+    for m in model.modules():
+        d = m.__dict__
+        tiled = d.pop("_lowmembp_tiled_mlp", None)
+        if tiled is not None:
+            d.pop(tiled["attr"], None)
+            if tiled["inner"] is not None:
+                d[tiled["attr"]] = tiled["inner"]
 
 
 __all__ = ["export", "ExportError", "record_fold", "record_act", "record_swap", "record_attention", "guard_save"]

@@ -43,7 +43,8 @@ _HEAD_NAMES = ("head", "classifier", "score")
 @register("lora", "LoRA adapters through peft (rank, alpha, targets; classifier head trainable)",
           options={"rank": 4, "alpha": None, "targets": None, "quantize": None, "double_quant": True}, order=10)
 def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targets=None,
-               quantize: str | None = None, double_quant: bool = True) -> nn.Module:
+               quantize: str | None = None, double_quant: bool = True, *, velora_config=None) -> nn.Module:
+    """``velora_config``: a peft ``VeloraConfig`` (the ``velora`` method, lowmembp.methods.velora), else None."""
     from peft import LoraConfig, get_peft_model
 
     from lowmembp.models import get_layout
@@ -64,7 +65,8 @@ def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targ
         from lowmembp.methods.qlora import check_quantizable
         check_quantizable(model, targets)  # refuse now (meta weights, no bitsandbytes), not after the adapters
     config = LoraConfig(r=rank, lora_alpha=rank if alpha is None else alpha, target_modules=targets,
-                        lora_dropout=0.0, bias="none", modules_to_save=head_modules(layout.base) or None)
+                        lora_dropout=0.0, bias="none", modules_to_save=head_modules(layout.base) or None,
+                        **({"velora_config": velora_config} if velora_config is not None else {}))
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as e:

@@ -96,7 +96,9 @@ def fold_into(module: nn.Module, gamma, beta, where: str = "", shared: set[int] 
         if getattr(module, "merged", False):
             raise RuntimeError(f"{where}: LoRA adapters are merged into the base weight; unmerge them before "
                                f"converting (peft: model.unmerge_adapter())")
-        variants = getattr(module, "lora_variant", {}) or {}
+        # VeLoRA changes only A's backward (a compressed input): it folds as plain LoRA
+        variants = {k: v for k, v in (getattr(module, "lora_variant", {}) or {}).items()
+                    if getattr(v, "__name__", type(v).__name__) != "VeloraLinearVariant"}
         dora = [k for k, v in (getattr(module, "use_dora", {}) or {}).items() if v]
         if variants or dora:
             raise NotImplementedError(f"{where}: LoRA variants ({', '.join(list(variants) or dora)}: DoRA, ...) "

@@ -21,6 +21,9 @@ NOT_ESTIMATED = {
     "compile": "not estimated on fake tensors: torch.compile's memory is what inductor generates, which the "
                "dispatch-mode tracker does not see (measure it on the device)",
     "liger": "needs a GPU: Liger-Kernel's Triton kernels run on CUDA only",
+    "cce": "not estimated on fake tensors: Cut Cross-Entropy's loss runs in Triton kernels (CUDA) or torch.compile, "
+           "which the dispatch-mode tracker does not see (chunked-ce, estimated, also never keeps the full logits; "
+           "measure cce on the device)",
 }
 
 

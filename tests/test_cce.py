@@ -1,0 +1,183 @@
+"""``cce``: Cut Cross-Entropy through the cut-cross-entropy package. On the CPU its torch_compile path runs: the loss
+and every gradient equal the model's own (LLaMA, tied embeddings, Gemma-2's soft-capped logits; ignored labels,
+``num_items_in_batch``), with lora / lowmembp / checkpointing / tiled-mlp as without cce; eval and label-free calls
+untouched; the Triton kernel (impl=cce) refused off CUDA with the reason; excludes chunked-ce and liger; refused for
+models without a causal-LM head. On CUDA (``gpu`` tests): the kernel equals the plain loss and saves the logits."""
+import copy
+
+import pytest
+import torch
+
+import lowmembp
+from peers_common import grads, train_steps
+from tiny_models import build
+
+pytestmark = pytest.mark.slow  # the first torch.compile of the loss takes ~10 s on 2 CPU cores
+
+
+def _batch(inputs, seed=1):
+    ids = inputs(seed)["input_ids"]
+    labels = ids.clone()
+    labels[0, 2] = labels[1, 5] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def _assert_same(ref, out, batch, tol, **extra):
+    """The loss and every gradient of ``out`` equal ``ref``'s (``tol``: relative, of the loss / the largest
+    gradient: several gradients are 0 up to rounding)."""
+    loss_ref, loss_out = ref(**batch, **extra).loss, out(**batch, **extra).loss
+    torch.testing.assert_close(loss_out, loss_ref, rtol=tol, atol=0)
+    loss_ref.backward()
+    loss_out.backward()
+    g_ref, g_out = grads(ref), grads(out)
+    assert g_ref and set(g_ref) == set(g_out)
+    scale = max(g.abs().max().item() for g in g_ref.values())
+    for k in g_ref:
+        torch.testing.assert_close(g_out[k], g_ref[k], rtol=tol, atol=tol * scale)
+
+
+# float64 models: both the model's loss (transformers' ``logits.float()``) and CCE's torch_compile path take the
+# log-softmax in fp32, each in its own order of operations: they agree to fp32's rounding (~1e-7), bound 5e-7.
+FP32_LOGSOFTMAX = 5e-7
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "gemma2"])
+@pytest.mark.parametrize("items", [None, 9])
+def test_loss_and_gradients_equal_the_models_own(name, items):
+    model, inputs = build(name)
+    model.double()
+    ref = copy.deepcopy(model).train()
+    out = lowmembp.apply(model, "cce").train()
+    if name == "gemma2":
+        assert out.config.final_logit_softcapping  # CCE's softcap: the model's own soft-capped logits
+    extra = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
+    _assert_same(ref, out, _batch(inputs), FP32_LOGSOFTMAX, **extra)
+
+
+@pytest.mark.parametrize("spec", ["lora", "lowmembp", "checkpointing", "tiled-mlp", "lora+lowmembp+checkpointing",
+                                  "velora@num_groups=8"])
+def test_composes_as_without_cce(spec):
+    """float64 where the methods allow; lowmembp runs in float32, where the two losses' fp32 roundings meet
+    float32 activations: bound 2e-5 of the largest gradient."""
+    model, inputs = build("llama")
+    fp64 = "lowmembp" not in spec
+    if fp64:
+        model.double()
+    torch.manual_seed(4)
+    ref = lowmembp.apply(copy.deepcopy(model), spec).train()
+    torch.manual_seed(4)
+    out = lowmembp.apply(model, spec + "+cce").train()
+    with torch.no_grad():  # a non-zero LoRA B, the same in both
+        g = torch.Generator().manual_seed(5)
+        for (na, pa), (nb, pb) in zip(ref.named_parameters(), out.named_parameters()):
+            assert na == nb
+            if "lora_B" in na:
+                pa.normal_(0, 0.1, generator=g)
+                pb.copy_(pa)
+    _assert_same(ref, out, _batch(inputs), FP32_LOGSOFTMAX if fp64 else 2e-5)
+
+
+def test_eval_and_label_free_calls_are_the_models_own_and_it_trains():
+    model, inputs = build("llama")
+    ref = copy.deepcopy(model)
+    m = lowmembp.apply(model, "cce").train()
+    batch = _batch(inputs)
+    out = m(**batch)
+    assert out.logits is None and out.loss.requires_grad  # the training loss: no logits
+    with torch.no_grad():
+        torch.testing.assert_close(m(input_ids=batch["input_ids"]).logits, ref(input_ids=batch["input_ids"]).logits)
+        m.eval()
+        ref.eval()
+        a, b = m(**batch), ref(**batch)
+        torch.testing.assert_close(a.logits, b.logits)
+        torch.testing.assert_close(a.loss, b.loss)
+    m.train()
+    losses, moved = train_steps(m, batch, loss=lambda mm, bb: mm(**bb).loss)
+    assert moved and losses[-1] < losses[0]
+
+
+def test_the_triton_kernel_is_refused_off_cuda():
+    model, inputs = build("llama")
+    m = lowmembp.apply(model, "cce@impl=cce").train()
+    with pytest.raises(RuntimeError, match="Triton kernel, which runs on CUDA GPUs only; the tensors are on 'cpu'"):
+        m(**_batch(inputs))
+    with torch.no_grad():  # no training loss: nothing of CCE runs
+        assert m(**_batch(inputs)).logits is not None
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="'cce' cannot be combined with 'chunked-ce'"):
+        lowmembp.apply(build("llama")[0], "cce+chunked-ce")
+    with pytest.raises(ValueError, match="cannot be combined"):
+        lowmembp.apply(build("llama")[0], "liger+cce")
+    for name in ("vit", "bert", "llama_cls"):
+        with pytest.raises(ValueError, match="cce: .* has no causal-LM head"):
+            lowmembp.apply(build(name)[0], "cce")
+    with pytest.raises(ValueError, match="impl must be one of auto, cce, torch_compile"):
+        lowmembp.apply(build("llama")[0], "cce", impl="triton")
+    with pytest.raises(ValueError, match="filter_eps must be"):
+        lowmembp.apply(build("llama")[0], "cce", filter_eps=-1.0)
+    with pytest.raises(ValueError, match="cce: the output embedding .* LoRA adapter on lm_head"):
+        lowmembp.apply(build("llama")[0], "lora+cce", targets="q_proj,lm_head")
+    model = build("gpt2")[0]
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.out_features))
+    with pytest.raises(ValueError, match="has a bias"):
+        lowmembp.apply(model, "cce")
+    assert "cce" in lowmembp.methods()
+
+
+def test_step_peak_is_measured_as_a_compiled_step_on_the_cpu():
+    from lowmembp.peak import measure_step_peak
+
+    model, inputs = build("llama")
+    m = lowmembp.apply(model, "cce").train()
+    batch = _batch(inputs)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+    def step():
+        m(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    peak = measure_step_peak(m, opt, step)
+    assert peak["bytes"] > 0 and "compiled step" in peak["how"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_the_plain_loss_and_keeps_no_logits_on_cuda(dtype):
+    """The Triton kernel with filter_eps='none' equals the model's loss and gradients (fp32: to 1e-5; bf16: the
+    model's own bf16 logits against the kernel's fp32-accumulated blocks, 2e-2), and the step's peak is lower than
+    the plain model's by at least the fp32 logits at a 32k vocabulary."""
+    import transformers
+
+    from lowmembp.peak import measure_step_peak
+
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to("cuda", dtype)
+    ref = copy.deepcopy(model).train()
+    out = lowmembp.apply(model, "cce@filter_eps=none").train()
+    ids = torch.randint(0, 32000, (2, 1024), device="cuda")
+    batch = {"input_ids": ids, "labels": ids}
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    _assert_same(ref, out, batch, tol)
+    peaks = {}
+    for label, m in (("plain", ref), ("cce", out)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+        def step():
+            m(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        peaks[label] = measure_step_peak(m, opt, step)["bytes"]
+    print(f"\ncce on CUDA ({dtype}): step peak plain {peaks['plain']}, cce {peaks['cce']}")
+    assert peaks["plain"] - peaks["cce"] >= ids.numel() * 32000 * 4
+
+
+def test_the_planner_lists_it_as_not_estimated_with_the_reason():
+    from lowmembp.plan.combos import combinations
+
+    combos, skipped = combinations(max_methods=1)
+    assert "cce" not in combos and "Triton kernels (CUDA) or torch.compile" in skipped["cce"]
+    assert {"velora", "tiled-mlp"} <= set(combos)
