@@ -136,7 +136,7 @@ def _long(name, length):
 
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_saved_bytes_and_step_peak_lower_at_a_long_sequence(name):
-    from lowmembp.peak import measure_step_peak
+    from lowmembp.measurement.peak import measure_step_peak
 
     length = 256 if name == "llama" else 40  # tiny BERT has 40 positions
     rows = {}
@@ -194,7 +194,7 @@ def test_tile_lengths():
 
 
 def test_estimated_on_fake_tensors_below_the_plain_model():
-    from lowmembp.estimate import estimate
+    from lowmembp.estimator.step import estimate
 
     saved = {m: estimate("llama_7b", m, batch_size=1, seq_len=256, layers=2)["saved"]["total"]
              for m in ("baseline", "tiled-mlp")}

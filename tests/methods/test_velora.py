@@ -89,7 +89,7 @@ def test_saves_fewer_bytes_than_lora_and_trains(name):
 
 
 def test_each_velora_layer_saves_num_groups_values_per_token():
-    from lowmembp.memory import SavedTensorAccountant
+    from lowmembp.measurement.saved import SavedTensorAccountant
 
     _, velora, batch = _pair("llama")
     with SavedTensorAccountant(velora) as acc:
@@ -163,7 +163,7 @@ def test_export_merges_and_saves_the_adapters(spec, tmp_path):
 
 def test_estimated_on_fake_tensors_below_lora():
     """The planner's estimate (peft on the meta device, a fake step): VeLoRA keeps fewer bytes than LoRA."""
-    from lowmembp.estimate import estimate
+    from lowmembp.estimator.step import estimate
 
     saved = {m: estimate("llama_7b", m, batch_size=1, seq_len=256, layers=2)["saved"]["total"]
              for m in ("lora", "velora")}

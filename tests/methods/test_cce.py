@@ -127,7 +127,7 @@ def test_refusals():
 
 
 def test_step_peak_is_measured_as_a_compiled_step_on_the_cpu():
-    from lowmembp.peak import measure_step_peak
+    from lowmembp.measurement.peak import measure_step_peak
 
     model, inputs = build("llama")
     m = lowmembp.apply(model, "cce").train()
@@ -150,7 +150,7 @@ def test_kernel_equals_the_plain_loss_and_keeps_no_logits_on_cuda(dtype):
     the plain model's by at least the fp32 logits at a 32k vocabulary."""
     import transformers
 
-    from lowmembp.peak import measure_step_peak
+    from lowmembp.measurement.peak import measure_step_peak
 
     cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
