@@ -93,12 +93,27 @@ def test_fig1_official_code_is_measured_and_adds_up(fig1_small):
 def test_headline_small():
     df = run("headline", small=True, rows=("vit_b_lora", "llama_7b", "roberta_base"))
     assert list(df.columns[:3]) == ["model", "paper_saving_pct", "ours_saving_pct"]
-    assert list(df["paper_saving_pct"]) == [27.0, 29.0, 21.0]
+    # one paper value per row, each with its source: Fig. 1 for ViT-B LoRA q/v; the stated summary for LLaMA, RoBERTa
+    assert list(df["paper_saving_pct"]) == [29.0, 29.0, 21.0]
+    assert df["paper_source"][0].startswith("LowMemoryBP Fig. 1: 2717 / 3827 MiB")
+    assert "the paper's stated summary" in df["paper_source"][1] and "−21 % (RoBERTa)" in df["paper_source"][2]
     assert (df["lowmembp_MiB"] < df["baseline_MiB"]).all()
     assert df["ours_saving_pct"].tolist() == pytest.approx((100 * (1 - df["lowmembp_MiB"] / df["baseline_MiB"])).tolist())
     assert df["spec"].str.contains("QLoRA").tolist() == [False, True, False]
     assert df["note"].str.len().gt(20).all()
     assert "from the bf16 build" in df["note"][1]  # QLoRA: the model loaded in bf16, as the official script
+    assert "dropout 0.1" in df["note"][1]
+
+
+def test_headline_our_settings_carry_no_paper_value():
+    """ViT-L LoRA, BERT-large and Swin-T are not settings of the official code: no paper value beside them."""
+    from lowmembp.repro.headline import PAPER_SOURCE, ROWS
+
+    for name in ("vit_l_lora", "bert_large", "swin_t"):
+        assert ROWS[name][4] is None and PAPER_SOURCE[name] is None and "our setting" in ROWS[name][0]
+        assert ROWS[name][5].startswith("ours:")
+    assert set(PAPER_SOURCE) == set(ROWS)
+    assert all(PAPER_SOURCE[n] for n, r in ROWS.items() if r[4] is not None)
 
 
 def test_headline_qlora_delta_is_bf16_to_nf4():
