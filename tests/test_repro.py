@@ -149,6 +149,25 @@ def test_mesa_table_small():
         assert rows.loc["mesa", "saved_for_backward_MiB"] < rows.loc["baseline", "saved_for_backward_MiB"]
 
 
+def test_mesa_table_reports_the_like_for_like_saving():
+    """Mesa rows: the saving against our baseline plus CUDA autocast's fp32 softmax (which the README's run holds and
+    Mesa's int8 softmax does not), beside the plain one; Swin-T's row says it is not like for like."""
+    from lowmembp.repro.mesa_table import cuda_amp_softmax_bytes
+
+    df = run("mesa-table", small=True, models=("deit_ti", "swin_t"))
+    for m, key in (("DeiT-Ti", "deit_ti"), ("Swin-T", "swin_t")):
+        rows = df[df.model == m].set_index("method")
+        amp = cuda_amp_softmax_bytes(key, 2, small=True) / 2**20
+        assert rows.loc["baseline", "cuda_amp_fp32_softmax_MiB"] == pytest.approx(amp) and amp > 0
+        want = 100 * (1 - rows.loc["mesa", "ours_MiB"] / (rows.loc["baseline", "ours_MiB"] + amp))
+        assert rows.loc["mesa", "ours_like_for_like_saving_%"] == pytest.approx(want)
+        assert rows.loc["mesa", "ours_like_for_like_saving_%"] > rows.loc["mesa", "ours_saving_%"]
+    # the counts at paper scale: DeiT 4 bytes x B·H·N² x 12 blocks; Swin-T per stage (windows x heads x depth x 49²)
+    assert cuda_amp_softmax_bytes("deit_b", 128) == 4 * 128 * 12 * 197 ** 2 * 12
+    assert cuda_amp_softmax_bytes("swin_t", 128) == 4 * 128 * (64 * 3 * 2 + 16 * 6 * 2 + 4 * 12 * 6 + 24 * 2) * 49 ** 2
+    assert "window attention" in run("mesa-table", small=True, models=("swin_t",)).attrs["caption"]
+
+
 def test_mesa_table_by_depth_equals_full_depth():
     """DeiT rows extended from 2- and 3-block builds equal the 12-block builds (reduced batch)."""
     kw = dict(batch_size=2, models=("deit_ti",))
@@ -175,6 +194,11 @@ def test_mesa_attribution_small():
     explained = row["ours_sdpa_MiB"] + row["sdpa_to_eager_MiB"] + row["drop_path_MiB"] + row["cuda_amp_fp32_softmax_MiB"]
     assert row["ours_explained_MiB"] == pytest.approx(explained)
     assert row["unexplained_MiB"] == pytest.approx(row["paper_MB"] - explained)
+    # the demo's model EMA: on by default, never built (its ModelEma call commented out): 0, and what it would add
+    assert row["model_ema_MiB"] == 0 and "commented" in row["note"]
+    import timm
+    n = sum(p.numel() for p in timm.create_model("deit_tiny_patch16_224", depth=2, pretrained=False).parameters())
+    assert row["model_ema_if_made_MiB"] == pytest.approx(4 * n / 2**20)
 
 
 def test_tokentune_vs_ckpt_small():
