@@ -57,6 +57,9 @@ def test_fig1_small(fig1_small):
     assert list(df["spec"]) == specs * 2
     assert list(df["setting"]) == ["lora_qv (default)"] * 4 + ["lora_all"] * 4
     assert list(df["paper_MiB"]) == [3827, 1252, 2853, 2717] * 2
+    # the paper's values are of the lora_qv setting: the lora_all rows say so
+    assert df["paper_source"].str.startswith("LowMemoryBP Fig. 1").all()
+    assert list(df["paper_source"].str.contains("not this row's setting")) == [False] * 4 + [True] * 4
     assert (df["ratio"] == df["ours_MiB"] / df["paper_MiB"]).all()
     assert (df["official_ratio"] == df["official_code_MiB"] / df["paper_MiB"]).all()
     for setting, rows in df.groupby("setting"):
