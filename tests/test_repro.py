@@ -105,7 +105,11 @@ def test_headline_small():
     assert df["spec"].str.contains("QLoRA").tolist() == [False, True, False]
     assert df["note"].str.len().gt(20).all()
     assert "from the bf16 build" in df["note"][1]  # QLoRA: the model loaded in bf16, as the official script
-    assert "dropout 0.1" in df["note"][1]
+    assert "dropout 0.1 in official_run_* only" in df["note"][1]
+    # the official run as it holds memory (lowmembp.repro.official_qlora): only the QLoRA row has it
+    assert df["official_run_saving_pct"].notna().tolist() == [False, True, False]
+    assert df["official_run_saving_pct"][1] == pytest.approx(
+        100 * (1 - df["official_run_lowmembp_MiB"][1] / df["official_run_baseline_MiB"][1]))
 
 
 def test_headline_our_settings_carry_no_paper_value():

@@ -17,16 +17,21 @@ reduced batch. LLaMA rows are QLoRA: the model is loaded in bf16 as the official
 linears are stored as bitsandbytes NF4 with double quantisation (:func:`lowmembp.estimate.nf4_weight_bytes`: packed
 4-bit weight N·K/2 bytes + 8-bit absmax per 64 + fp32 per 256 absmax), in place of the bf16 weights the fake-tensor
 build holds (bitsandbytes cannot run on fake tensors); the bf16 compute copy of each weight is a temporary in the
-real run (bitsandbytes' dequantisation), which the bf16 build does not make. As the official run: LoRA dropout 0.1
-(``llama_exp/scripts/finetune_llama_7b.sh:32``: each adapter saves its dropped-out input and mask) and batches up to
-prompt + target, 512 + 128 = 640 tokens (``:9-10``). What the model does not reproduce of the real QLoRA run: that
-dequantised temporary, the bf16 adapters and fp32 norms (``llama_exp/qlora.py:437-442``), and each 4-bit linear's
-saved input as their vendored bitsandbytes keeps it.
+real run (bitsandbytes' dequantisation), which the bf16 build does not make. As the official run: batches up to
+prompt + target, 512 + 128 = 640 tokens (``llama_exp/scripts/finetune_llama_7b.sh:9-10``). Our columns train with
+LoRA dropout 0: PyTorch's dropout on the CPU (where the fake step runs) keeps a mask in the input's dtype, CUDA's fused
+dropout a 1-byte one, so a CPU-run dropout would overstate what a GPU keeps. Beside ours, the ``official_run_*``
+columns hold the same step as the official run holds memory (:mod:`lowmembp.repro.official_qlora`, emulated on fake
+tensors): LoRA dropout 0.1 with CUDA's 1-byte masks (``finetune_llama_7b.sh:32``), bf16 adapters and fp32 norms
+(``llama_exp/qlora.py:437-442``), each 4-bit linear keeping its bf16 input as bitsandbytes does, and the paged
+optimizer's states left out of the peak (``qlora.py:217``: outside ``torch.cuda.max_memory_allocated``). What neither
+reproduces: the dequantised bf16 weight, a temporary of each 4-bit matmul.
 """
 from __future__ import annotations
 
 import pandas as pd
 
+from lowmembp.repro import official_qlora
 from lowmembp.repro._common import MiB
 
 PAPER_BAND = (20.0, 30.0)
@@ -52,12 +57,12 @@ ROWS = {
     "vit_l_lora": ("ViT-L/16 LoRA r4 (q, v) (our setting)", "vit_l16", "lora", {"rank": 4, "targets": "qkv"}, None,
                    "ours: no official ViT-L LoRA config; the ViT-B lora_qv setting", {}),
     "llama_7b": ("LLaMA-7B QLoRA r64 α16 (all linears)", "llama_7b", "lora",
-                 {"rank": 64, "alpha": 16, "dropout": 0.1}, 29.0,
+                 {"rank": 64, "alpha": 16}, 29.0,
                  "llama_exp/scripts/finetune_llama_7b.sh:9-10 (source 512 + target 128), :30-37 (r 64, α 16, "
-                 "dropout 0.1, all, double quant, nf4, bf16), :41 (batch 4)",
+                 "all, double quant, nf4, bf16; dropout 0.1 in official_run_* only), :41 (batch 4)",
                  {"qlora": True, "weights": "bf16", "seq_len": 640}),
     "llama_13b": ("LLaMA-13B QLoRA r64 α16 (all linears)", "llama_13b", "lora",
-                  {"rank": 64, "alpha": 16, "dropout": 0.1}, 29.0,
+                  {"rank": 64, "alpha": 16}, 29.0,
                   "llama_exp/scripts/finetune_llama_13b.sh (as 7B)",
                   {"qlora": True, "weights": "bf16", "seq_len": 640}),
     "roberta_base": ("RoBERTa-base LoRA r64 α16 (query, key)", "roberta_base", "lora",
@@ -116,17 +121,25 @@ def headline(small: bool = False, rows: tuple[str, ...] | None = None) -> pd.Dat
                                                           "intermediate_size": 128})
         run = estimate if (small or key == "swin_t") else estimate_by_depth
         with_ = "lowmembp" if base == "baseline" else f"{base}+lowmembp"
-        peaks = {}
+        peaks, official = {}, {}
         for method in (base, with_):
             est = run(key, method, **kw)
             peaks[method] = est["peak"]["bytes"]
+            if qlora:  # the official run's model and optimizer (lowmembp.repro.official_qlora)
+                with official_qlora.emulated():
+                    off = run(key, method, **kw, dropout=official_qlora.DROPOUT)
+                official[method] = off["peak"]["bytes"] - official_qlora.paged_optimizer_bytes(off)
         delta = (_qlora_delta(key, kw.get("layers") if small else None, kw.get("overrides"), kw.get("weights", "fp32"))
                  if qlora else 0)
         b, w = (peaks[base] - delta) / MiB, (peaks[with_] - delta) / MiB
         ours = 100 * (1 - w / b)
+        ob = (official[base] - delta) / MiB if qlora else None
+        ow = (official[with_] - delta) / MiB if qlora else None
         out.append({"model": label, "paper_saving_pct": paper, "ours_saving_pct": ours,
                     "paper_source": PAPER_SOURCE[name] or "none: not a setting of the paper's official code",
                     "baseline_MiB": b, "lowmembp_MiB": w,
+                    "official_run_saving_pct": 100 * (1 - ow / ob) if qlora else None,
+                    "official_run_baseline_MiB": ob, "official_run_lowmembp_MiB": ow,
                     "band_low_pct": PAPER_BAND[0], "band_high_pct": PAPER_BAND[1],
                     "in_band": bool(PAPER_BAND[0] <= ours <= PAPER_BAND[1]),
                     "spec": f"{base} vs {with_}" + (" (QLoRA NF4 storage)" if qlora else ""),
