@@ -8,7 +8,9 @@ fig1   LowMemoryBP Fig. 1 (DESIGN §3): timm ViT-B/16 (random weights), batch 64
 llama  transformers LLaMA-7B width (hidden 4096, intermediate 11008, 32 heads), 4 layers, batch 4 x seq 640 (the
        official run's longest batch: source 512 + target 128), bf16 autocast, LoRA r64 α16 with dropout 0.1 on all
        linears (experiments/configs/llama-7b-alpaca-lora.yaml; the base in bf16, not NF4: bitsandbytes is not
-       expected on the device): lora, lora+lowmembp, lora+liger, lora+checkpointing.
+       expected on the device): lora, lora+lowmembp, lora+liger, lora+checkpointing. Their estimates run dropout as
+       CUDA does (a 1-byte mask; the CPU dropout of a fake step keeps one of the input's dtype); in the CPU dry run
+       both sides use the CPU's.
 Each model is built once (fp32 weights under autocast, as :func:`lowmembp.estimate.estimate` builds them), warmed up
 right after its build, then the configurations take steps in turn (round-robin), so drifts of clock or temperature
 hit them alike. A step is forward, loss, backward, fused AdamW (lr 1e-4, wd 0.1), ``zero_grad(set_to_none=True)`` —
@@ -265,18 +267,28 @@ def run_steps(ctx, part: str, sink, deadline: float, warmup: int | None = None, 
 
 
 # ------------------------------------------------------------------------------------------------ estimates
-def _estimate_one(cfg: StepConfig) -> dict:
+def _estimate_one(cfg: StepConfig, cuda_dropout: bool = False) -> dict:
+    """lowmembp's estimate of ``cfg``'s step; ``cuda_dropout``: dropout as CUDA runs it (a 1-byte mask, where the CPU
+    dropout of the fake step keeps one of the input's dtype), for the rows measured on a GPU with dropout > 0."""
     import torch
     torch.set_num_threads(max(1, int(os.environ.get("GPU_RUN_EST_THREADS", "2"))))
+    import torch.nn.functional as F
+
     from lowmembp.estimate import estimate
+    from lowmembp.repro.official_qlora import cuda_dropout as cuda_like
     t = time.perf_counter()
     row = dict(config=cfg.config, method=cfg.method)
+    plain_dropout = F.dropout
     try:
+        if cuda_dropout:
+            F.dropout = cuda_like
         est = estimate(cfg.model, cfg.method, batch_size=cfg.batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
                        layers=cfg.layers, overrides=cfg.overrides, **cfg.options)
         row.update(status="ok", estimate_bytes=int(est["peak"]["bytes"]), saved_bytes=int(est["saved"]["total"]))
     except Exception as e:
         row.update(status="no estimate", note=f"{type(e).__name__}: {str(e)[:300]}")
+    finally:
+        F.dropout = plain_dropout
     row["seconds"] = f"{time.perf_counter() - t:.1f}"
     return row
 
@@ -291,14 +303,14 @@ def run_estimates(ctx, sink, deadline: float, workers: int = 1) -> None:
             if time.time() > deadline:
                 sink.write(dict(config=c.config, method=c.method, status="no estimate", note="time limit"))
                 continue
-            r = _estimate_one(c)
+            r = _estimate_one(c, cuda_dropout=not ctx.smoke)
             sink.write(r)
             print(f"  estimate {r['config']} {r['method']}: {r.get('estimate_bytes', r.get('note'))}", flush=True)
         return
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, wait
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
-        futs = {pool.submit(_estimate_one, c): c for c in cfgs}
+        futs = {pool.submit(_estimate_one, c, not ctx.smoke): c for c in cfgs}  # GPU rows: CUDA's dropout
         done, pending = wait(futs, timeout=max(1.0, deadline - time.time()))
         for f in done:
             r = f.result() if f.exception() is None else dict(config=futs[f].config, method=futs[f].method,

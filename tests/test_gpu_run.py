@@ -209,6 +209,20 @@ def test_estimator_error_and_margin():
     assert steps.margin_from(err[1:], alloc, smoke=False, where="test") is None
 
 
+def test_gpu_estimates_run_dropout_as_cuda():
+    """The LLaMA rows train with LoRA dropout 0.1 (the official recipe); their estimates beside a GPU measurement keep
+    CUDA's 1-byte masks (the CPU dropout of a fake step keeps masks of the input's dtype), and F.dropout is put back."""
+    import torch.nn.functional as F
+
+    plain = F.dropout
+    cfg = next(c for c in steps.step_configs(True) if c.part == "llama" and c.method == "lora")
+    assert cfg.options["dropout"] == 0.1 and cfg.seq_len == 16
+    assert next(c for c in steps.step_configs(False) if c.part == "llama").seq_len == 640  # 512 + 128
+    cpu, cuda = steps._estimate_one(cfg), steps._estimate_one(cfg, cuda_dropout=True)
+    assert cpu["status"] == cuda["status"] == "ok" and F.dropout is plain
+    assert int(cuda["saved_bytes"]) < int(cpu["saved_bytes"])
+
+
 def _ctx(tmp_path, smoke=False):
     return gpu_run.Ctx(gpu_run.parse_args(["--out", str(tmp_path / "o"), "--third-party", str(tmp_path / "tp")]
                                           + (["--cpu-smoke"] if smoke else [])))
