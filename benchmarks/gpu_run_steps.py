@@ -1,13 +1,17 @@
 """Parts "fig1", "llama" and "estimates" of benchmarks/gpu_run.py: whole training steps measured by the allocator,
 and lowmembp's fake-tensor estimate of the same steps.
 
-fig1   LowMemoryBP Fig. 1 (DESIGN §3): timm ViT-B/16 (random weights), batch 64, fp16 autocast, LoRA r4 on all
-       linears (qkv, proj, fc1, fc2) and on qkv only (the closest to their "q and v"): lora, lora+checkpointing,
-       lora+mesa-gelu-ln, lora+lowmembp, lora+liger (refused for timm models: recorded so).
-llama  transformers LLaMA-7B width (hidden 4096, intermediate 11008, 32 heads), 4 layers, batch 4 x seq 1024, bf16
-       autocast, LoRA r64 α16 on all linears: lora, lora+lowmembp, lora+liger, lora+checkpointing.
-Each model is built once (fp32 weights under autocast, as :func:`lowmembp.estimator.step.estimate` builds them), warmed
-up
+fig1   LowMemoryBP Fig. 1 (DESIGN §3): timm ViT-B/16 (random weights), batch 64, fp16 autocast, LoRA r4 on qkv only
+       FIRST (Fig. 1's setting, the official lora_qv: q and v, here one adapter on timm's fused qkv;
+       experiments/configs/vit-b16-cifar100-lora-qv.yaml), then on all linears (qkv, proj, fc1, fc2: lora_all):
+       lora, lora+checkpointing, lora+mesa-gelu-ln, lora+lowmembp, lora+liger (refused for timm models: recorded so).
+llama  transformers LLaMA-7B width (hidden 4096, intermediate 11008, 32 heads), 4 layers, batch 4 x seq 640 (the
+       official run's longest batch: source 512 + target 128), bf16 autocast, LoRA r64 α16 with dropout 0.1 on all
+       linears (experiments/configs/llama-7b-alpaca-lora.yaml; the base in bf16, not NF4: bitsandbytes is not
+       expected on the device): lora, lora+lowmembp, lora+liger, lora+checkpointing. Their estimates run dropout as
+       CUDA does (a 1-byte mask; the CPU dropout of a fake step keeps one of the input's dtype); in the CPU dry run
+       both sides use the CPU's.
+Each model is built once (fp32 weights under autocast, as :func:`lowmembp.estimator.step.estimate` builds them), warmed up
 right after its build, then the configurations take steps in turn (round-robin), so drifts of clock or temperature
 hit them alike. A step is forward, loss, backward, fused AdamW (lr 1e-4, wd 0.1), ``zero_grad(set_to_none=True)`` —
 the step the estimate measures, on the batch and loss the estimate builds.
@@ -61,15 +65,15 @@ class StepConfig:
 
 def step_configs(smoke: bool) -> list[StepConfig]:
     out = []
-    for targets, label in ((None, "all"), ("qkv", "qkv")):
+    for targets, label in (("qkv", "qkv"), (None, "all")):  # Fig. 1's setting (lora_qv) first
         for m in FIG1_METHODS:
             out.append(StepConfig("fig1", f"fig1-{label}", "vit_b16", m, {"rank": 4, "targets": targets},
                                   batch_size=2 if smoke else 64, dtype="fp16", layers=2 if smoke else None,
                                   overrides=dict(VIT_SMOKE) if smoke else None,
                                   lora_targets="qkv, proj, fc1, fc2" if targets is None else targets))
     for m in LLAMA_METHODS:
-        out.append(StepConfig("llama", "llama7b-4layers", "llama_7b", m, {"rank": 64, "alpha": 16},
-                              batch_size=2 if smoke else 4, seq_len=16 if smoke else 1024, dtype="bf16",
+        out.append(StepConfig("llama", "llama7b-4layers", "llama_7b", m, {"rank": 64, "alpha": 16, "dropout": 0.1},
+                              batch_size=2 if smoke else 4, seq_len=16 if smoke else 640, dtype="bf16",
                               layers=2 if smoke else 4, overrides=dict(LLAMA_SMOKE) if smoke else None,
                               lora_targets="all linears"))
     return out
@@ -264,18 +268,28 @@ def run_steps(ctx, part: str, sink, deadline: float, warmup: int | None = None, 
 
 
 # ------------------------------------------------------------------------------------------------ estimates
-def _estimate_one(cfg: StepConfig) -> dict:
+def _estimate_one(cfg: StepConfig, cuda_dropout: bool = False) -> dict:
+    """lowmembp's estimate of ``cfg``'s step; ``cuda_dropout``: dropout as CUDA runs it (a 1-byte mask, where the CPU
+    dropout of the fake step keeps one of the input's dtype), for the rows measured on a GPU with dropout > 0."""
     import torch
     torch.set_num_threads(max(1, int(os.environ.get("GPU_RUN_EST_THREADS", "2"))))
+    import torch.nn.functional as F
+
     from lowmembp.estimator.step import estimate
+    from experiments.repro.official_qlora import cuda_dropout as cuda_like
     t = time.perf_counter()
     row = dict(config=cfg.config, method=cfg.method)
+    plain_dropout = F.dropout
     try:
+        if cuda_dropout:
+            F.dropout = cuda_like
         est = estimate(cfg.model, cfg.method, batch_size=cfg.batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
                        layers=cfg.layers, overrides=cfg.overrides, **cfg.options)
         row.update(status="ok", estimate_bytes=int(est["peak"]["bytes"]), saved_bytes=int(est["saved"]["total"]))
     except Exception as e:
         row.update(status="no estimate", note=f"{type(e).__name__}: {str(e)[:300]}")
+    finally:
+        F.dropout = plain_dropout
     row["seconds"] = f"{time.perf_counter() - t:.1f}"
     return row
 
@@ -290,14 +304,14 @@ def run_estimates(ctx, sink, deadline: float, workers: int = 1) -> None:
             if time.time() > deadline:
                 sink.write(dict(config=c.config, method=c.method, status="no estimate", note="time limit"))
                 continue
-            r = _estimate_one(c)
+            r = _estimate_one(c, cuda_dropout=not ctx.smoke)
             sink.write(r)
             print(f"  estimate {r['config']} {r['method']}: {r.get('estimate_bytes', r.get('note'))}", flush=True)
         return
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, wait
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
-        futs = {pool.submit(_estimate_one, c): c for c in cfgs}
+        futs = {pool.submit(_estimate_one, c, not ctx.smoke): c for c in cfgs}  # GPU rows: CUDA's dropout
         done, pending = wait(futs, timeout=max(1.0, deadline - time.time()))
         for f in done:
             r = f.result() if f.exception() is None else dict(config=futs[f].config, method=futs[f].method,

@@ -18,18 +18,25 @@ Measured here (``python -m experiments.repro mesa-attribution``, batch 128): wit
 the README's DeiT-Ti / S / B; the ≈ 22 % left is the same share for all three, so it grows with the activations (it
 is not a fixed cost such as a workspace). What is left (``unexplained_MiB``) is what fake tensors cannot see: the
 CUDA caching allocator's rounding and fragmentation inside ``max_memory_allocated``, cuDNN / cuBLAS workspaces (the
-patch-embedding convolution), the DeiT recipe's model EMA copy (``--model-ema``, ≈ 4 bytes a parameter) and the 2021
-AMP's other casts. One GPU run of the 2021 stack (torch 1.7.1, timm 0.3.2, DeiT-Ti, batch 128) with
-``torch.cuda.memory_snapshot()`` at the peak would settle it.
+patch-embedding convolution) and the 2021 AMP's other casts. One GPU run of the 2021 stack (torch 1.7.1, timm 0.3.2,
+DeiT-Ti, batch 128) with ``torch.cuda.memory_snapshot()`` at the peak would settle it.
+
+- ``model EMA`` (read in the demo's code, counted): the DeiT demo (github HubHop/deit-mesa) turns ``--model-ema`` on by
+  default (``main.py:53`` at c5551a8) but never builds the copy: the ``ModelEma(...)`` call is commented out in every
+  version of ``main.py`` that has it (``main.py:317-323`` at 23d09ce; later versions drop it). So the README's runs
+  hold no EMA weights: ``model_ema_MiB`` is 0 and the unexplained remainder is unchanged by it;
+  ``model_ema_if_made_MiB`` (4 bytes a parameter: timm's ModelEma keeps an fp32 copy on the device) is what it would
+  have added.
 """
 from __future__ import annotations
 
 import pandas as pd
 
 from experiments.repro._common import MiB, ratio
-from experiments.repro.mesa_table import PAPER
+from experiments.repro.mesa_table import HEADS_TOKENS, PAPER
 
-HEADS_TOKENS = {"deit_ti": (3, 197), "deit_s": (6, 197), "deit_b": (12, 197)}  # (heads, tokens incl. class token)
+EMA_SOURCE = ("HubHop/deit-mesa: --model-ema on by default (main.py:53 at c5551a8), the ModelEma(...) call commented "
+              "out (main.py:317-323 at 23d09ce; absent later): no EMA copy in the README's runs")
 
 
 def mesa_attribution(small: bool = False, batch_size: int = 128,
@@ -57,19 +64,26 @@ def mesa_attribution(small: bool = False, batch_size: int = 128,
         drop_path = peak(attention="eager", overrides={"drop_path_rate": 0.1}) - eager
         dropout = peak(attention="eager", overrides={"attn_drop_rate": 1e-6, "proj_drop_rate": 1e-6}) - eager
         softmax_fp32 = 4 * bs * heads * tokens ** 2 * blocks / MiB
-        explained = eager + drop_path + softmax_fp32
+        from lowmembp.estimator.step import MODELS, build
+
+        params = sum(p.numel() for p in build(MODELS[key], layers=kw.get("layers"), device="meta").parameters())
+        model_ema = 0.0  # the demo never builds the copy (EMA_SOURCE)
+        explained = eager + drop_path + softmax_fp32 + model_ema
         rows.append({
             "model": label, "paper_MB": paper, "ours_explained_MiB": explained,
             "ratio": ratio(explained, paper),
             "ours_sdpa_MiB": sdpa, "sdpa_to_eager_MiB": eager - sdpa, "drop_path_MiB": drop_path,
-            "cuda_amp_fp32_softmax_MiB": softmax_fp32,
+            "cuda_amp_fp32_softmax_MiB": softmax_fp32, "model_ema_MiB": model_ema,
             "unexplained_MiB": paper - explained, "unexplained_%": 100 * (paper - explained) / paper,
-            "dropout_p0_MiB": 0.0, "dropout_if_p_gt_0_MiB": dropout,
-            "note": "measured: sdpa→eager, drop-path, dropout p>0; counted: fp32 softmax (4 B·H·N² bytes a block)",
+            "dropout_p0_MiB": 0.0, "dropout_if_p_gt_0_MiB": dropout, "model_ema_if_made_MiB": 4 * params / MiB,
+            "note": "measured: sdpa→eager, drop-path, dropout p>0; counted: fp32 softmax (4 B·H·N² bytes a block); "
+                    f"model EMA 0: {EMA_SOURCE}",
         })
     df = pd.DataFrame(rows)
     df.attrs["caption"] = (
         "Mesa README baselines (PyTorch 1.7.1, batch 128, AMP) against ours: ours_explained_MiB = ours with eager "
         "attention + drop-path + CUDA autocast's fp32 softmax; dropout with p = 0 adds nothing (PyTorch returns the "
-        "input); unexplained_MiB is what fake tensors cannot see (allocator, workspaces, model EMA).")
+        "input); the DeiT demo's model EMA adds nothing (on by default, its ModelEma call commented out: "
+        "model_ema_if_made_MiB is what it would add); unexplained_MiB is what fake tensors cannot see (allocator, "
+        "workspaces).")
     return df

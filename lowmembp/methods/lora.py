@@ -29,7 +29,11 @@ with :func:`lowmembp.estimator.step.nf4_weight_bytes`) and the ``qlora`` extra (
 ``quantize=None`` (default): plain LoRA.
 
 The classification head stays fully trainable (peft ``modules_to_save``): timm ``head``, transformers ``classifier``
-(BERT/RoBERTa) or ``score`` (LLaMA sequence classification). A causal LM's ``lm_head`` stays frozen. LoRA dropout is 0.
+(BERT/RoBERTa) or ``score`` (LLaMA sequence classification). A causal LM's ``lm_head`` stays frozen.
+
+``dropout`` (default 0.0): peft's ``lora_dropout``, on the adapter's input only (the official LowMemoryBP QLoRA
+recipe uses 0.1). With ``dropout > 0`` each adapter saves its own dropped-out copy of the input and a mask, so an
+MS-norm output cannot be shared with it (lowmembp.ops.shared_linear).
 """
 from __future__ import annotations
 
@@ -41,9 +45,11 @@ _HEAD_NAMES = ("head", "classifier", "score")
 
 
 @register("lora", "LoRA adapters through peft (rank, alpha, targets; classifier head trainable)",
-          options={"rank": 4, "alpha": None, "targets": None, "quantize": None, "double_quant": True}, order=10)
+          options={"rank": 4, "alpha": None, "targets": None, "quantize": None, "double_quant": True, "dropout": 0.0},
+          order=10)
 def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targets=None,
-               quantize: str | None = None, double_quant: bool = True, *, velora_config=None) -> nn.Module:
+               quantize: str | None = None, double_quant: bool = True, dropout: float = 0.0, *,
+               velora_config=None) -> nn.Module:
     """``velora_config``: a peft ``VeloraConfig`` (the ``velora`` method, lowmembp.methods.velora), else None."""
     from peft import LoraConfig, get_peft_model
 
@@ -59,13 +65,15 @@ def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targ
         raise ValueError(f"lora: quantize must be None or 'nf4' (QLoRA), got {quantize!r}")
     if not isinstance(double_quant, bool):
         raise ValueError(f"lora: double_quant must be True or False, got {double_quant!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"lora: dropout must be a number in [0, 1), got {dropout!r}")
     layout = get_layout(model)
     targets = resolve_targets(layout, targets)
     if quantize == "nf4":
         from lowmembp.methods.qlora import check_quantizable
         check_quantizable(model, targets)  # refuse now (meta weights, no bitsandbytes), not after the adapters
     config = LoraConfig(r=rank, lora_alpha=rank if alpha is None else alpha, target_modules=targets,
-                        lora_dropout=0.0, bias="none", modules_to_save=head_modules(layout.base) or None,
+                        lora_dropout=float(dropout), bias="none", modules_to_save=head_modules(layout.base) or None,
                         **({"velora_config": velora_config} if velora_config is not None else {}))
     try:
         peft_model = get_peft_model(model, config)

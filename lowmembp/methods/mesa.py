@@ -8,9 +8,13 @@
   transformers with ``attn_implementation="eager"``) and leaves fused / SDPA attention alone (it saves q, k, v, o
   only; turning it into eager attention would add 2 bytes per score); ``"eager"`` switches every ViT / BERT / LLaMA
   attention to the eager path first (Mesa's own setting: DeiT computes attention eagerly); ``"keep"`` never touches
-  attention. Which attention can be reached is the layout's ``attention_style`` (``"timm"``, ``"hf"`` or None):
-  Swin's window attention (relative position bias, shifted-window masks) and attention with soft-capping or its own
-  eager path (Gemma 2/3, GPT-2, ...) are left as they are. Norms in Gemma's ``1 + w`` form are kept.
+  attention. Which attention can be reached is the layout's ``attention_style`` (``"timm"``, ``"hf"`` or None), and
+  timm's Swin ``WindowAttention`` (``timm.models.swin_transformer``): its two matmuls and softmax become Mesa layers
+  grouped per head, the relative position bias and the shifted-window mask added between them exactly, as Mesa's Swin
+  demo does (github HubHop/swin-mesa@3127a98 ``models/swin_transformer.py:110-114``: ``ms.MatMul`` / ``ms.Softmax``
+  with ``quant_groups=num_heads``); ``mesa_attention="keep"`` keeps it exact. Swin V2's cosine attention and
+  attention with soft-capping or its own eager path (Gemma 2/3, GPT-2, ...) are left as they are. Norms in Gemma's
+  ``1 + w`` form are kept.
 - ``mesa-gelu-ln``: only the activations and norms (GELU/SiLU, LayerNorm/RMSNorm) — the variant of the LowMemoryBP
   paper's Figure 1.
 
@@ -146,6 +150,13 @@ def _add_attention_modules(attn: nn.Module, heads: int) -> None:
 def _convert_attention(attn: nn.Module, layout, mode: str) -> int:
     if hasattr(attn, "mesa_qk"):
         return 0
+    if _is_timm_window_attention(attn):  # Swin, as Mesa's Swin demo (see the module doc)
+        if mode == "auto" and getattr(attn, "fused_attn", False):
+            return 0
+        attn.fused_attn = False
+        _add_attention_modules(attn, attn.num_heads)
+        attn.forward = types.MethodType(_timm_window_mesa_forward, attn)
+        return 1
     if layout.attention_style == "timm" and _is_timm_vit_attention(attn):
         if mode == "auto" and getattr(attn, "fused_attn", False):
             return 0
@@ -170,6 +181,30 @@ def _convert_attention(attn: nn.Module, layout, mode: str) -> int:
 
 def _is_timm_vit_attention(attn: nn.Module) -> bool:
     return type(attn).__name__ == "Attention" and type(attn).__module__.startswith("timm") and hasattr(attn, "qkv")
+
+
+def _is_timm_window_attention(attn: nn.Module) -> bool:
+    return (type(attn).__name__ == "WindowAttention" and type(attn).__module__ == "timm.models.swin_transformer"
+            and hasattr(attn, "qkv") and hasattr(attn, "_get_rel_pos_bias"))
+
+
+def _timm_window_mesa_forward(self, x, mask=None):
+    """timm Swin ``WindowAttention.forward``'s eager path with Mesa matmuls and softmax (same order of operations)."""
+    B_, N, _ = x.shape
+    qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    q = q * self.scale
+    attn = self.mesa_qk(q, k.transpose(-2, -1))
+    attn = attn + self._get_rel_pos_bias()
+    if mask is not None:
+        num_win = mask.shape[0]
+        attn = attn.view(-1, num_win, self.num_heads, N, N) + mask.unsqueeze(1).unsqueeze(0)
+        attn = attn.view(-1, self.num_heads, N, N)
+    attn = self.mesa_softmax(attn)
+    attn = self.attn_drop(attn)
+    x = self.mesa_av(attn, v)
+    x = x.transpose(1, 2).reshape(B_, N, -1)
+    return self.proj_drop(self.proj(x))
 
 
 def _timm_mesa_forward(self, x, attn_mask=None, is_causal=False):

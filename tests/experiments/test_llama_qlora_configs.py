@@ -1,5 +1,5 @@
 """Issue #20 item 3: the paper's LLaMA training configs (experiments/configs/llama-{7b,13b}-alpaca-lora.yaml) are QLoRA
-as the paper runs it — NF4 with double quantisation, LoRA r 64, α 16 on all seven linears — and the job takes them:
+as the paper runs it — NF4 with double quantisation, LoRA r 64, α 16, dropout 0.1 on all seven linears — and the job takes them:
 its options read as the registry declares, and on a tiny LLaMA they quantise every targeted linear to NF4."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import yaml
 from experiments.args import ArgError, method_values, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = [ROOT / "experiments" / "configs" / f"llama-{n}-alpaca-lora.yaml" for n in ("7b", "13b")]
+CONFIGS = [ROOT / "experiments" / "configs" / f"llama-{n}.yaml"
+           for n in ("7b-alpaca-lora", "7b-alpaca-lora-lowmembp", "13b-alpaca-lora")]
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -19,7 +20,8 @@ ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def test_the_config_is_qlora_and_the_job_takes_it(path, tmp_path):
     conf = yaml.safe_load(path.read_text())
     opts = method_values(conf["method"], conf["options"])
-    assert opts == {"rank": 64, "alpha": 16, "targets": ALL_LINEARS, "quantize": "nf4", "double_quant": True}
+    assert opts == {"rank": 64, "alpha": 16, "dropout": 0.1, "targets": ALL_LINEARS, "quantize": "nf4",
+                    "double_quant": True}
     header = path.read_text().split("model:")[0]
     assert "QLoRA" in header and "this job does not" not in header  # the stale "QLoRA not wired" text is gone
     # the job reads every option and stops only at the missing LLaMA weights / Alpaca data (not on a setting)
@@ -34,6 +36,7 @@ def test_the_config_options_quantise_a_tiny_llama():
 
     conf = yaml.safe_load(CONFIGS[0].read_text())
     model = lowmembp.apply(_decoder().float(), "lora+checkpointing", **method_values("lora", conf["options"]))
+    assert all(m.lora_dropout["default"].p == 0.1 for m in model.modules() if hasattr(m, "lora_dropout"))
     quantised = {n.rsplit(".", 2)[-2] for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert quantised == set(ALL_LINEARS)
     assert all(m.weight.quant_state.nested for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))

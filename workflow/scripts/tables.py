@@ -1,11 +1,12 @@
 """runs.csv (and the reproductions' CSVs) -> results/tables/<name>.md, .csv and .html.
 
 Every table of the sweep puts ours beside the paper's value: ratios to the method a row is compared with
-(``compared_with``: ``lora+X`` against ``lora``, every other method against ``baseline``, same task, model,
-optimizer and batch size), the papers' ratios from workflow/resources/paper_claims.yaml, and ``ours/paper``. Column
-names say what a number is: ``*_MiB`` / ``*_ms`` / ``*_%`` carry their unit, ``*_ratio_ours`` and ``*_ratio_paper``
-are ratios of this method to ``compared_with`` (below 1: less memory, less time), ``*_ours/paper`` is our ratio over
-the paper's. ``optimizer`` (``--optimizer`` of the training job; adamw where runs.csv predates it) is part of a cell.
+(``compared_with``: ``lora+X`` against ``lora``, every other method against ``baseline``, same task, model and batch
+size), the papers' ratios from workflow/resources/paper_claims.yaml, and ``ours/paper``. A paper's ratio belongs to
+one setting (its models and, for LoRA, its targets; :func:`claim`) and is shown only beside rows of that setting: a
+CPU stand-in, LoRA on other targets or full fine-tuning beside a LoRA-relative ratio get '-'. Column names say what a
+number is: ``*_MiB`` / ``*_ms`` / ``*_%`` carry their unit, ``*_ratio_ours`` and ``*_ratio_paper`` are ratios of
+this method to ``compared_with`` (below 1: less memory, less time), ``*_ours/paper`` is our ratio over the paper's.
 
 - memory: peak and activation memory per cell;
 - speed: step time p50 with its p20–p80 spread; the ratio's spread (p20 / compared p80 … p80 / compared p20) and
@@ -66,12 +67,41 @@ def load_claims(path: Path = CLAIMS) -> dict:
     return yaml.safe_load(Path(path).read_text())
 
 
-def claim(claims: dict, table: str, method: str, model: str) -> tuple[float, str]:
-    fam = claims["families"].get(model)
-    entry = claims.get(table, {}).get(method, {})
-    if fam is None or fam not in entry:
-        return np.nan, ""
-    return float(entry[fam]), entry.get("source", "")
+def _targets_text(v) -> str | None:
+    """A LoRA ``targets`` option as one comparable text: None / NaN -> None, a list (or its JSON) -> "a,b"."""
+    if v is None or (isinstance(v, float) and np.isnan(v)):
+        return None
+    if isinstance(v, str) and v.startswith("["):
+        import json
+
+        try:
+            v = json.loads(v)
+        except ValueError:
+            pass
+    if isinstance(v, (list, tuple)):
+        return ",".join(map(str, v))
+    return ",".join(t.strip() for t in str(v).split(","))
+
+
+def claim(claims: dict, table: str, method: str, model: str, targets=None) -> tuple[float, str]:
+    """The paper's ratio for this row and its source, or (NaN, "") where no paper value belongs to the row's setting:
+    an entry of ``claims[table][plain method]`` whose ``models`` hold ``model`` and, where it names LoRA ``targets``,
+    whose targets are the row's (``targets``: the row's option; one written into the spec wins)."""
+    from lowmembp.methods.registry import plain_spec, spec_options
+
+    try:
+        plain, fixed = plain_spec(method), spec_options(method)
+    except ValueError:  # not a spec (a hand-made row)
+        plain, fixed = method, {}
+    targets = _targets_text(fixed.get("targets", targets))
+    for entry in claims.get(table, {}).get(plain, []):
+        models = entry["models"]
+        if models != "any" and model not in models:
+            continue
+        if "targets" in entry and _targets_text(entry["targets"]) != targets:
+            continue
+        return float(entry["value"]), f"{entry['source']} [setting: {entry['setting']}]"
+    return np.nan, ""
 
 
 def _status(s: pd.Series) -> str:
@@ -85,11 +115,15 @@ def _first(s: pd.Series):
 
 
 def per_cell(runs: pd.DataFrame, value: str, how: str = "mean") -> pd.DataFrame:
-    """One row per (task, model, method, batch size): the value over ok seeds, and the cell's status."""
+    """One row per (task, model, method, batch size): the value over ok seeds, the cell's status and its LoRA
+    ``opt_targets`` (the setting a paper value must match, :func:`claim`) where the runs have that column."""
     ok = runs[runs["status"] == "ok"]
     agg = ok.groupby(KEYS, dropna=False)[value].agg(how).rename(value)
     status = runs.groupby(KEYS, dropna=False)["status"].agg(_status)
-    return pd.concat([status, agg], axis=1).reset_index()
+    parts = [status, agg]
+    if "opt_targets" in runs and value != "opt_targets":
+        parts.append(runs.groupby(KEYS, dropna=False)["opt_targets"].agg(_first))
+    return pd.concat(parts, axis=1).reset_index()
 
 
 OPTIONAL = ("steps", "step_time_p20", "step_time_p80", "samples_per_s", "message", "dtype")
@@ -134,7 +168,8 @@ def _with_notes(df: pd.DataFrame, runs: pd.DataFrame, extra: pd.Series | None = 
 
 def add_paper(df: pd.DataFrame, ours: str, table: str, claims: dict, prefix: str) -> pd.DataFrame:
     """``<prefix>_ratio_ours`` (= df[ours]), ``<prefix>_ratio_paper``, ``<prefix>_ratio_ours/paper``, source."""
-    vals = [claim(claims, table, x, m) for x, m in zip(df["method"], df["model"])]
+    targets = df["opt_targets"] if "opt_targets" in df else [None] * len(df)
+    vals = [claim(claims, table, x, m, t) for x, m, t in zip(df["method"], df["model"], targets)]
     df[f"{prefix}_ratio_ours"] = df[ours]
     df[f"{prefix}_ratio_paper"] = [v for v, _ in vals]
     df[f"{prefix}_ratio_ours/paper"] = df[f"{prefix}_ratio_ours"] / df[f"{prefix}_ratio_paper"]
@@ -226,7 +261,9 @@ def _accuracy_cells(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
     df = pd.concat([g.mean().rename("metric_mean"), g.std(ddof=1).rename("metric_std"),
                     g.min().rename("metric_min"), g.max().rename("metric_max"), g.count().rename("seeds")],
                    axis=1).reset_index()
-    names = ok.groupby(KEYS, dropna=False).agg(metric=("metric_name", _first), steps=("steps", "max")).reset_index()
+    extra = {"opt_targets": ("opt_targets", _first)} if "opt_targets" in ok else {}  # the setting (claim)
+    names = ok.groupby(KEYS, dropna=False).agg(metric=("metric_name", _first), steps=("steps", "max"),
+                                              **extra).reset_index()
     # runs that start from a pre-trained base (--init) record the base's metric before fine-tuning
     before = _metric_before(ok).groupby([ok[k] for k in KEYS], dropna=False).mean()
     names = names.merge(before.rename("metric_before").reset_index(), on=KEYS, how="left")
@@ -321,9 +358,10 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
 RUN_TABLES = {"memory": memory_table, "speed": speed_table, "accuracy": accuracy_table,
               "accuracy_short": accuracy_short_table}
 TITLES = {name: catalogue.RUN_TABLE[name].title for name in RUN_TABLES}
-RATIO_NOTE = ("`compared_with`: the method a ratio divides by (same task, model, optimizer, batch size). "
-              "`*_ratio_ours` = this method / compared_with in our runs, `*_ratio_paper` the same ratio as published, "
-              "`*_ours/paper` ours over the paper's (1 = we reproduce it); '-' = no number.")
+RATIO_NOTE = ("`compared_with`: the method a ratio divides by (same task, model, optimizer, batch size). `*_ratio_ours` = this "
+              "method / compared_with in our runs, `*_ratio_paper` the same ratio as published, `*_ours/paper` ours "
+              "over the paper's (1 = we reproduce it); '-' = no number for this row's setting (a paper value is shown only beside "
+              "rows of the models and LoRA targets it was measured on; workflow/resources/paper_claims.yaml).")
 CAPTIONS = {
     "memory": "Peak device memory of one training step and the activation bytes saved for backward, in MiB "
               "(mean over seeds), and as ratios to `compared_with` (below 1 = the method saves memory). " + RATIO_NOTE,
