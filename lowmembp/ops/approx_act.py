@@ -29,8 +29,10 @@ implementations and registered autograd: ``torch.compile`` treats them as opaque
 interpreter is never traced), FakeTensorMode / meta tensors get the shapes from the fake implementation (paper-scale
 memory estimates; same ``ceil(N·bits/8) + 1`` saved bytes), and double backward works (the backward is linear in dy).
 Backends (``lowmembp.ops.backend.backend_for``): Triton kernels on CUDA tensors (and on CPU tensors under
-``TRITON_INTERPRET=1`` with ``LOWMEMBP_BACKEND=triton``), the PyTorch reference otherwise. Both give bitwise-equal
-codes and gradients; forward outputs agree to fp32 rounding of erf/exp/tanh.
+``TRITON_INTERPRET=1`` with ``LOWMEMBP_BACKEND=triton``), the CPU fast path on CPU tensors (:func:`forward_cpu`,
+:func:`backward_cpu`: the reference's arithmetic in cache-sized blocks, bit for bit equal to it), the PyTorch
+reference otherwise and under ``LOWMEMBP_BACKEND=torch``. All give bitwise-equal codes and gradients; Triton's
+forward outputs agree with the reference's to fp32 rounding of erf/exp/tanh.
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lowmembp.ops.backend import backend_for, check_float_input, refuse_functorch_transforms
+from lowmembp.ops.backend import (CPU_BLOCK, backend_for, check_float_input, cpu_block, cpu_parallel, eager_cpu,
+                               refuse_functorch_transforms)
 from lowmembp.ops.approx_table import REGELU2_A, REGELU2_C, RESILU2_A, RESILU2_C, TABLE
 
 try:  # triton is optional on CPU-only installs; the reference path needs none of it
@@ -56,7 +59,7 @@ __all__ = [
     "KINDS", "BITS", "REGELU2_C", "REGELU2_A", "RESILU2_C", "RESILU2_A", "constants", "slopes",
     "approx_act", "regelu2", "resilu2", "make_approx", "ApproxAct", "ReGELU2", "ReSiLU2",
     "pack_codes", "unpack_codes", "codes_reference", "forward_reference", "backward_reference",
-    "forward_triton", "backward_triton", "saved_bytes",
+    "forward_triton", "backward_triton", "forward_cpu", "backward_cpu", "saved_bytes",
 ]
 
 KINDS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu", "relu2")
@@ -312,6 +315,150 @@ def _bwd_reference(dy: torch.Tensor, packed: torch.Tensor, s32) -> torch.Tensor:
     return dx.to(dy.dtype).reshape(dy.shape)
 
 
+# ------------------------------------------------------------------------------------------------ CPU fast path
+# The reference's arithmetic, bit for bit, with fewer passes over memory: the codes are computed block by block
+# (blocks small enough to stay in the core's cache, so that the several passes a block takes read cache, not
+# memory), the forward output is the native op's (one whole-tensor call, as the reference makes), and the backward
+# looks up four slopes per code byte and multiplies by dy block by block. Eager ATen ops only: no compiler at run
+# time, nothing to build at install, no warm-up. 2-bit codes of the kinds below; everything else (other bit widths,
+# non-finite inputs, big-endian machines) runs the reference.
+_CPU_BLOCK = CPU_BLOCK  # elements per block (a multiple of 64); blocks are spread over threads by cpu_parallel
+_MAGIC = float(1 << 23)  # k + 2^23 (k a small integer) has k in the low mantissa bits of its fp32 encoding
+_LOW_PRECISION_NATIVE = frozenset({"gelu", "silu", "relu"})  # native fp16/bf16 kernels compute in fp32
+
+
+def _scalars(values: tuple) -> list[torch.Tensor]:
+    """0-d fp32 CPU tensors of ``values`` (cached): ops take them without wrapping a Python scalar per call."""
+    key = ("0d", values)
+    if key not in _TABLES:
+        _TABLES[key] = [torch.tensor(v, dtype=torch.float32) for v in values]
+    return _TABLES[key]
+
+
+def _native_act(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The exact activation in x's dtype, equal to the reference's fp32 compute cast back: the same fp32 call for
+    fp32 (and the kinds computed by composition), the native kernel for fp16 / bf16 of kinds whose reduced-precision
+    kernels load to fp32, run the fp32 formula and round once (tests/test_cpu_fastpath.py checks the bits)."""
+    if x.dtype == torch.float32:
+        return _exact_fp32(x, kind)
+    if kind in _LOW_PRECISION_NATIVE:
+        if kind == "gelu":
+            return F.gelu(x)
+        return F.silu(x) if kind == "silu" else torch.relu(x)
+    return _exact_fp32(x.float(), kind).to(x.dtype)
+
+
+def _codes_cpu(flat: torch.Tensor, thresholds, packed: torch.Tensor, sums: torch.Tensor, lo: int, hi: int,
+               with_codes: bool) -> None:
+    """Blocks ``[lo, hi)`` of ``flat`` (a multiple of 4 long): the packed 2-bit codes into ``packed`` and each
+    block's sum (for the finiteness check) into ``sums[start // block]``."""
+    block = cpu_block(_CPU_BLOCK)
+    m = min(block, hi - lo)
+    xs32 = torch.empty(m, dtype=torch.float32) if flat.dtype != torch.float32 else None
+    f0, f1 = torch.empty(m, dtype=torch.float32), torch.empty(m, dtype=torch.float32)
+    u8 = torch.empty(m, dtype=torch.uint8)
+    word = torch.empty(m // 4, dtype=torch.int32)
+    t0, t1, t2, magic = _scalars(tuple(thresholds) + (_MAGIC,))  # 0-d tensors: no scalar wrapping per call
+    for start in range(lo, hi, block):
+        e = min(start + block, hi) - start
+        xs = flat[start:start + e]
+        if xs32 is not None:
+            xs = xs32[:e].copy_(xs)
+        torch.sum(xs, 0, out=sums[start // block])
+        if not with_codes:
+            continue
+        a, b = f0[:e], f1[:e]
+        torch.gt(xs, t0, out=a)  # 1.0 / 0.0 (an fp32 output is the compare's vectorised path; bool is not)
+        torch.gt(xs, t1, out=b)
+        a.add_(b)
+        torch.gt(xs, t2, out=b)
+        a.add_(b).add_(magic)  # the code (0..3), exact, now the low byte of each fp32 encoding
+        u8[:e].copy_(a.view(torch.int32))  # int32 -> uint8 keeps the low byte: the codes as bytes
+        w = word[: e // 4]
+        torch.mul(u8[:e].view(torch.int32), (1 << 24) + (1 << 18) + (1 << 12) + (1 << 6), out=w)  # as the reference
+        w >>= 24
+        packed[start // 4:(start + e) // 4].copy_(w)
+
+
+def _fwd_cpu(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
+    import sys
+    bits = _bits_of(len(thresholds) + 1, "thresholds")
+    if bits != 2 or sys.byteorder != "little" or x.numel() == 0:
+        return _fwd_reference(x, kind, thresholds, with_codes)
+    xc = x.contiguous()
+    y = _native_act(xc, kind)
+    flat = xc.reshape(-1)
+    n = flat.numel()
+    nbytes = (n * bits + 7) // 8
+    packed = torch.empty(nbytes + 1 if with_codes else 0, dtype=torch.uint8, device=x.device)
+    n4 = n - n % 4
+    block = cpu_block(_CPU_BLOCK)
+    sums = torch.zeros(n4 // block + 2, dtype=torch.float32)
+    if n4:
+        cpu_parallel(n4, block, lambda lo, hi: _codes_cpu(flat, thresholds, packed, sums, lo, hi, with_codes),
+                     2 * block)
+    if n4 < n:  # the ragged tail: the reference's own packing
+        tail = flat[n4:].float()
+        sums[-1] = tail.sum()
+        if with_codes:
+            packed[n4 // 4:nbytes] = pack_codes(codes_reference(tail, thresholds), 2)
+    if not bool(torch.isfinite(sums.sum())):  # some input NaN or ±inf (or a finite sum overflowed): the reference
+        return _fwd_reference(x, kind, thresholds, with_codes)
+    if with_codes:
+        packed[nbytes] = 0
+    return y.reshape(x.shape), packed
+
+
+def _slopes_cpu(flat: torch.Tensor, packed: torch.Tensor, table: torch.Tensor, dx: torch.Tensor, lo: int,
+                hi: int) -> None:
+    """Blocks ``[lo, hi)``: ``dx = s[code] · dy`` in fp32, rounded once to dx's dtype."""
+    block = cpu_block(_CPU_BLOCK)
+    m = min(block, hi - lo)
+    s = torch.empty(m, dtype=torch.float32)
+    d32 = torch.empty(m, dtype=torch.float32) if flat.dtype != torch.float32 else None
+    idx = torch.empty(m // 4, dtype=torch.int32)
+    for start in range(lo, hi, block):
+        e = min(start + block, hi) - start
+        i = idx[: e // 4]
+        i.copy_(packed[start // 4:(start + e) // 4])
+        torch.index_select(table, 0, i, out=s[:e].view(torch.complex128))
+        if d32 is None:
+            torch.mul(s[:e], flat[start:start + e], out=dx[start:start + e])
+        else:  # fp32 product, rounded once to dy's dtype (three vectorised passes beat one mixed-dtype pass)
+            dx[start:start + e].copy_(s[:e].mul_(d32[:e].copy_(flat[start:start + e])))
+
+
+def _bwd_cpu(dy: torch.Tensor, packed: torch.Tensor, s32) -> torch.Tensor:
+    bits = _bits_of(len(s32), "slopes")
+    n = dy.numel()
+    nbytes = (n * bits + 7) // 8
+    if bits != 2 or n < 4 or packed.numel() != nbytes + 1:
+        return _bwd_reference(dy, packed, s32)
+    flat = dy.contiguous().reshape(-1)
+    flag = int(packed[nbytes])
+    # the four slopes of each code byte, 16 bytes: one complex128 entry, so that one 1-D gather fetches all four
+    table = _byte_table(tuple(s32), bits, dy.device)[flag].view(torch.complex128).reshape(256)
+    dx = torch.empty(n, dtype=dy.dtype, device=dy.device)
+    n4 = n - n % 4
+    block = cpu_block(_CPU_BLOCK)
+    cpu_parallel(n4, block, lambda lo, hi: _slopes_cpu(flat, packed, table, dx, lo, hi), 2 * block)
+    if n4 < n:
+        tail = unpack_codes(packed[n4 // 4:nbytes], n - n4, bits)
+        dx[n4:] = flat[n4:].float() * _slope_table(tuple(s32), dy.device)[flag][tail.long()]
+    return dx.reshape(dy.shape)
+
+
+def forward_cpu(x: torch.Tensor, kind=_GELU, with_codes: bool = True, bits: int = 2):
+    """CPU fast path of :func:`forward_reference`: the same output and saved bytes, bit for bit."""
+    kind = _kind(kind)
+    return _fwd_cpu(x, kind, _consts32(kind, _bits(bits))[0], with_codes)
+
+
+def backward_cpu(dy: torch.Tensor, packed: torch.Tensor, kind=_GELU, bits: int = 2) -> torch.Tensor:
+    """CPU fast path of :func:`backward_reference`: the same gradient, bit for bit."""
+    return _bwd_cpu(dy, packed, _consts32(_kind(kind), _bits(bits))[1])
+
+
 def forward_reference(x: torch.Tensor, kind=_GELU, with_codes: bool = True, bits: int = 2):
     """Exact activation (fp32 compute, cast back) and, if asked, the saved bytes (packed codes + flag byte)."""
     kind = _kind(kind)
@@ -471,8 +618,11 @@ def backward_triton(dy: torch.Tensor, packed: torch.Tensor, kind=_GELU, bits: in
 def _approx_act_fwd(x: torch.Tensor, kind: str, thresholds: list[float], slopes: list[float],
                     with_codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(exact activation, packed codes + flag byte). ``slopes`` is unused here; the autograd formula reads it."""
-    if backend_for(x) == "triton":
+    backend = backend_for(x)
+    if backend == "triton":
         y, packed = _fwd_triton(x, kind, thresholds, with_codes)
+    elif backend == "cpu":
+        y, packed = _fwd_cpu(x, kind, thresholds, with_codes)
     else:
         y, packed = _fwd_reference(x, kind, thresholds, with_codes)
     return y, packed
@@ -489,8 +639,11 @@ def _(x, kind, thresholds, slopes, with_codes):
 @torch.library.custom_op("lowmembp::approx_act_bwd", mutates_args=())
 def _approx_act_bwd(dy: torch.Tensor, packed: torch.Tensor, slopes: list[float]) -> torch.Tensor:
     """``dx = dy · s[code]`` (slopes fp32-rounded, 2**bits of them)."""
-    if backend_for(dy) == "triton":
+    backend = backend_for(dy)
+    if backend == "triton":
         return _bwd_triton(dy, packed, slopes)
+    if backend == "cpu":
+        return _bwd_cpu(dy, packed, slopes)
     return _bwd_reference(dy, packed, slopes)
 
 
@@ -523,6 +676,25 @@ torch.library.register_autograd("lowmembp::approx_act_fwd", _fwd_backward, setup
 torch.library.register_autograd("lowmembp::approx_act_bwd", _bwd_backward, setup_context=_bwd_setup)
 
 
+class _ApproxActCPU(torch.autograd.Function):
+    """Eager CPU tensors: the CPU fast path without the custom op's dispatch (the same saved bytes and gradient; the
+    backward goes through the custom op when a graph of it is asked for, so double backward works as before)."""
+
+    @staticmethod
+    def forward(ctx, x, kind, t32, s32):
+        y, packed = _fwd_cpu(x.detach(), kind, t32, True)
+        ctx.save_for_backward(packed)
+        ctx.s32 = s32
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (packed,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the custom op, whose own backward is registered
+            return _approx_act_bwd(dy, packed, list(ctx.s32)), None, None, None
+        return _bwd_cpu(dy, packed, ctx.s32), None, None, None
+
+
 # ------------------------------------------------------------------------------------------- functions and modules
 def approx_act(x: torch.Tensor, kind: str = "gelu", bits: int = 2) -> torch.Tensor:
     """Exact ``kind`` activation forward; backward with the ``bits``-bit approximate derivative (codes saved)."""
@@ -531,6 +703,10 @@ def approx_act(x: torch.Tensor, kind: str = "gelu", bits: int = 2) -> torch.Tens
     refuse_functorch_transforms(x, f"approx_act({kind}, bits={bits})", _EXACT[kind])
     t32, s32 = _consts32(kind, bits)
     with_codes = torch.is_grad_enabled() and x.requires_grad
+    if eager_cpu(x):
+        if with_codes:
+            return _ApproxActCPU.apply(x, kind, t32, s32)
+        return _fwd_cpu(x, kind, t32, False)[0]
     return _approx_act_fwd(x, kind, list(t32), list(s32), with_codes)[0]
 
 

@@ -1,8 +1,11 @@
-"""Which implementation an op runs: the Triton kernel or the PyTorch reference.
+"""Which implementation an op runs: the Triton kernel, the CPU fast path or the PyTorch reference.
 
 Rule: Triton for CUDA tensors, the PyTorch reference for everything else. The environment variable
 ``LOWMEMBP_BACKEND`` forces one: ``triton`` (also on CPU tensors, which works only under Triton's interpreter,
-``TRITON_INTERPRET=1`` set before triton is imported) or ``torch``.
+``TRITON_INTERPRET=1`` set before triton is imported), ``torch`` (the reference) or ``cpu``: the CPU fast path (the
+reference's arithmetic in cache-sized blocks, bit for bit equal to it; CPU tensors only). The fast path is opt-in:
+its block temporaries make a real CPU step's peak differ from the reference's (and so from the fake-tensor
+estimate), and it is slower than the reference with two threads (docs/performance/cpu.md).
 """
 from __future__ import annotations
 
@@ -11,16 +14,21 @@ import os
 import torch
 
 SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_VALID = ("triton", "torch", "auto", "")
+_VALID = ("triton", "cpu", "torch", "auto", "")
 
 
 def backend_for(x: torch.Tensor) -> str:
-    """Return ``"triton"`` or ``"torch"`` for an op whose main input is ``x``."""
+    """Return ``"triton"``, ``"cpu"`` or ``"torch"`` for an op whose main input is ``x``."""
     forced = os.environ.get("LOWMEMBP_BACKEND", "").strip().lower()
     if forced not in _VALID:
-        raise ValueError(f"LOWMEMBP_BACKEND={forced!r} is not valid: use 'triton', 'torch' or leave it unset")
+        raise ValueError(f"LOWMEMBP_BACKEND={forced!r} is not valid: use 'triton', 'cpu', 'torch' or leave it unset")
     if forced == "torch":
         return "torch"
+    if forced == "cpu":
+        if x.device.type != "cpu":
+            raise RuntimeError(f"LOWMEMBP_BACKEND=cpu on a {x.device.type} tensor: the CPU fast path runs on CPU "
+                               f"tensors only; unset LOWMEMBP_BACKEND or set it to 'triton' or 'torch'")
+        return "cpu"
     if forced == "triton":
         if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
             raise RuntimeError(
@@ -28,6 +36,17 @@ def backend_for(x: torch.Tensor) -> str:
                 "before triton is imported, or move the tensor to a CUDA device")
         return "triton"
     return "triton" if x.device.type == "cuda" and triton_available() else "torch"
+
+
+def eager_cpu(x: torch.Tensor) -> bool:
+    """True where an op may call its CPU fast path without its ``torch.library`` wrapper (whose dispatch costs some
+    hundred microseconds per forward + backward, more than the op itself on small tensors): a plain CPU tensor (not
+    a FakeTensor or other subclass), in eager mode (not traced by ``torch.compile``), not wrapped by ``torch.func``,
+    with the CPU fast path selected. Everywhere else the custom op runs."""
+    if type(x) is not torch.Tensor or x.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    from torch._C import _functorch as ft
+    return not ft.is_functorch_wrapped_tensor(x) and backend_for(x) == "cpu"
 
 
 def triton_available() -> bool:
@@ -84,3 +103,51 @@ def refuse_functorch_transforms(x: torch.Tensor, op: str, instead: str) -> None:
     if fwAD.unpack_dual(t).tangent is not None:
         raise RuntimeError(f"{op}: forward-mode AD (torch.autograd.forward_ad dual tensors) is not supported by this "
                            f"op; use reverse mode (loss.backward() / torch.autograd.grad), or {instead}.")
+
+
+# The CPU fast paths split their blocks over threads themselves: each block is smaller than ATen's grain (32768
+# elements), so that an op on it runs on the calling thread, and the ranges of blocks go to Python threads (ATen
+# releases the GIL while an op runs). Many short ops each opening an OpenMP region would wait at every region's
+# barrier for a thread the OS has descheduled — on a loaded machine hundreds of times slower.
+CPU_BLOCK = 1 << 15  # elements per block: below ATen's grain size, so that an op on a block stays on its thread
+_POOL: dict = {}
+
+
+def cpu_block(block: int = CPU_BLOCK) -> int:
+    """Elements per block for the calling thread count: ``block`` when the blocks are spread over threads, four
+    times that on one thread (fewer ops, no OpenMP region to open either way)."""
+    return block if torch.get_num_threads() > 1 else 4 * block
+
+
+def _no_grad(work, lo, hi):
+    with torch.no_grad():  # grad mode is per thread: a worker has it on, and the op's body runs without autograd
+        return work(lo, hi)
+
+
+def cpu_parallel(n: int, align: int, work, min_per_thread: int = 2 * CPU_BLOCK) -> None:
+    """Call ``work(lo, hi)`` on consecutive ranges covering ``[0, n)`` (each a multiple of ``align`` long except the
+    last), one range per thread of ``torch.get_num_threads()``, in parallel; re-raise the first error."""
+    threads = max(1, torch.get_num_threads())
+    parts = max(1, min(threads, n // max(min_per_thread, align)))
+    if parts == 1:
+        work(0, n)
+        return
+    step = -(-n // parts)
+    step = -(-step // align) * align
+    ranges = [(s, min(s + step, n)) for s in range(0, n, step)]
+    if len(ranges) == 1:
+        work(0, n)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = _POOL.get(threads)
+    if pool is None:
+        pool = _POOL[threads] = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="lowmembp-cpu")
+    futures = [pool.submit(_no_grad, work, lo, hi) for lo, hi in ranges[1:]]
+    try:
+        work(*ranges[0])
+    finally:
+        errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e

@@ -46,7 +46,12 @@ the
 reference allocates the output only (uint8 codes, or the dequantised tensor), in one piece, as the Triton kernel
 does — no chunk loop, no temporaries.
 
-Backend: Triton on CUDA tensors, the PyTorch reference elsewhere (:func:`lowmembp.ops.backend.backend_for`). Kernels
+CPU fast path (:func:`quantize_cpu`, :func:`dequantize_cpu`, the default on CPU tensors): the reference's arithmetic,
+bit for bit, over cache-sized blocks of whole group rows with each group's scale and β broadcast and the hash in
+32-bit integers; ``LOWMEMBP_BACKEND=torch`` runs the chunked reference instead.
+
+Backend: Triton on CUDA tensors, the CPU fast path on CPU tensors, the PyTorch reference elsewhere
+(:func:`lowmembp.ops.backend.backend_for`). Kernels
 load, cast to fp32, compute, cast back (bf16 arithmetic is never used); fp32, fp16 and bf16 inputs are accepted.
 """
 from __future__ import annotations
@@ -59,7 +64,15 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from lowmembp.ops.backend import backend_for, check_float_input, is_shape_only
+from lowmembp.ops.backend import (
+    CPU_BLOCK,
+    backend_for,
+    check_float_input,
+    cpu_block,
+    cpu_parallel,
+    eager_cpu,
+    is_shape_only,
+)
 
 _WARN_EVERY_CUDA = 64  # a CUDA quantiser checks its skipped-update counter (a device sync) every this many calls
 
@@ -172,12 +185,17 @@ def quantize(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, inner: in
     scale = 255.0 / alpha  # [G], fresh and contiguous
     step = alpha / 255.0
     beta = beta.detach().float().clone()
+    if eager_cpu(x):  # the CPU fast path without the custom op's dispatch
+        codes = quantize_cpu(x.detach().contiguous(), scale, beta, inner, groups, int(seed))
+        return QTensor(codes, step, beta, inner, groups, x.dtype)
     codes = _mesa_quantize_op(x.detach(), scale, beta, inner, groups, seed)
     return QTensor(codes, step, beta, inner, groups, x.dtype)
 
 
 def dequantize(qt: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x̂ = q·step + β`` per group, in ``dtype`` (default: the dtype that was quantised)."""
+    if eager_cpu(qt.codes):  # the CPU fast path without the custom op's dispatch
+        return dequantize_cpu(qt.codes.contiguous(), qt.step, qt.beta, qt.inner, qt.groups, dtype or qt.dtype)
     return _mesa_dequantize_op(qt.codes, qt.step, qt.beta, qt.inner, qt.groups, dtype or qt.dtype)
 
 
@@ -187,8 +205,11 @@ def _mesa_quantize_op(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, 
     """uint8 codes of x (x's shape): Triton or the reference; ``seed`` a 0-d integer tensor (any device)."""
     xc = x.contiguous()
     s = int(seed)  # a CPU tensor: no device synchronisation
-    if backend_for(x) == "triton":
+    backend = backend_for(x)
+    if backend == "triton":
         return _quantize_triton(xc, scale, beta, inner, groups, s)
+    if backend == "cpu":
+        return quantize_cpu(xc, scale, beta, inner, groups, s)
     return quantize_ref(xc, scale, beta, inner, groups, s)
 
 
@@ -201,8 +222,11 @@ def _(x, scale, beta, inner, groups, seed):
 def _mesa_dequantize_op(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
                         dtype: torch.dtype) -> torch.Tensor:
     """``q·step[g] + β[g]`` in ``dtype`` (codes' shape)."""
-    if backend_for(codes) == "triton":
+    backend = backend_for(codes)
+    if backend == "triton":
         return _dequantize_triton(codes.contiguous(), step, beta, inner, groups, dtype)
+    if backend == "cpu":
+        return dequantize_cpu(codes.contiguous(), step, beta, inner, groups, dtype)
     return dequantize_ref(codes.contiguous(), step, beta, inner, groups, dtype)
 
 
@@ -322,6 +346,130 @@ def dequantize_ref(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, 
         n = min(n_chunk, flat.numel() - start)
         g = _group_index(start, n, inner, groups, codes.device)
         out[start:start + n] = (flat[start:start + n].float() * step[g] + beta[g]).to(dtype)
+    return out.reshape(codes.shape)
+
+
+# ------------------------------------------------------------------------------------------------ CPU fast path
+# The reference's arithmetic, bit for bit, with far fewer and cheaper passes: blocks of whole group rows (``inner``
+# consecutive elements share a group) that stay in the core's cache, each group's scale and β broadcast over its row
+# (no per-element index or gather), and the hash in 32-bit integers (wrapping multiplies and adds are the reference's
+# arithmetic modulo 2³²; a masked arithmetic shift is its logical shift), in place in preallocated buffers.
+_CPU_BLOCK = CPU_BLOCK  # elements per block; the blocks are spread over threads by cpu_parallel
+
+
+def _s32(v: int) -> int:
+    """``v`` modulo 2³² as a signed 32-bit value (what an int32 tensor holds for it)."""
+    v &= _MASK32
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def _golden_ramp(m: int) -> torch.Tensor:
+    """``i·0x9E3779B9 mod 2³²`` for i < m (int32): the part of the hash's first step that is the same in every block."""
+    return torch.arange(m, dtype=torch.int32).mul_(_s32(_GOLDEN))
+
+
+def _hash_uniform_into(u: torch.Tensor, h: torch.Tensor, t: torch.Tensor, golden_ramp: torch.Tensor, start: int,
+                       seed: int) -> torch.Tensor:
+    """:func:`hash_uniform` for indices ``start .. start + len(u) - 1`` written into fp32 ``u`` (``h``, ``t``: int32
+    scratch of u's length; ``golden_ramp``: :func:`_golden_ramp` of that length)."""
+    torch.add(golden_ramp, _s32(start * _GOLDEN + (int(seed) & _MASK32)), out=h)
+    for shift, mul in ((16, _H1), (15, _H2), (16, None)):
+        torch.bitwise_right_shift(h, shift, out=t)
+        t.bitwise_and_((1 << (32 - shift)) - 1)  # the arithmetic shift's sign copies cleared: a logical shift
+        h.bitwise_xor_(t)
+        if mul is not None:
+            h.mul_(_s32(mul))
+    torch.bitwise_right_shift(h, 8, out=t)
+    t.bitwise_and_(0xFFFFFF)
+    return u.copy_(t).mul_(2.0 ** -24)
+
+
+def _group_rows(start_row: int, rows: int, groups: int, table: torch.Tensor) -> torch.Tensor:
+    """``table[(start_row + r) % groups]`` for r < rows, as a [rows, 1] column (one group per row of ``inner``)."""
+    g = torch.arange(start_row, start_row + rows) % groups
+    return table.index_select(0, g).reshape(rows, 1)
+
+
+def _blocks(lo: int, hi: int, inner: int, block: int):
+    """(start, rows, row length) of blocks covering ``[lo, hi)``: whole rows of ``inner`` elements (``lo`` a multiple
+    of ``inner``), or pieces of one row where a row is longer than a block."""
+    if inner <= block:
+        step = (block // inner) * inner
+        for s in range(lo, hi, step):
+            e = min(s + step, hi)
+            yield s, (e - s) // inner, inner
+    else:
+        s = lo
+        while s < hi:
+            length = min(block, inner - s % inner, hi - s)
+            yield s, 1, length
+            s += length
+
+
+def _spread(n: int, inner: int, work) -> None:
+    """``work(lo, hi, block)`` over ``[0, n)`` on the threads, the ranges made of whole rows (or of blocks)."""
+    block = cpu_block(_CPU_BLOCK)
+    align = min(inner, block)
+    cpu_parallel(n, align, lambda lo, hi: work(lo, hi, block), 2 * block)
+
+
+def quantize_cpu(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
+                 seed: int) -> torch.Tensor:
+    """CPU fast path of :func:`quantize_ref` (same arguments, the same codes bit for bit)."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    out = torch.empty(flat.shape, dtype=torch.uint8, device=x.device)
+    if is_shape_only(x) or n == 0:
+        return out.reshape(x.shape)
+    scale, beta = scale.float().reshape(-1), beta.float().reshape(-1)
+
+    def work(lo, hi, block):
+        m = min(block, hi - lo)  # every block is at most this long
+        y, u = torch.empty(m, dtype=torch.float32), torch.empty(m, dtype=torch.float32)
+        h, t = torch.empty(m, dtype=torch.int32), torch.empty(m, dtype=torch.int32)
+        ramp = _golden_ramp(m)
+        for s, rows, length in _blocks(lo, hi, inner, block):
+            e = rows * length
+            yb = y[:e].view(rows, length)
+            xb = flat[s:s + e].view(rows, length)
+            row = s // inner
+            if xb.dtype == torch.float32:
+                torch.sub(xb, _group_rows(row, rows, groups, beta), out=yb)
+            else:
+                yb.copy_(xb).sub_(_group_rows(row, rows, groups, beta))  # x in fp32, then x − β
+            yb.mul_(_group_rows(row, rows, groups, scale))  # (x − β)·scale
+            ub = _hash_uniform_into(u[:e], h[:e], t[:e], ramp[:e], s, seed)
+            yb = y[:e].add_(ub).floor_().clamp_(0, 255)
+            out[s:s + e].copy_(yb)
+
+    _spread(n, inner, work)
+    return out.reshape(x.shape)
+
+
+def dequantize_cpu(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """CPU fast path of :func:`dequantize_ref` (same arguments, the same values bit for bit)."""
+    flat = codes.reshape(-1)
+    n = flat.numel()
+    out = torch.empty(flat.shape, dtype=dtype, device=codes.device)
+    if is_shape_only(codes) or n == 0:
+        return out.reshape(codes.shape)
+    step, beta = step.float().reshape(-1), beta.float().reshape(-1)
+
+    def work(lo, hi, block):
+        y = torch.empty(min(block, hi - lo), dtype=torch.float32)
+        for s, rows, length in _blocks(lo, hi, inner, block):
+            e = rows * length
+            yb = y[:e].view(rows, length).copy_(flat[s:s + e].view(rows, length))  # q in fp32
+            row = s // inner
+            yb.mul_(_group_rows(row, rows, groups, step))
+            ob = out[s:s + e].view(rows, length)
+            if dtype == torch.float32:
+                torch.add(yb, _group_rows(row, rows, groups, beta), out=ob)
+            else:
+                ob.copy_(yb.add_(_group_rows(row, rows, groups, beta)))
+
+    _spread(n, inner, work)
     return out.reshape(codes.shape)
 
 

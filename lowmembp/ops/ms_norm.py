@@ -25,9 +25,10 @@ input as given: ``lowmembp.ops.shared_linear.linear_sharing_input`` does (a trai
 saves its own 16-bit copy; a frozen one saves no input).
 
 Backends (``lowmembp.ops.backend.backend_for``): Triton kernels on CUDA tensors (one program per few rows, a block of
-next_power_of_2(N) columns, 64-bit row offsets), the PyTorch reference elsewhere (vectorised: ``native_layer_norm`` /
-``_fused_rms_norm`` on fp32). Rows wider than ``MAX_TRITON_N`` use the
-reference too.
+next_power_of_2(N) columns, 64-bit row offsets), on CPU tensors the CPU fast path (the reference's ops over blocks of
+rows that stay in cache, bit for bit equal to it: ``ms_norm_fwd_cpu`` / ``ms_norm_bwd_cpu``), the PyTorch reference
+elsewhere and under ``LOWMEMBP_BACKEND=torch`` (vectorised: ``native_layer_norm`` / ``_fused_rms_norm`` on fp32).
+Rows wider than ``MAX_TRITON_N`` use the reference too.
 
 The op is a ``torch.library`` custom op (``lowmembp::ms_norm_fwd`` / ``lowmembp::ms_norm_bwd``, fake implementations
 and registered autograd): ``torch.compile`` sees one opaque node (no graph break, ``_fused_rms_norm`` and the Triton
@@ -52,7 +53,8 @@ import math
 import torch
 from torch import nn
 
-from lowmembp.ops.backend import backend_for, check_float_input, refuse_functorch_transforms
+from lowmembp.ops.backend import (CPU_BLOCK, backend_for, check_float_input, cpu_block, cpu_parallel, eager_cpu,
+                               refuse_functorch_transforms)
 
 try:
     import triton
@@ -208,6 +210,90 @@ def ms_norm_bwd_ref(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: 
     return dx.to(dx_dtype)
 
 
+# ------------------------------------------------------------------------------------------------ CPU fast path
+# The reference's arithmetic, bit for bit, over blocks of whole rows small enough to stay in the core's cache: the
+# reference's several passes (casts, products, row sums) then read cache instead of memory, and no full-size fp32
+# temporary is written. Every row is computed by the same ops as in the reference (its statistics do not depend on
+# the other rows of the call), so the results are the same bits (tests/test_cpu_fastpath.py). Rows too wide for a
+# block, strided rows (whose sums ATen orders by the layout), float64 and empty inputs run the reference.
+_CPU_BLOCK = CPU_BLOCK  # elements per block; the blocks are spread over threads by cpu_parallel
+_CPU_MAX_N = CPU_BLOCK  # wider rows: the reference (a block holds at least one row)
+
+
+def _row_block(n: int) -> int:
+    return max(1, cpu_block(_CPU_BLOCK) // n)
+
+
+def _cpu_fast(t: torch.Tensor, n: int) -> bool:
+    return t.dtype in (torch.float32, torch.bfloat16, torch.float16) and t.numel() > 0 and n <= _CPU_MAX_N
+
+
+def ms_norm_fwd_cpu(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype | None = None):
+    """CPU fast path of :func:`ms_norm_fwd_ref` (same signature, same bits)."""
+    _check_kind(kind)
+    out_dtype = out_dtype or x.dtype
+    n = x.shape[-1]
+    if not _cpu_fast(x, n) or (x.dtype == torch.float32 and out_dtype == torch.float32):
+        return ms_norm_fwd_ref(x, kind, eps, out_dtype)  # fp32 in and out: the reference is one native call already
+    if not x.is_contiguous():  # the reference's row statistics of a strided input follow its layout: keep them
+        return ms_norm_fwd_ref(x, kind, eps, out_dtype)
+    x2d = x.reshape(-1, n)
+    rows = x2d.shape[0]
+    y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
+    rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    step = _row_block(n)
+
+    def work(lo, hi):
+        xbuf = torch.empty((min(step, hi - lo), n), dtype=torch.float32) if x.dtype != torch.float32 else None
+        for r in range(lo, hi, step):
+            e = min(r + step, hi)
+            xb = x2d[r:e] if xbuf is None else xbuf[:e - r].copy_(x2d[r:e])  # the reference's x.to(fp32)
+            yb, rb = ms_norm_fwd_ref(xb, kind, eps, torch.float32)  # fp32 in and out: the native call alone
+            y[r:e].copy_(yb)  # the reference's y.to(out_dtype), straight into the output
+            rstd[r:e].copy_(rb)
+
+    cpu_parallel(rows, step, work, 2 * step)
+    return y.reshape(x.shape), rstd
+
+
+def ms_norm_bwd_cpu(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str, dx_dtype: torch.dtype):
+    """CPU fast path of :func:`ms_norm_bwd_ref` (same signature, same bits): its ops, row block by row block."""
+    is_rms = _check_kind(kind)
+    n = y.shape[-1]
+    if not (_cpu_fast(y, n) and g.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and rstd.dtype == torch.float32):
+        return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
+    if not (g.is_contiguous() and y.is_contiguous()):  # strided rows: the reference's sums follow the layout
+        return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
+    g2d, y2d = g.reshape(-1, n), y.reshape(-1, n)
+    rows = y2d.shape[0]
+    r2d = rstd.reshape(rows, 1)
+    dx = torch.empty((rows, n), dtype=dx_dtype, device=y.device)
+    step = _row_block(n)
+
+    def work(lo, hi):
+        m = min(step, hi - lo)
+        buf = torch.empty((m, n), dtype=torch.float32)
+        gbuf = torch.empty((m, n), dtype=torch.float32) if g.dtype != torch.float32 else None
+        ybuf = torch.empty((m, n), dtype=torch.float32) if y.dtype != torch.float32 else None
+        for r in range(lo, hi, step):
+            k = min(step, hi - r)
+            gf = g2d[r:r + k] if gbuf is None else gbuf[:k].copy_(g2d[r:r + k])
+            yf = y2d[r:r + k] if ybuf is None else ybuf[:k].copy_(y2d[r:r + k])
+            b = torch.mul(gf, yf, out=buf[:k])
+            mgy = b.sum(-1, keepdim=True).div_(n)
+            d = torch.addcmul(gf, yf, mgy, value=-1.0, out=b)  # g - y*mean(g*y), as the reference
+            if not is_rms:
+                d.sub_(gf.mean(-1, keepdim=True))
+            if dx_dtype == torch.float32:
+                torch.mul(d, r2d[r:r + k], out=dx[r:r + k])
+            else:
+                dx[r:r + k].copy_(d.mul_(r2d[r:r + k]))
+
+    cpu_parallel(rows, step, work, 2 * step)
+    return dx.reshape(y.shape)
+
+
 def ms_norm_bytes(rows: int, n: int, x_dtype: torch.dtype, y_dtype: torch.dtype, kind: str = "layernorm"):
     """Bytes the kernels move: forward reads x, writes y and rstd; backward reads g, y, rstd and writes dx."""
     _check_kind(kind)
@@ -261,6 +347,8 @@ def _ms_norm_fwd_op(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dty
     with _no_autocast(x):
         if _use_triton(x, x.shape[-1]):
             return ms_norm_fwd_triton(x, kind, eps, out_dtype)
+        if backend_for(x) == "cpu":
+            return ms_norm_fwd_cpu(x, kind, eps, out_dtype)
         return ms_norm_fwd_ref(x, kind, eps, out_dtype)
 
 
@@ -280,6 +368,8 @@ def _ms_norm_bwd_op(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: 
     with _no_autocast(g):
         if _use_triton(g, y.shape[-1]) and rstd.dtype == torch.float32:
             return ms_norm_bwd_triton(g, y, rstd, kind, dx_dtype)
+        if backend_for(g) == "cpu":
+            return ms_norm_bwd_cpu(g, y, rstd, kind, dx_dtype)
         return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
 
 
@@ -317,6 +407,28 @@ torch.library.register_autograd("lowmembp::ms_norm_fwd", _fwd_backward, setup_co
 torch.library.register_autograd("lowmembp::ms_norm_bwd", _bwd_backward, setup_context=_bwd_setup)
 
 
+class _MSNormCPU(torch.autograd.Function):
+    """Eager CPU tensors: the CPU fast path without the custom op's dispatch (the same saved tensors, y itself and
+    rstd, and the same gradient; a graph of the backward goes through the custom op, which refuses double
+    backward as before)."""
+
+    @staticmethod
+    def forward(ctx, x, kind, eps, out_dtype):
+        with _no_autocast(x):
+            y, rstd = ms_norm_fwd_cpu(x.detach(), kind, eps, out_dtype)
+        ctx.save_for_backward(y, rstd)
+        ctx.kind, ctx.x_dtype = kind, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        y, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return _ms_norm_bwd_op(g, y, rstd, ctx.kind, ctx.x_dtype), None, None, None
+        with _no_autocast(g):
+            return ms_norm_bwd_cpu(g, y, rstd, ctx.kind, ctx.x_dtype), None, None, None
+
+
 def _ms_norm(x: torch.Tensor, eps: float, kind: str, op: str, out_dtype: str = "auto") -> torch.Tensor:
     check_float_input(x, op)
     check_out_dtype(out_dtype, op)
@@ -326,7 +438,13 @@ def _ms_norm(x: torch.Tensor, eps: float, kind: str, op: str, out_dtype: str = "
     if not eps >= 0.0:
         raise ValueError(f"{op}: eps must be a non-negative float, got {eps}")
     refuse_functorch_transforms(x, op, "torch.nn.functional." + ("layer_norm" if kind == "layernorm" else "rms_norm"))
-    return _ms_norm_fwd_op(x, kind, eps, _out_dtype(x, out_dtype))[0]
+    dtype = _out_dtype(x, out_dtype)  # read before autocast is switched off for the op itself
+    if eager_cpu(x):
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _MSNormCPU.apply(x, kind, eps, dtype)
+        with _no_autocast(x):
+            return ms_norm_fwd_cpu(x, kind, eps, dtype)[0]
+    return _ms_norm_fwd_op(x, kind, eps, dtype)[0]
 
 
 def ms_layer_norm(x: torch.Tensor, eps: float = 1e-5, out_dtype: str = "auto") -> torch.Tensor:
@@ -402,5 +520,5 @@ class MSRMSNorm(_MSNormBase):
 
 
 __all__ = ["ms_layer_norm", "ms_rms_norm", "MSLayerNorm", "MSRMSNorm", "ms_norm_fwd_triton", "ms_norm_bwd_triton",
-           "ms_norm_fwd_ref", "ms_norm_bwd_ref", "ms_norm_bytes", "KINDS", "MAX_TRITON_N", "OUT_DTYPES",
-           "check_out_dtype"]
+           "ms_norm_fwd_ref", "ms_norm_bwd_ref", "ms_norm_fwd_cpu", "ms_norm_bwd_cpu", "ms_norm_bytes", "KINDS",
+           "MAX_TRITON_N", "OUT_DTYPES", "check_out_dtype"]

@@ -1,0 +1,144 @@
+"""CPU forward+backward of LowMemoryBP's ops and Mesa's 8-bit quantiser against the native ops, with the roofline.
+
+    PYTHONPATH=$PWD python benchmarks/cpu_ops.py                      # every op, fp32 and bf16, 1 and 2 threads
+    PYTHONPATH=$PWD python benchmarks/cpu_ops.py --ops regelu2 --dtypes fp32 --threads 1 --rounds 5
+
+For each op, shape, dtype and thread count it times one forward + backward (``torch.autograd.grad``) of
+
+- ``ours``: the op as dispatched on CPU tensors (the CPU fast path),
+- ``ref``: the PyTorch reference (``LOWMEMBP_BACKEND=torch``), the oracle the fast path equals bit for bit,
+- ``native``: the op it replaces (``F.gelu`` / ``F.silu`` / ``F.layer_norm`` / ``F.rms_norm``, no affine); for
+  Mesa there is no native op: ``native`` is then a plain ``copy_`` of the input into a fresh tensor (the baseline's
+  step does not have these passes at all),
+
+taken in turns in one process (:func:`lowmembp.measurement.timing.time_interleaved`, rotating order) and reports the medians,
+``ours / native`` and ``ref / native``. The machine's copy bandwidth is measured first (a ``copy_`` of a 256 MiB
+tensor, read + write counted); ``bytes`` is what the op must move at least (forward + backward), ``roof ms`` that
+divided by the bandwidth, and ``ours/roof`` how far from the memory limit ours runs. On a shared machine the medians
+move with the load; the ratios, taken in turns, are the figures to read.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from lowmembp.ops.approx_act import regelu2, resilu2
+from lowmembp.ops.mesa_quant import dequantize, draw_seed_tensor, quantize
+from lowmembp.ops.ms_norm import ms_layer_norm, ms_rms_norm
+from lowmembp.measurement.timing import time_interleaved
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# name: (shape, ours, native, kind)
+OPS = {
+    "regelu2": ((8, 197, 3072), regelu2, F.gelu, "act"),
+    "regelu2-llama": ((1, 512, 11008), regelu2, F.gelu, "act"),
+    "resilu2": ((1, 512, 11008), resilu2, F.silu, "act"),
+    "ms-layernorm": ((1576, 768), lambda x: ms_layer_norm(x, 1e-5), lambda x: F.layer_norm(x, x.shape[-1:], eps=1e-5),
+                     "norm"),
+    "ms-rmsnorm": ((512, 4096), lambda x: ms_rms_norm(x, 1e-6), lambda x: F.rms_norm(x, x.shape[-1:], eps=1e-6),
+                   "norm"),
+    "mesa": ((8, 197, 3072), None, None, "mesa"),  # quantise + dequantise, 8 channel groups (a linear's input)
+}
+MESA_GROUPS = 8
+
+
+def copy_bandwidth(rounds: int) -> float:
+    """Bytes per second of a big ``copy_`` (read + write counted), median of ``rounds``."""
+    src = torch.randn(64 << 20)  # 256 MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = time_interleaved({"copy": lambda r: dst.copy_(src)}, rounds=rounds, warmup=1)["copy"]
+    return 2 * src.numel() * 4 / statistics.median(t)
+
+
+def min_bytes(kind: str, n: int, rows: int, es: int) -> tuple[int, int]:
+    """(ours, native) bytes moved by forward + backward at the least (each tensor read or written once)."""
+    if kind == "act":  # ours: x, y | codes (0.25 B/el), dy, dx ; native: x, y | x, dy, dx
+        return 2 * n * es + n // 4 + n // 4 + 2 * n * es, 2 * n * es + 3 * n * es
+    if kind == "norm":  # ours: x, y, rstd | y, g, dx, rstd ; native: x, y, mean/rstd | x, g, dx, mean/rstd
+        return 5 * n * es + 8 * rows, 5 * n * es + 16 * rows
+    return n * es + n + n + n * es, 2 * n * es  # mesa: x, codes | codes, x̂ ; native: a copy of x
+
+
+def case_steps(name: str, dtype: torch.dtype):
+    shape, ours, native, kind = OPS[name]
+    x = (torch.randn(shape) * 3).to(dtype).requires_grad_(kind != "mesa")
+    dy = torch.randn(shape).to(dtype)
+    if kind == "mesa":
+        inner = shape[-1] // MESA_GROUPS
+        mn = x.detach().reshape(-1, MESA_GROUPS, inner).amin(dim=(0, 2)).float()
+        mx = x.detach().reshape(-1, MESA_GROUPS, inner).amax(dim=(0, 2)).float()
+        out = torch.empty_like(x)
+
+        def mesa_step(_r):
+            q = quantize(x, mx - mn, mn, inner, MESA_GROUPS, draw_seed_tensor())
+            return dequantize(q)
+
+        return {"ours": mesa_step, "ref": _as_ref(mesa_step), "native": lambda r: out.copy_(x)}, kind, x.numel(), 1
+
+    def step_of(fn):
+        return lambda _r: torch.autograd.grad(fn(x), x, dy)[0]
+
+    rows = x.numel() // shape[-1]
+    return ({"ours": step_of(ours), "ref": _as_ref(step_of(ours)), "native": step_of(native)}, kind, x.numel(), rows)
+
+
+def _as_ref(step):
+    def run(r):
+        old = os.environ.get("LOWMEMBP_BACKEND")
+        os.environ["LOWMEMBP_BACKEND"] = "torch"
+        try:
+            return step(r)
+        finally:
+            if old is None:
+                del os.environ["LOWMEMBP_BACKEND"]
+            else:
+                os.environ["LOWMEMBP_BACKEND"] = old
+    return run
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds per case (medians are reported)")
+    p.add_argument("--no-ref", action="store_true", help="leave the reference out (faster)")
+    a = p.parse_args(argv)
+    if os.environ.get("LOWMEMBP_BACKEND", "").strip().lower() not in ("", "auto"):
+        p.error("unset LOWMEMBP_BACKEND: ours is the op as dispatched by default")
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs visible; load average {os.getloadavg()}")
+    head = (f"{'op':14s} {'shape':16s} {'dtype':5s} {'thr':>3s} {'native ms':>9s} {'ours ms':>8s} {'ref ms':>8s} "
+            f"{'ours/nat':>8s} {'ref/nat':>8s} {'MB ours':>8s} {'MB nat':>7s} {'roof ms':>7s} {'ours/roof':>9s}")
+    for threads in a.threads:
+        torch.set_num_threads(threads)
+        bw = copy_bandwidth(max(3, a.rounds))
+        print(f"\n{threads} thread(s): copy bandwidth {bw / 1e9:.2f} GB/s (copy_ of 256 MiB, read + write)")
+        print(head)
+        for name in a.ops:
+            for dn in a.dtypes:
+                dtype = DTYPES[dn]
+                steps, kind, n, rows = case_steps(name, dtype)
+                if a.no_ref:
+                    steps.pop("ref")
+                t = time_interleaved(steps, rounds=a.rounds, warmup=1, rotate=True)
+                med = {k: statistics.median(v) for k, v in t.items()}
+                b_ours, b_nat = min_bytes(kind, n, rows, dtype.itemsize)
+                roof = b_ours / bw
+                ref = med.get("ref", float("nan"))
+                shape = "x".join(map(str, OPS[name][0]))
+                print(f"{name:14s} {shape:16s} {dn:5s} {threads:3d} {med['native'] * 1e3:9.2f} {med['ours'] * 1e3:8.2f} "
+                      f"{ref * 1e3:8.2f} {med['ours'] / med['native']:8.2f} {ref / med['native']:8.2f} "
+                      f"{b_ours / 1e6:8.1f} {b_nat / 1e6:7.1f} {roof * 1e3:7.2f} {med['ours'] / roof:9.2f}",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
