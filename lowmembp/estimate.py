@@ -264,7 +264,7 @@ def to_fake_cpu(model: nn.Module) -> nn.Module:
     """``model.to_empty(device="cpu")`` for a meta-device model inside a fake mode, each dense tensor made by
     ``empty_strided`` from its own size and strides (what ``empty_like`` makes of it), not by ``empty_like``, which
     the fake mode runs only after turning the meta tensor into a fake one (half of a LoRA model's build)."""
-    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+    from lowmembp._compat import is_non_overlapping_and_dense as dense
 
     def fresh(t: torch.Tensor) -> torch.Tensor:
         if not dense(t):

@@ -56,9 +56,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lowmembp._backend import backend_for, check_float_input, is_shape_only
+from lowmembp._compat import unset_fake_temporarily
 
 _WARN_EVERY_CUDA = 64  # a CUDA quantiser checks its skipped-update counter (a device sync) every this many calls
 
