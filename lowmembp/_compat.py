@@ -26,7 +26,7 @@ import types
 
 import torch
 
-__all__ = ["TorchDispatchMode", "FakeTensorMode", "FakeTensor", "tree_flatten", "tree_leaves", "storage_key",
+__all__ = ["TorchDispatchMode",  # noqa: F822  (the first five: module __getattr__) "FakeTensorMode", "FakeTensor", "tree_flatten", "tree_leaves", "storage_key",
            "current_graph_task_id", "fused_rms_norm", "is_non_overlapping_and_dense", "is_fake", "detect_fake_mode",
            "unset_fake_temporarily", "top_saved_tensors_hooks", "functorch_unwrap_grad_tracking",
            "lookup_backend", "list_backends", "is_optimized_module", "functorch_config", "reset_compiler",
@@ -287,7 +287,8 @@ def _probe_fast_fake() -> types.SimpleNamespace | None:
         DispatchCacheValidEntry=ft._DispatchCacheValidEntry,
         answer_device=ft._DISPATCH_META_HANDLERS[torch.ops.prim.device.default],
         UNSAFE_VIEW=torch.ops.aten._unsafe_view.default, PROXY=C._TorchDispatchModeKey.PROXY,
-        get_dispatch_mode=C._get_dispatch_mode, get_dispatch_mode_pre_dispatch=torch._ops._get_dispatch_mode_pre_dispatch,
+        get_dispatch_mode=C._get_dispatch_mode,
+        get_dispatch_mode_pre_dispatch=torch._ops._get_dispatch_mode_pre_dispatch,
         get_default_device=C._get_default_device, DisableTorchDispatch=C._DisableTorchDispatch,
         set_conj=C._set_conj, set_neg=C._set_neg, set_throw_on_mutable_data_ptr=C._set_throw_on_mutable_data_ptr,
         set_warn_deprecated_on_mutable_data_ptr=C._set_warn_deprecated_on_mutable_data_ptr,

@@ -142,7 +142,8 @@ class StepFakeMode(FakeTensorMode):
             storage = t.untyped_storage()
             view_idx = None
             if func is _UNSAFE_VIEW:  # a view of its first argument, whatever else it was given
-                if not isinstance(args[0], FakeTensor) or storage_key(args[0].untyped_storage()) != storage_key(storage):
+                if (not isinstance(args[0], FakeTensor)
+                        or storage_key(args[0].untyped_storage()) != storage_key(storage)):
                     return _NO_RECIPE
                 view_idx = 0
             elif storage_key(storage) in inputs or t.storage_offset() != 0 or storage.nbytes() != _dense_bytes(t):

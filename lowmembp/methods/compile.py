@@ -37,7 +37,6 @@ do not run inside a compiled graph, so everything is counted under the kind ``ot
 """
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
 from lowmembp._compat import functorch_config, is_optimized_module, list_backends, lookup_backend
