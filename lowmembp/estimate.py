@@ -109,7 +109,13 @@ def _build(spec, layers, overrides, device, attention):
                 if "swin" in spec.arch:
                     raise ValueError("layers=: Swin's depth is per stage; pass overrides={'depths': (...)} instead")
                 kw["depth"] = layers
-            return timm.create_model(spec.arch, pretrained=False, num_classes=spec.num_classes, **kw)
+            try:
+                return timm.create_model(spec.arch, pretrained=False, num_classes=spec.num_classes, **kw)
+            except RuntimeError as e:  # timm releases whose __init__ reads a value (drop-path rates by .item())
+                if device != "meta" or "meta" not in str(e):
+                    raise
+            with torch.device("cpu"):  # built for real, then moved: the same shapes, more time and memory
+                return timm.create_model(spec.arch, pretrained=False, num_classes=spec.num_classes, **kw).to("meta")
         if spec.family == "hf":
             from lowmembp.hf_config import build_from_config
             return build_from_config(spec.arch, layers=layers, overrides=overrides, attention=attention,
