@@ -159,7 +159,9 @@ def test_rms_norm_fallback_equals_the_fused_kernel(shape, dtype):
 def test_rms_norm_detection_reads_the_schema(monkeypatch):
     _compat._fused_rms_norm_takes_shape.cache_clear()
     try:
-        assert _compat._fused_rms_norm_takes_shape() == hasattr(torch, "_fused_rms_norm")
+        takes_shape = hasattr(torch, "_fused_rms_norm") and isinstance(
+            torch.ops.aten._fused_rms_norm.default._schema.arguments[1].type, torch.ListType)  # torch 2.8: int
+        assert _compat._fused_rms_norm_takes_shape() == takes_shape
         monkeypatch.delattr(torch, "_fused_rms_norm", raising=False)
         _compat._fused_rms_norm_takes_shape.cache_clear()
         assert not _compat._fused_rms_norm_takes_shape()
@@ -270,8 +272,11 @@ def test_saved_tensor_hooks_and_graph_task():
 # ------------------------------------------------------------------------------------ the fake-mode fast path on/off
 def test_fast_fake_switch(monkeypatch):
     from lowmembp.fake_mode import StepFakeMode
-    assert _compat.fast_fake_internals() is not None, "the pinned torch must have the fast path's internals"
     monkeypatch.delenv(_compat.FAST_FAKE_ENV, raising=False)
+    if _compat.fast_fake_internals() is None:  # internals other than expected (torch 2.8: FakeTensor.fake_device)
+        assert torch.__version__ < "2.14", "the pinned torch must have the fast path's internals"
+        assert not _compat.fast_fake_enabled() and not StepFakeMode().fast and not StepFakeMode(fast=True).fast
+        return
     assert _compat.fast_fake_enabled() and StepFakeMode().fast
     monkeypatch.setenv(_compat.FAST_FAKE_ENV, "0")
     assert not _compat.fast_fake_enabled() and not StepFakeMode().fast
@@ -282,6 +287,8 @@ def test_the_probe_refuses_internals_other_than_expected(monkeypatch):
     """A FakeTensor that no longer keeps its device in ``_fake_device`` (as some torch releases do) switches the fast
     path off."""
     from torch._subclasses import fake_tensor as ft
+    if _compat.fast_fake_internals() is None:
+        pytest.skip("this torch's internals already switch the fast path off (test_fast_fake_switch checks that)")
     real_init = ft.FakeTensor.__init__ if "__init__" in vars(ft.FakeTensor) else None
     orig_new = ft.FakeTensor.__new__
 
