@@ -48,7 +48,7 @@ def _step_ms(model, forward, ref, steps: int, budget: float | None = None) -> tu
     forward)``, their steps alternating (the CPU's load changes both alike), after one untimed warm-up of each.
     ``budget``: the activation memory budget in force meanwhile, so that a recompile (BERT: its first call sets
     ``config.problem_type``, a guard of the graph) partitions at the budget measured."""
-    import torch._functorch.config as functorch_config
+    from lowmembp._compat import functorch_config
 
     from lowmembp.measurement.timing import time_interleaved
 
@@ -59,7 +59,7 @@ def _step_ms(model, forward, ref, steps: int, budget: float | None = None) -> tu
         return run
 
     patch = {} if budget is None else {"activation_memory_budget": budget}
-    with functorch_config.patch(**patch):
+    with functorch_config().patch(**patch):
         times = time_interleaved({"model": step(model, forward), "ref": step(*ref)}, rounds=steps)
     for m in (model, ref[0]):
         m.zero_grad(set_to_none=True)
@@ -68,10 +68,10 @@ def _step_ms(model, forward, ref, steps: int, budget: float | None = None) -> tu
 
 def _count(model, forward, budget: float | None = None) -> int:
     from lowmembp.measurement.saved import saved_bytes
-    import torch._functorch.config as functorch_config
+    from lowmembp._compat import functorch_config
 
     torch.manual_seed(0)
-    with functorch_config.patch(**({} if budget is None else {"activation_memory_budget": budget})):
+    with functorch_config().patch(**({} if budget is None else {"activation_memory_budget": budget})):
         nbytes = saved_bytes(model, lambda: forward(model))["total"]
     model.zero_grad(set_to_none=True)
     return nbytes
@@ -91,6 +91,7 @@ def measure_compiled(family: str, method: str, budget: float, seq_len: int, batc
     model, or (``timing_backend``) on a model compiled by the ``compile`` method with that backend at the same
     budget; ``timed_bytes``: the accountant's count of the timed model after its steps (equal to ``bytes`` without
     ``timing_backend``, up to what runs outside the compiled model: ViT's loss)."""
+    from lowmembp._compat import reset_compiler
     from experiments.repro.partitioner_saved import partitioner_saved
 
     model, forward = build(family, seq_len, batch, depth)
@@ -99,7 +100,7 @@ def measure_compiled(family: str, method: str, budget: float, seq_len: int, batc
     rows = partitioner_saved(model, lambda: forward(model), memory_budget=budget)
     out = {"bytes": sum(r["bytes"] for r in rows), "rows": rows}
     if timing_backend is not None:
-        torch._dynamo.reset()
+        reset_compiler()
         model, forward = build(family, seq_len, batch, depth)
         model = convert(model, "compile" if method == "baseline" else f"{method}+compile", memory_budget=budget,
                         compile_backend=timing_backend)

@@ -93,7 +93,7 @@ def measure(family: str, method: str, compiled: bool, seq_len: int = 64, batch: 
     """Saved-for-backward bytes of one training forward of ``method`` on ``family``, eager or compiled."""
     from lowmembp.measurement.saved import saved_bytes
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model, forward = build(family, seq_len, batch, depth)
     if compiled:
         model = convert(model, "compile" if method == "baseline" else f"{method}+compile", k,

@@ -36,7 +36,7 @@ def recording_backend(store: dict):
     """A ``torch.compile`` backend (``aot_eager_decomp_partition`` semantics) that appends each Dynamo graph, its
     forward graph and its backward graph to ``store["dynamo"]``, ``store["forward"]`` and ``store["backward"]``."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
+    from lowmembp._compat import aot_autograd, inductor_decompositions
 
     def keep(kind):
         def compiler(gm, example_inputs):
@@ -45,10 +45,9 @@ def recording_backend(store: dict):
         return compiler
 
     def backend(gm, example_inputs):
-        from torch._inductor.compile_fx import select_decomp_table
         store.setdefault("dynamo", []).append(gm)
         return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                            decompositions=select_decomp_table(),
+                            decompositions=inductor_decompositions(),
                             partition_fn=functools.partial(min_cut_rematerialization_partition,
                                                            compiler="inductor"))(gm, example_inputs)
     return backend
@@ -89,13 +88,13 @@ def partitioner_saved(model: nn.Module, forward, memory_budget: float | None = N
     ``memory_budget``: ``torch._functorch.config.activation_memory_budget`` while partitioning (None: torch's).
     Only this first call runs under it: a later call that recompiles (a guard fails; BERT's first call sets
     ``config.problem_type``) partitions at whatever budget is in force then."""
-    import torch._functorch.config as functorch_config
+    from lowmembp._compat import functorch_config, reset_compiler
 
     store: dict = {}
-    torch._dynamo.reset()
+    reset_compiler()
     model.compile(backend=recording_backend(store), dynamic=False)
     patch = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
-    with functorch_config.patch(**patch):
+    with functorch_config().patch(**patch):
         forward().backward()
     model.zero_grad(set_to_none=True)
     rows: list[dict] = []

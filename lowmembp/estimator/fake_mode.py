@@ -35,18 +35,24 @@ Anything else (symbolic shapes, constants, non-strided or quantized tensors, rea
 callables, SymInts) goes to torch's own code, whole, which also bypasses the cache where torch does.
 ``tests/test_fake_mode.py``: a whole training step gives the same ops with the same output metadata and the same
 storage sharing in both modes, recipes are in use, and a recipe-built tensor is the ``FakeTensor`` torch would build.
+
+All of this is an optimisation over torch's private internals (gathered and checked by
+:func:`lowmembp._compat.fast_fake_internals`). Where they differ from what it expects, or with the environment
+variable ``LOWMEMBP_FAST_FAKE=0``, a ``StepFakeMode`` is torch's ``FakeTensorMode`` unchanged: the same outputs,
+the same estimates to the byte, slower.
 """
 from __future__ import annotations
 
 import torch
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import (_DISPATCH_META_HANDLERS, FakeTensor, FakeTensorConfig, FakeTensorMode,
-                                           _BypassDispatchCache, _CacheKeyState, _DispatchCacheValidEntry)
+from lowmembp._compat import FakeTensor, FakeTensorMode, fast_fake_enabled, fast_fake_internals, storage_key, \
+    tree_leaves
 
 __all__ = ["StepFakeMode", "KEY_MARK", "DEVICE_QUERY", "answer_device", "RECIPES"]
 
 DEVICE_QUERY = torch.ops.prim.device.default
-answer_device = _DISPATCH_META_HANDLERS[DEVICE_QUERY]  # FakeTensorMode.dispatch's own answer to prim.device
+_I = fast_fake_internals()  # torch's private pieces the fast path uses, None where they are not as expected
+# FakeTensorMode.dispatch's own answer to prim.device (None without the fast path)
+answer_device = _I.answer_device if _I is not None else None
 
 KEY_MARK = object()      # first item of the args part of a key in this form
 _FAKE = object()         # tag of a fake tensor's tuple (no plain value can equal it)
@@ -54,8 +60,7 @@ _PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device
 _SEQUENCES = frozenset({tuple, list, torch.Size})
 _STRIDED = torch.strided
 _LAYOUT = torch.Tensor.layout.__get__  # the tensor's own layout, past FakeTensor's Python property
-_PROXY = torch._C._TorchDispatchModeKey.PROXY
-_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+_UNSAFE_VIEW = _I.UNSAFE_VIEW if _I is not None else None
 
 # How a recipe makes one output (see _output): an argument returned as it is (in-place ops), a constant, or a new
 # fake tensor from its metadata (on the storage of argument ``view_idx`` when that is not None)
@@ -72,11 +77,13 @@ class _TorchKey(Exception):
 
 class StepFakeMode(FakeTensorMode):
     """``FakeTensorMode`` with the one-pass cache key, cache hits served from :data:`RECIPES` and ``prim.device``
-    answered directly (module doc); everything else is torch's."""
+    answered directly (module doc); everything else is torch's. ``fast=False`` (or ``LOWMEMBP_FAST_FAKE=0``, or
+    torch internals other than those expected): torch's ``FakeTensorMode`` unchanged."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, fast: bool | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._attrs = None  # what FakeTensor.__new__ puts in a new fake tensor's __dict__ (from the first one made)
+        self.fast = fast_fake_enabled() if fast is None else bool(fast) and _I is not None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return self.dispatch_op(func, types, args, kwargs)
@@ -84,6 +91,8 @@ class StepFakeMode(FakeTensorMode):
     def dispatch_op(self, func, types, args=(), kwargs=None):
         """What ``__torch_dispatch__`` does, callable from a subclass's own ``__torch_dispatch__`` without going
         through this one's ``_disable_dynamo`` wrapper again (torch wraps every mode's ``__torch_dispatch__``)."""
+        if not self.fast:
+            return super().__torch_dispatch__(func, types, args, kwargs)
         if func is DEVICE_QUERY:
             return answer_device(args)
         key = self._recipe_key(func, args, kwargs)
@@ -100,12 +109,12 @@ class StepFakeMode(FakeTensorMode):
     def _recipe_key(self, func, args, kwargs):
         """This mode's key for ``func(*args, **kwargs)``, or None where recipes are not used (module doc)."""
         if (self.shape_env is not None or not self.cache_enabled or self.cache_crosscheck_enabled
-                or FakeTensorConfig.debug or torch._C._get_dispatch_mode(_PROXY) is not None
-                or torch._ops._get_dispatch_mode_pre_dispatch(_PROXY) is not None):
+                or _I.FakeTensorConfig.debug or _I.get_dispatch_mode(_I.PROXY) is not None
+                or _I.get_dispatch_mode_pre_dispatch(_I.PROXY) is not None):
             return None
         try:
             return (func, self._encode(args), self._encode(kwargs) if kwargs else None, torch.get_default_dtype(),
-                    torch._C._get_default_device(), torch.is_inference_mode_enabled())
+                    _I.get_default_device(), torch.is_inference_mode_enabled())
         except _TorchKey:
             return None
 
@@ -113,10 +122,10 @@ class StepFakeMode(FakeTensorMode):
         """The recipe for a call that just ran: from torch's cache entry for it, or, for the two kinds of calls
         torch does not cache, from ``out`` itself; :data:`_NO_RECIPE` where there is neither."""
         try:
-            entry = FakeTensorMode.cache.get(self._cache_key(_CacheKeyState(self.shape_env), func, args, kwargs))
-        except _BypassDispatchCache:
+            entry = FakeTensorMode.cache.get(self._cache_key(_I.CacheKeyState(self.shape_env), func, args, kwargs))
+        except _I.BypassDispatchCache:
             entry = None
-        if isinstance(entry, _DispatchCacheValidEntry):
+        if isinstance(entry, _I.DispatchCacheValidEntry):
             return _from_entry(entry)
         if func is _UNSAFE_VIEW or _own_functional_op(func):
             return self._from_output(func, args, out)
@@ -124,7 +133,7 @@ class StepFakeMode(FakeTensorMode):
 
     def _from_output(self, func, args, out):
         outs = out if isinstance(out, tuple) else (out,)
-        inputs = [a.untyped_storage()._cdata for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+        inputs = [storage_key(a.untyped_storage()) for a in tree_leaves(args) if isinstance(a, torch.Tensor)]
         made = []
         for t in outs:
             if (not isinstance(t, FakeTensor) or t.fake_mode is not self or t.constant is not None
@@ -133,10 +142,11 @@ class StepFakeMode(FakeTensorMode):
             storage = t.untyped_storage()
             view_idx = None
             if func is _UNSAFE_VIEW:  # a view of its first argument, whatever else it was given
-                if not isinstance(args[0], FakeTensor) or args[0].untyped_storage()._cdata != storage._cdata:
+                if (not isinstance(args[0], FakeTensor)
+                        or storage_key(args[0].untyped_storage()) != storage_key(storage)):
                     return _NO_RECIPE
                 view_idx = 0
-            elif storage._cdata in inputs or t.storage_offset() != 0 or storage.nbytes() != _dense_bytes(t):
+            elif storage_key(storage) in inputs or t.storage_offset() != 0 or storage.nbytes() != _dense_bytes(t):
                 return _NO_RECIPE
             made.append((_TENSOR, view_idx, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, _LAYOUT(t),
                          t.fake_device, t.requires_grad, t.is_conj(), t.is_neg()))
@@ -156,13 +166,13 @@ class StepFakeMode(FakeTensorMode):
         if kind == _CONSTANT:
             return o[1]
         _, view_idx, shape, stride, offset, dtype, layout, device, requires_grad, conj, neg = o
-        with torch._C._DisableTorchDispatch():
+        with _I.DisableTorchDispatch():
             elem = torch.empty_strided(shape, stride, dtype=dtype, layout=layout, device="meta",
                                        requires_grad=requires_grad)
             if conj:
-                torch._C._set_conj(elem, True)
+                _I.set_conj(elem, True)
             if neg:
-                torch._C._set_neg(elem, True)
+                _I.set_neg(elem, True)
             if view_idx is not None:
                 elem.set_(args[view_idx].untyped_storage(), offset, shape, stride)
         return self._fake(elem, device)
@@ -171,23 +181,26 @@ class StepFakeMode(FakeTensorMode):
         """``FakeTensor(self, elem, device)`` for a meta ``elem`` and a device torch has normalised already."""
         if self._attrs is None:
             self._attrs = dict(vars(FakeTensor(self, elem, device)))
-        t = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
-                                        device_for_backend_keys=device)
+        t = _I.make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
+                             device_for_backend_keys=device)
         if not self._allow_unsafe_data_ptr_access:
-            torch._C._set_throw_on_mutable_data_ptr(t)
+            _I.set_throw_on_mutable_data_ptr(t)
         else:
-            torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
+            _I.set_warn_deprecated_on_mutable_data_ptr(t)
         attrs = t.__dict__
         attrs.update(self._attrs)
         attrs["_fake_device"] = device
         return t
 
     # -- the key ---------------------------------------------------------------------------------------------
-    def _prep_args_for_hash(self, result, args, state, id_hashed_objects):
+    def _prep_args_for_hash(self, *a, **kw):
+        if not self.fast:  # torch's own, whatever its signature
+            return super()._prep_args_for_hash(*a, **kw)
+        result, args = a[0], a[1]
         try:
             encoded = self._encode(args)
         except _TorchKey:
-            return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
+            return super()._prep_args_for_hash(*a, **kw)
         result.append(KEY_MARK)
         result.append(encoded)
 
@@ -210,7 +223,7 @@ class StepFakeMode(FakeTensorMode):
         raise _TorchKey
 
 
-def _from_entry(entry: _DispatchCacheValidEntry):
+def _from_entry(entry):
     """A recipe from torch's cache entry: the same outputs its ``_output_from_cache_entry`` makes."""
     outs = []
     for info in entry.output_infos:

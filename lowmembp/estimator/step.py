@@ -110,7 +110,13 @@ def _build(spec, layers, overrides, device, attention):
                 if "swin" in spec.arch:
                     raise ValueError("layers=: Swin's depth is per stage; pass overrides={'depths': (...)} instead")
                 kw["depth"] = layers
-            return timm.create_model(spec.arch, pretrained=False, num_classes=spec.num_classes, **kw)
+            try:
+                return timm.create_model(spec.arch, pretrained=False, num_classes=spec.num_classes, **kw)
+            except RuntimeError as e:  # timm releases whose __init__ reads a value (drop-path rates by .item())
+                if device != "meta" or "meta" not in str(e):
+                    raise
+            with torch.device("cpu"):  # built for real, then moved: the same shapes, more time and memory
+                return timm.create_model(spec.arch, pretrained=False, num_classes=spec.num_classes, **kw).to("meta")
         if spec.family == "hf":
             from lowmembp.estimator.hf_config import build_from_config
             return build_from_config(spec.arch, layers=layers, overrides=overrides, attention=attention,
@@ -275,7 +281,7 @@ def to_fake_cpu(model: nn.Module) -> nn.Module:
     """``model.to_empty(device="cpu")`` for a meta-device model inside a fake mode, each dense tensor made by
     ``empty_strided`` from its own size and strides (what ``empty_like`` makes of it), not by ``empty_like``, which
     the fake mode runs only after turning the meta tensor into a fake one (half of a LoRA model's build)."""
-    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+    from lowmembp._compat import is_non_overlapping_and_dense as dense
 
     def fresh(t: torch.Tensor) -> torch.Tensor:
         if not dense(t):

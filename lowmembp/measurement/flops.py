@@ -16,7 +16,7 @@ in torch's counter: a FLOP ratio is a compute-bound estimate, not a step time.
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from lowmembp._compat import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 __all__ = ["step_flop_counter"]

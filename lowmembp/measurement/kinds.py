@@ -30,6 +30,8 @@ import re
 
 import torch.nn as nn
 
+from lowmembp._compat import batch_norm_types, conv_types
+
 KINDS = ("act", "norm", "attention", "linear", "product", "other")
 
 # When one storage is saved by several ops (an MS-norm output that is also the next linear's input, an attention
@@ -43,9 +45,9 @@ _LINEAR_NAME = re.compile(r"(linear\w{0,8}|conv1d|conv2d)$", re.I)
 _ATTN_NAME = re.compile(r"attention|attn$", re.I)
 _MLP_NAME = re.compile(r"(mlp|feedforward|ffn|glu)$", re.I)
 _NOT_ACT = ("Softmax", "Softmin", "LogSoftmax", "Softmax2d", "MultiheadAttention", "Identity")
-_NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, nn.LocalResponseNorm,
+_NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, *batch_norm_types(), nn.LocalResponseNorm,
                getattr(nn, "RMSNorm", nn.LayerNorm))
-_LINEAR_TYPES = (nn.Linear, nn.modules.conv._ConvNd, nn.Bilinear)
+_LINEAR_TYPES = (nn.Linear, *conv_types(), nn.Bilinear)
 
 
 def module_kind(module: nn.Module) -> str | None:

@@ -45,8 +45,7 @@ import torch
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from lowmembp._compat import TorchDispatchMode, current_graph_task_id, storage_key, tree_flatten
 
 # DEVICE_QUERY answers a tensor's device (most ops on fake tensors: autograd and autocast asking): no storage, no
 # FLOPs, so the trackers pass it straight through (here and lowmembp.plan.steps)
@@ -86,7 +85,7 @@ class StorageTracker(TorchDispatchMode):
         """Count ``t``'s storage under ``category`` (re-tag it if already counted)."""
         st = _storage(t) if isinstance(t, torch.Tensor) else None
         if st is not None:
-            self._count(st, st._cdata, category)
+            self._count(st, storage_key(st), category)
 
     def _count(self, st, key: int, category: str) -> None:
         """Count storage ``st`` (``key``: its address, what ``StorageWeakRef(st).cdata`` is) under ``category``."""
@@ -207,7 +206,7 @@ class StorageTracker(TorchDispatchMode):
         """Track the storages of an op's outputs that are not tracked yet (activations, or temporaries)."""
         if self._in_opt:
             cat = "temporaries"
-        elif torch._C._current_graph_task_id() != -1:
+        elif current_graph_task_id() != -1:
             cat = "temporaries"
         else:
             cat = "activations"
@@ -219,14 +218,14 @@ class StorageTracker(TorchDispatchMode):
             outs = tree_flatten(out)[0]
         for t in outs:
             st = _storage(t) if isinstance(t, torch.Tensor) else None
-            if st is not None and st._cdata not in self._live:
-                self._count(st, st._cdata, cat)
+            if st is not None and storage_key(st) not in self._live:
+                self._count(st, storage_key(st), cat)
 
     @staticmethod
     def _key(t):
         """The address of ``t``'s storage (``StorageWeakRef(storage).cdata``), or None where it has none."""
         st = _storage(t)
-        return None if st is None else st._cdata
+        return None if st is None else storage_key(st)
 
 
 def _storage(t: torch.Tensor):

@@ -28,7 +28,7 @@ def _dtype_of(m: nn.Module):
 
 
 def _is_real(m: nn.Module) -> bool:
-    from torch._guards import detect_fake_mode
+    from lowmembp._compat import detect_fake_mode
 
     if detect_fake_mode() is not None:  # inside a FakeTensorMode (estimates): new tensors are fake, values unreadable
         return False

@@ -38,9 +38,9 @@ do not run inside a compiled graph, so everything is counted under the kind ``ot
 """
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
+from lowmembp._compat import functorch_config, is_optimized_module, list_backends, lookup_backend
 from lowmembp.methods.registry import register
 
 ATTR = "_lowmembp_compile"
@@ -60,10 +60,10 @@ def apply_compile(model: nn.Module, memory_budget: float | None = None,
         raise ValueError(f"compile: compile_backend must be a torch.compile backend name such as 'inductor', "
                          f"got {compile_backend!r}")
     try:
-        inner = torch._dynamo.lookup_backend(compile_backend)
+        inner = lookup_backend(compile_backend)
     except Exception as e:
         raise ValueError(f"compile: unknown compile_backend {compile_backend!r}; valid names: "
-                         f"{', '.join(torch._dynamo.list_backends())}") from e
+                         f"{', '.join(list_backends())}") from e
     if is_compiled(model):
         raise RuntimeError("compile: this model is already compiled (apply 'compile' once, last)")
     info = {"memory_budget": memory_budget, "backend": compile_backend, "graphs": 0}
@@ -84,8 +84,7 @@ class _BudgetBackend:
         self.info["graphs"] += 1
         if self.memory_budget is None:
             return self.inner(gm, example_inputs)
-        import torch._functorch.config as functorch_config
-        with functorch_config.patch(activation_memory_budget=self.memory_budget):
+        with functorch_config().patch(activation_memory_budget=self.memory_budget):
             return self.inner(gm, example_inputs)
 
 
@@ -97,7 +96,7 @@ def compile_info(model: nn.Module) -> dict | None:
 def is_compiled(model: nn.Module) -> bool:
     """True when ``model`` or one of its submodules runs through ``torch.compile`` (this method,
     ``nn.Module.compile`` or a ``torch.compile(model)`` wrapper)."""
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    if is_optimized_module(model):
         return True
     return any(getattr(m, "_compiled_call_impl", None) is not None or ATTR in m.__dict__
-               or isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules())
+               or is_optimized_module(m) for m in model.modules())

@@ -124,9 +124,9 @@ def convert(model: nn.Module, *, acts: bool = True, norms: bool = True, share_lo
 
     lay = get_layout(model)
     _refuse_twice(lay.base, acts, norms)
-    from torch._subclasses.fake_tensor import FakeTensor
-    verify = verify and not any(p.is_meta or isinstance(p, FakeTensor) for p in lay.base.parameters()) \
-        and torch._guards.detect_fake_mode() is None
+    from lowmembp._compat import detect_fake_mode, is_fake
+    verify = verify and not any(p.is_meta or is_fake(p) for p in lay.base.parameters()) \
+        and detect_fake_mode() is None
     _refuse_dtype(lay.base)
     report = {"family": lay.family, "origin": lay.origin, "norms": [], "kept": [], "acts": [], "skipped_acts": [],
               "sites": []}

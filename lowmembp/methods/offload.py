@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from lowmembp._compat import top_saved_tensors_hooks
 from lowmembp.methods.registry import register
 
 
@@ -134,7 +135,7 @@ class Offloader:
     # -- one forward ------------------------------------------------------------------------------------------------
     def hooks(self):
         """Enter at the start of the offloaded forward: remember the outer hooks and the parameters' storages."""
-        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self._outer = top_saved_tensors_hooks()
         model = self.model_ref()
         self._skip = set()
         if model is not None:
@@ -276,7 +277,7 @@ class _NoOffloadForward:
 
     def __call__(self, *args, **kwargs):
         fn = self.inner or functools.partial(type(self.module).forward, self.module)
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer = top_saved_tensors_hooks()
         if not torch.is_grad_enabled() or outer is None or not isinstance(getattr(outer[0], "__self__", None),
                                                                           Offloader):
             return fn(*args, **kwargs)

@@ -299,7 +299,9 @@ class BertFamily(Family):
         _, k, v = prep
         hr = take(h, rows.idx)
         q = _heads(a.query(hr), a.attention_head_size)
-        o = sdpa(a, q, k, v, rows.mask, a.dropout.p if a.training else 0.0, a.scaling)
+        # transformers < 5 keeps no ``scaling`` on BERT's attention: the same 1/sqrt(head size) its forward uses
+        scaling = getattr(a, "scaling", a.attention_head_size ** -0.5)
+        o = sdpa(a, q, k, v, rows.mask, a.dropout.p if a.training else 0.0, scaling)
         att = block.attention.output(_merge_heads(o), hr)
         return block.feed_forward_chunk(att)
 

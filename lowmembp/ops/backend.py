@@ -45,8 +45,9 @@ def eager_cpu(x: torch.Tensor) -> bool:
     with the CPU fast path selected. Everywhere else the custom op runs."""
     if type(x) is not torch.Tensor or x.device.type != "cpu" or torch.compiler.is_compiling():
         return False
-    from torch._C import _functorch as ft
-    return not ft.is_functorch_wrapped_tensor(x) and backend_for(x) == "cpu"
+    from lowmembp._compat import functorch_unwrap_grad_tracking
+    inner, grad_tracking = functorch_unwrap_grad_tracking(x)
+    return inner is x and not grad_tracking and backend_for(x) == "cpu"
 
 
 def triton_available() -> bool:
@@ -76,11 +77,8 @@ def is_shape_only(x: torch.Tensor) -> bool:
     """
     if x.device.type == "meta":
         return True
-    try:
-        from torch._subclasses.fake_tensor import is_fake
-    except Exception:  # pragma: no cover - very old torch
-        return False
-    return bool(is_fake(x))
+    from lowmembp._compat import is_fake
+    return is_fake(x)
 
 
 def refuse_functorch_transforms(x: torch.Tensor, op: str, instead: str) -> None:
@@ -90,15 +88,13 @@ def refuse_functorch_transforms(x: torch.Tensor, op: str, instead: str) -> None:
     A no-op under ``torch.compile`` (Dynamo/AOTAutograd trace the op's fake implementation, not this check)."""
     if torch.compiler.is_compiling():
         return
-    from torch._C import _functorch as ft
-    t = x
-    while ft.is_functorch_wrapped_tensor(t):
-        if ft.is_gradtrackingtensor(t):
-            raise RuntimeError(
-                f"{op}: torch.func gradient transforms (grad, vjp, jacrev, jvp, jacfwd, hessian) are not supported "
-                f"by this op (its backward is registered for ordinary autograd only). Use loss.backward() / "
-                f"torch.autograd.grad, or {instead} inside the transform.")
-        t = ft.get_unwrapped(t)
+    from lowmembp._compat import functorch_unwrap_grad_tracking
+    t, grad_tracking = functorch_unwrap_grad_tracking(x)
+    if grad_tracking:
+        raise RuntimeError(
+            f"{op}: torch.func gradient transforms (grad, vjp, jacrev, jvp, jacfwd, hessian) are not supported "
+            f"by this op (its backward is registered for ordinary autograd only). Use loss.backward() / "
+            f"torch.autograd.grad, or {instead} inside the transform.")
     import torch.autograd.forward_ad as fwAD
     if fwAD.unpack_dual(t).tangent is not None:
         raise RuntimeError(f"{op}: forward-mode AD (torch.autograd.forward_ad dual tensors) is not supported by this "

@@ -62,7 +62,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lowmembp.ops.backend import (
     CPU_BLOCK,
@@ -73,6 +72,7 @@ from lowmembp.ops.backend import (
     eager_cpu,
     is_shape_only,
 )
+from lowmembp._compat import unset_fake_temporarily
 
 _WARN_EVERY_CUDA = 64  # a CUDA quantiser checks its skipped-update counter (a device sync) every this many calls
 

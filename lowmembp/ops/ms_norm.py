@@ -55,6 +55,7 @@ from torch import nn
 
 from lowmembp.ops.backend import (CPU_BLOCK, backend_for, check_float_input, cpu_block, cpu_parallel, eager_cpu,
                                refuse_functorch_transforms)
+from lowmembp._compat import fused_rms_norm
 
 try:
     import triton
@@ -185,11 +186,8 @@ def ms_norm_fwd_ref(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dty
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     if not is_rms:
         y, _, rstd = torch.native_layer_norm(xf, [n], None, None, eps)
-    elif hasattr(torch, "_fused_rms_norm"):
-        y, rstd = torch._fused_rms_norm(xf, [n], None, eps)
-    else:  # pragma: no cover - older torch
-        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-        y = xf * rstd
+    else:  # torch's fused kernel where it has the expected signature, else the same math in plain ops
+        y, rstd = fused_rms_norm(xf, eps)
     return y.to(out_dtype), rstd.reshape(n_rows)
 
 

@@ -114,6 +114,11 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
     budget = parse_bytes(gpu_memory)
     mg = margin_of(margin, reserved, margin_file=margin_file)
     capacity = (budget - mg["reserved_bytes"]) / (1 + mg["fraction"])
+    for name, size in [(gpu_memory, budget)] + [(g, parse_bytes(g)) for g in more_gpus or []]:
+        if size <= mg["reserved_bytes"]:
+            raise ValueError(f"GPU memory {name} ({size / 2**20:.1f} MiB) is not larger than the reserve for the CUDA "
+                             f"context and workspaces ({mg['reserved_bytes'] / 2**20:.1f} MiB): no tensor would fit. "
+                             f"Give the GPU's real memory, or a smaller reserve (--reserved / reserved=).")
     shallow, blocks, depth_note = _depth_mode(spec, overrides, depth)
     if combos is not None:
         skipped = {}

@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None, start_method: str | None = None) -> int:
     print(p.to_json() if a.json else p.table())
     if a.csv:
         p.to_csv(a.csv)
+    if not any(r["status"] == "ok" for r in p.rows):
+        reasons = sorted({f"{r['label']}: {r.get('reason') or r['status']}" for r in p.rows})
+        print("error: nothing could be estimated:\n  " + "\n  ".join(reasons or ["no combination was run"]),
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -64,8 +64,8 @@ class RecordingFakeMode(StepFakeMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is DEVICE_QUERY:  # answered at once, as StepFakeMode does
-            return answer_device(args)
+        if func is DEVICE_QUERY:  # answered at once, as StepFakeMode does (torch's own answer without its fast path)
+            return answer_device(args) if self.fast else self.dispatch_op(func, types, args, kwargs)
         kwargs = kwargs or {}
         if self.observer is None or self._depth:
             return self.dispatch_op(func, types, args, kwargs)

@@ -159,7 +159,7 @@ def test_cli_prints_table_json_and_csv(tiny_config, tmp_path, capsys):
     from lowmembp.plan.__main__ import main
 
     args = ["--model", str(tiny_config), "--batch-size", "2", "--seq-len", "16", "--gpu-memory", "4MiB",
-            "--methods", "checkpointing", "--jobs", "1", "--runs", str(REFERENCE_RUNS)]
+            "--methods", "checkpointing", "--jobs", "1", "--runs", str(REFERENCE_RUNS), "--reserved", "0"]
     assert main(args + ["--csv", str(tmp_path / "plan.csv")]) == 0
     out = capsys.readouterr().out
     assert "What fits" in out and "checkpointing" in out and "Where the figures come from" in out
@@ -240,6 +240,7 @@ def test_progress_bar_counts_every_combination(monkeypatch):
 
     monkeypatch.setattr(sys.modules["lowmembp.plan"], "Bar", Recorder)
     p = make_plan("bert_large", batch_size=2, gpu_memory="8MiB", methods=["checkpointing", "lora"], progress="bar",
+                  reserved=0,
              **BERT)
     assert seen["n"] == len(p.rows) == seen["total"][-1] == 4 and seen["closed"]
 
@@ -328,7 +329,7 @@ def test_optimizer_axis_rows_are_estimates_with_that_optimizer(tiny_config, caps
     with pytest.raises(ValueError, match="unknown optimizer"):
         make_plan("bert_large", batch_size=3, optimizer="sgd", **BERT)
     from lowmembp.plan.__main__ import main
-    args = ["--model", str(tiny_config), "--batch-size", "2", "--seq-len", "16", "--gpu-memory", "4MiB",
+    args = ["--model", str(tiny_config), "--batch-size", "2", "--seq-len", "16", "--gpu-memory", "4MiB", "--reserved", "0",
             "--methods", "checkpointing", "--jobs", "1", "--optimizer", "adamw8bit", "--json"]
     assert main(args) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -69,7 +69,7 @@ def test_workers_from_a_fork_server_and_forked_from_the_command_line_agree(tmp_p
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 56,
         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 61,
         "max_position_embeddings": 64}))
-    kw = dict(batch_size=2, seq_len=16, gpu_memory="4MiB", methods=["checkpointing", "lora"])
+    kw = dict(batch_size=2, seq_len=16, gpu_memory="4MiB", methods=["checkpointing", "lora"], reserved=0)
     keep = ("label", "status", "peak_bytes", "largest_batch", "flops", "rank")
 
     def rows(p):
@@ -79,7 +79,7 @@ def test_workers_from_a_fork_server_and_forked_from_the_command_line_agree(tmp_p
     served = rows(make_plan(str(tmp_path), jobs=2, start_method="forkserver", **kw).rows)
     cli = subprocess.run([sys.executable, "-m", "lowmembp.plan", "--model", str(tmp_path), "--batch-size", "2",
                           "--seq-len", "16", "--gpu-memory", "4MiB", "--methods", "checkpointing,lora", "--jobs", "2",
-                          "--json"], capture_output=True, text=True, timeout=600)
+                          "--reserved", "0", "--json"], capture_output=True, text=True, timeout=600)
     assert cli.returncode == 0, cli.stderr
     forked = rows(json.loads(cli.stdout)["rows"])
     assert one == served == forked and len(one) == 4

@@ -2,6 +2,7 @@
 # (tables, figures, reproductions, notebooks) is listed once, in workflow/catalogue.py; the sweep's cells, command
 # lines and the check of the config against the training job are in workflow/sweep_config.py.
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -14,6 +15,10 @@ import sweep_config  # noqa: E402
 
 R = config["results"].rstrip("/")
 PY = config.get("python") or sys.executable
+# experiments/ (the training job, tasks, records) runs from this checkout, not from the installed wheel: this process
+# and the training jobs (PY_JOB) find it first on their path
+sys.path.insert(1, str(Path(workflow.basedir)))
+PY_JOB = f"PYTHONPATH={shlex.quote(str(workflow.basedir))}${{PYTHONPATH:+:$PYTHONPATH}} {shlex.quote(PY)}"
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 RECORD = f"{R}/runs/{{task}}/{{model}}/{{method}}/bs{{bs}}/seed{{seed}}.json"
 BASE = f"{R}/bases/{{base}}.safetensors"

@@ -20,7 +20,7 @@ rule base:
         f"{R}/benchmarks/bases/{{base}}.tsv"
     params:
         args=base_args,
-        py=PY,
+        py=PY_JOB,
     threads: config["threads_per_run"]
     priority: 10  # first: the cells that start from it wait for it
     conda:
@@ -42,7 +42,7 @@ rule train:
         f"{R}/benchmarks/train/{{task}}/{{model}}/{{method}}/bs{{bs}}/seed{{seed}}.tsv"
     params:
         args=train_args,
-        py=PY,
+        py=PY_JOB,
         runner=SCRIPTS / "run_cell.py",
     threads: config["threads_per_run"]
     resources:
