@@ -1,7 +1,7 @@
 """Parts "fig1", "llama" and "estimates" of benchmarks/gpu_run.py: whole training steps measured by the allocator,
 and lowmembp's fake-tensor estimate of the same steps.
 
-fig1   LowMemoryBP Fig. 1 (DESIGN §3): timm ViT-B/16 (random weights), batch 64, fp16 autocast, LoRA r4 on all
+fig1   LowMemoryBP Fig. 1 (docs/design.md#papers): timm ViT-B/16 (random weights), batch 64, fp16, LoRA r4 on all
        linears (qkv, proj, fc1, fc2) and on qkv only (the closest to their "q and v"): lora, lora+checkpointing,
        lora+mesa-gelu-ln, lora+lowmembp, lora+liger (refused for timm models: recorded so).
 llama  transformers LLaMA-7B width (hidden 4096, intermediate 11008, 32 heads), 4 layers, batch 4 x seq 1024, bf16

@@ -63,7 +63,7 @@ def write_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
     fig1 = _rows(out / "fig1.csv")
     if fig1:
         lines += ["## Fig. 1: ViT-B/16, batch 64, fp16 autocast, LoRA r4 (fig1.csv)", "",
-                  "Paper: LowMemoryBP Fig. 1 (their ViT and LoRA code, one GPU; DESIGN §3)."
+                  "Paper: LowMemoryBP Fig. 1 (their ViT and LoRA code, one GPU; docs/design.md#papers)."
                   + (" Dry run: tiny model, no timing." if smoke else ""), ""]
         lines += _table(["LoRA on", "method", "status", "peak MiB", "peak vs lora", "img/s", "speed vs lora",
                          "paper MiB", "paper img/s", "note"],
