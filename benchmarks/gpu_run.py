@@ -1,4 +1,4 @@
-"""The GPU evidence run (issue #12): one command on one GPU writes every measurement into one folder.
+"""The GPU evidence run: one command on one GPU writes every measurement into one folder.
 
     bash benchmarks/prepare_gpu_run.sh                       # once, here: fills the git-ignored third_party/
     python benchmarks/gpu_run.py --out results/gpu/          # on the GPU machine (benchmarks/gpu_run.sh wraps it)

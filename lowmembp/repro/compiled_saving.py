@@ -1,5 +1,5 @@
 """Eager vs compiled: saved-for-backward bytes of every method on small ViT / BERT / LLaMA, and how much of each
-method's saving survives ``torch.compile`` (issue 14).
+method's saving survives ``torch.compile``.
 
     df = compiled_saving()                      # python -m lowmembp.repro compiled-saving   (~3 CPU-minutes)
     df = compiled_saving(small=True)            # 1 block, L = 16: every method × family, ~2 CPU-min
