@@ -4,8 +4,8 @@ Every ```python block runs as written, each in a fresh interpreter (so a block t
 test process alone), from the repository root. What changes, and why (nothing else is touched):
 
 - a block that continues from a model the text describes (``model.save_pretrained(out)``, the measuring tools) gets
-  a tiny prelude that makes those names (CONTEXTS below, keyed by the block's first line): a 1-layer LLaMA from a
-  transformers config, a small MLP; the block's own lines run unchanged after it;
+  a tiny prelude that makes those names (CONTEXTS below, keyed by text of the block's first line): a 1-layer LLaMA
+  from a transformers config, a small MLP; the block's own lines run unchanged after it;
 - pretrained weights are not downloaded (no network at test time): ``pretrained=True`` becomes ``pretrained=False``
   and ViT-B/16 becomes ViT-Ti/16 (same code path, 20x fewer parameters);
 - ``estimate("llama_7b", ...)`` builds 1 block at 32 tokens instead of 32 blocks at 512.
@@ -57,10 +57,10 @@ def step():
     loss_fn(model(x), y).backward()
 """
 
-# first line of a block -> the prelude that makes the names it continues from
+# a block whose first line contains the key -> the prelude that makes the names it continues from
 CONTEXTS = {
     "model.save_pretrained(out)": TINY_LLAMA,
-    "from lowmembp.memory import SavedTensorAccountant": TINY_MLP,
+    "import SavedTensorAccountant": TINY_MLP,  # the measuring tools (whichever module they are imported from)
 }
 
 
@@ -91,7 +91,7 @@ def program(code: str) -> str:
     for old, new in SUBSTITUTIONS:
         code = code.replace(old, new)
     first = code.lstrip().splitlines()[0] if code.strip() else ""
-    prelude = next((p for key, p in CONTEXTS.items() if first.startswith(key)), "")
+    prelude = next((p for key, p in CONTEXTS.items() if key in first), "")
     return textwrap.dedent(prelude) + "\n" + code
 
 

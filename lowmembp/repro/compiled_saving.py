@@ -16,8 +16,8 @@ eager baseline, compiled against the compiled baseline); ``kept`` = compiled sav
 
 Default backend ``aot_eager_decomp_partition``: inductor's decompositions and min-cut partitioner without code
 generation, at a fraction of inductor's compile time (``inductor`` gave the same figures for baseline and lowmembp
-except on ViT, README "Use it with torch.compile").
-Why LLaMA keeps less (README "Use it with torch.compile"; per tensor: :mod:`lowmembp.repro.partitioner_saved`): the
+except on ViT, docs/methods/compile.md).
+Why LLaMA keeps less (docs/methods/compile.md; per tensor: :mod:`lowmembp.repro.partitioner_saved`): the
 compiled baseline already drops what lowmembp drops in eager — the partitioner recomputes silu(g) and the RMSNorm's
 x·rstd in the backward — and a SwiGLU needs silu(g) itself for ∂/∂u, so ReSiLU2's codes cannot replace it; what is
 left of the saving is MS-RMSNorm's (no norm input, no residual saved).
@@ -140,5 +140,5 @@ def _note(family: str, method: str, eager_saving: float, compiled_saving: float)
     if family == "llama":
         return ("the compiled baseline already recomputes silu(g) from g and each RMSNorm's x·rstd (min-cut "
                 "partitioner): the tensors this method drops or shrinks in eager; the SwiGLU product needs silu(g) "
-                "(or g) in full precision for ∂/∂u whatever the method (README: per-tensor table and bound)")
+                "(or g) in full precision for ∂/∂u whatever the method (docs/methods/compile.md: the bound)")
     return "the partitioner recomputes part of what this method drops in eager"

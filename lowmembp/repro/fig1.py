@@ -41,7 +41,7 @@ lowmembp.ops.ms_norm). Each difference is also stepped alone: ``diff_<name>_MiB`
 emulated, so not attributed: the official code's separate q, k, v linears (three fp16 casts of the LN output
 where timm's fused qkv makes one), its DeiT-style ``vit_models`` instead of timm's ``VisionTransformer`` (not
 compared tensor by tensor), the CUDA allocator (block rounding, cuBLAS / cuDNN workspaces) and the data loader's
-pinned batches. Measured (``python -m lowmembp.repro fig1``, README): every ``lora_qv`` row within 2 % of the paper,
+pinned batches. Measured (``python -m lowmembp.repro fig1``, docs/reproductions): every ``lora_qv`` row within 2 % of the paper,
 every saving within 0.4 points; ``lora_all`` stays 1.07–1.43×.
 """
 from __future__ import annotations
