@@ -2,6 +2,8 @@
 ``<!-- no-run -->`` opt-out: tests/doc_blocks.py); its size stays that of a front page."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from doc_blocks import ROOT, blocks, run_block
@@ -31,3 +33,11 @@ def test_the_readme_is_a_front_page():
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.name)
 def test_readme_block_runs(block, tmp_path):
     run_block(block, tmp_path)
+
+
+def test_the_readme_links_resolve():
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
+    local = [t for t in targets if "://" not in t]
+    assert any(t.startswith("docs/") for t in local), "the README links into the docs"
+    missing = [t for t in local if not (ROOT / t).exists()]
+    assert not missing, missing
