@@ -1,4 +1,4 @@
-"""The GPU evidence run (issue #12): one command on one GPU writes every measurement into one folder.
+"""The GPU evidence run: one command on one GPU writes every measurement into one folder.
 
     bash benchmarks/prepare_gpu_run.sh                       # once, here: fills the git-ignored third_party/
     python benchmarks/gpu_run.py --out results/gpu/          # on the GPU machine (benchmarks/gpu_run.sh wraps it)
@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 PARTS = {"gpu_check": (100, 300), "fig1": (100, 300), "llama": (70, 300), "kernels": (80, 300), "pytest": (60, 300)}
 FLOOR_S = 20  # what each later part keeps back from an earlier one's limit
 PAPER_FIG1 = {"lora": (3827, 288), "lora+checkpointing": (1252, 229), "lora+mesa-gelu-ln": (2853, 226),
-              "lora+lowmembp": (2717, 290)}  # DESIGN §3: peak MiB, img/s
+              "lora+lowmembp": (2717, 290)}  # docs/design.md#papers: peak MiB, img/s
 
 
 def parse_args(argv):

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The one command of a GPU session (issue #12). With the device tool:
-#   run(command="bash benchmarks/gpu_run.sh", carry=["third_party"], timeout_s=560)
-# Writes results/gpu/ (every CSV, machine.json, summary.md, the logs) and, where the device tool's $OUT is set, packs
-# it into $OUT/gpu_results.tgz (the tool brings back at most 8 files) and copies summary.md beside it.
-# Back here: tar -xzf <files_at>/gpu_results.tgz -C results/   then commit results/gpu/.
+# The one command of a GPU run, from the repository root on the GPU machine, with third_party/ (filled by
+# benchmarks/prepare_gpu_run.sh) beside the checkout; the parts share --budget-s (default 420 s).
+# Writes results/gpu/ (every CSV, machine.json, summary.md, the logs) and, where $OUT names a folder, packs
+# it into $OUT/gpu_results.tgz (one file to carry back) and copies summary.md beside it.
+# Unpack elsewhere with: tar -xzf gpu_results.tgz -C results/   (docs/gpu-run.md describes every file).
 # Extra arguments go to benchmarks/gpu_run.py (e.g. --budget-s 400, --parts fig1,llama).
 set -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2

@@ -1,7 +1,7 @@
 """Parts "fig1", "llama" and "estimates" of benchmarks/gpu_run.py: whole training steps measured by the allocator,
 and lowmembp's fake-tensor estimate of the same steps.
 
-fig1   LowMemoryBP Fig. 1 (DESIGN §3): timm ViT-B/16 (random weights), batch 64, fp16 autocast, LoRA r4 on qkv only
+fig1   LowMemoryBP Fig. 1 (docs/design.md#papers): timm ViT-B/16 (random weights), batch 64, fp16 autocast, LoRA r4 on qkv only
        FIRST (Fig. 1's setting, the official lora_qv: q and v, here one adapter on timm's fused qkv;
        experiments/configs/vit-b16-cifar100-lora-qv.yaml), then on all linears (qkv, proj, fc1, fc2: lora_all):
        lora, lora+checkpointing, lora+mesa-gelu-ln, lora+lowmembp, lora+liger (refused for timm models: recorded so).

@@ -63,7 +63,7 @@ def write_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
     fig1 = _rows(out / "fig1.csv")
     if fig1:
         lines += ["## Fig. 1: ViT-B/16, batch 64, fp16 autocast, LoRA r4 (fig1.csv)", "",
-                  "Paper: LowMemoryBP Fig. 1 (their ViT and LoRA code, one GPU; DESIGN §3), shown beside the "
+                  "Paper: LowMemoryBP Fig. 1 (their ViT and LoRA code, one GPU; docs/design.md#papers), shown beside the "
                   "rows of its setting only: LoRA on q and v (here qkv, the official lora_qv); the all-linear rows "
                   "(lora_all) have no paper value."
                   + (" Dry run: tiny model, no timing." if smoke else ""), ""]

@@ -1,4 +1,4 @@
-"""One run's record (DESIGN.md §5) as typed dataclasses: the one description of the layout.
+"""One run's record (docs/design.md#record) as typed dataclasses: the one description of the layout.
 
     rec = Record(run=RunIdentity(...), status="ok", ...)
     write(rec, path)                  # validated, written atomically (lowmembp.atomic)
@@ -319,7 +319,7 @@ def json_schema() -> dict:
     schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "lowmembp/record.schema.json",
               "title": "One training run (one cell of the sweep), schema version 2",
               "description": "Generated from experiments/record.py (python -m experiments.record); "
-                             "written atomically by `python -m experiments.train`; see DESIGN.md section 5."}
+                             "written atomically by `python -m experiments.train`; see docs/design.md#record."}
     schema.update(_schema_of(Record))
     schema["properties"]["schema_version"] = {"const": SCHEMA_VERSION}
     return schema

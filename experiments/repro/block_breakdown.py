@@ -1,6 +1,6 @@
 """LowMemoryBP's activation memory of one transformer block by op kind: baseline vs ``lowmembp``, paper vs real code.
 
-Units: ``b·s·d`` 16-bit values (``2·b·s·d`` bytes) per block, like the paper (DESIGN §3). Columns:
+Units: ``b·s·d`` 16-bit values (``2·b·s·d`` bytes) per block, like the paper (docs/design.md#papers). Columns:
 
 - ``paper_base`` / ``paper_lowmembp``: the paper's idealised block (FlashAttention saving q, k, v, o; fp32 norm inputs
   under autocast; ViT 19 units → 39.47 % freed; LLaMA 11 + 4r units → 29.19 % freed at r = 2.7);

@@ -1,5 +1,5 @@
 """torch.compile's ``activation_memory_budget`` below 1 against LowMemoryBP: saved-for-backward bytes and CPU step
-time of baseline, lowmembp and lora+lowmembp on small ViT / BERT / LLaMA, at each budget, beside eager (issue 14).
+time of baseline, lowmembp and lora+lowmembp on small ViT / BERT / LLaMA, at each budget, beside eager.
 
     df = compiled_budget()                    # python -m experiments.repro compiled-budget  (~8 CPU-min; budgets 1 … 0)
     df = compiled_budget(small=True)          # 1 block, L = 16, budgets 1 and 0.1, 2 timed steps

@@ -1,5 +1,5 @@
 """Eager vs compiled: saved-for-backward bytes of every method on small ViT / BERT / LLaMA, and how much of each
-method's saving survives ``torch.compile`` (issue 14).
+method's saving survives ``torch.compile``.
 
     df = compiled_saving()                      # python -m experiments.repro compiled-saving   (~3 CPU-minutes)
     df = compiled_saving(small=True)            # 1 block, L = 16: every method × family, ~2 CPU-min
@@ -140,5 +140,5 @@ def _note(family: str, method: str, eager_saving: float, compiled_saving: float)
     if family == "llama":
         return ("the compiled baseline already recomputes silu(g) from g and each RMSNorm's x·rstd (min-cut "
                 "partitioner): the tensors this method drops or shrinks in eager; the SwiGLU product needs silu(g) "
-                "(or g) in full precision for ∂/∂u whatever the method (README: per-tensor table and bound)")
+                "(or g) in full precision for ∂/∂u whatever the method (docs/methods/compile.md: the bound)")
     return "the partitioner recomputes part of what this method drops in eager"

@@ -1,4 +1,4 @@
-"""A torchtune-style stacked table: each row adds one memory technique to the row before (DESIGN §2.7, issue #15).
+"""A torchtune-style stacked table: each row adds one memory technique to the row before (docs/design.md#peers).
 
 For LLaMA-7B (batch 4 × 512 tokens, bf16 autocast, LoRA r 64 α 16 on all seven projections — the paper's QLoRA
 setting without the NF4 base) and ViT-B/16 (batch 64, fp16 autocast, LoRA r 4 on qkv/proj/fc1/fc2 — LowMemoryBP

@@ -1,4 +1,4 @@
-"""``checkpointing``: non-reentrant gradient checkpointing per transformer block (DESIGN §2.5).
+"""``checkpointing``: non-reentrant gradient checkpointing per transformer block (docs/design.md#checkpointing).
 
 Each checkpointed block keeps only its inputs during the forward; its activations are recomputed in the backward
 (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: works with frozen inputs, keyword arguments and

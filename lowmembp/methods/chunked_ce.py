@@ -1,4 +1,4 @@
-"""``chunked-ce``: an exact chunked lm_head + cross-entropy for causal LMs (DESIGN §2.7).
+"""``chunked-ce``: an exact chunked lm_head + cross-entropy for causal LMs (docs/design.md#peers).
 
 A causal LM's training forward with ``labels`` normally computes the full ``B × S × V`` logits, upcasts them to fp32
 and keeps them (and the log-softmax) for backward — at 32k–128k vocabularies often the largest tensors of the step.

@@ -1,4 +1,4 @@
-"""``compile``: ``torch.compile`` of the whole model, with inductor's activation memory budget (DESIGN §2.7).
+"""``compile``: ``torch.compile`` of the whole model, with inductor's activation memory budget (docs/design.md#peers).
 
     model = lowmembp.apply(model, "lora+lowmembp+compile", memory_budget=0.5)
     compile_info(model)      # {"memory_budget": 0.5, "backend": "inductor", "graphs": 2, "fn": <the backend>}

@@ -6,7 +6,7 @@
 
 What is undone (the converted model is left as it is unless ``inplace=True``; the default works on a deep copy):
 
-- ``lowmembp`` / ``lowmembp-norm`` (DESIGN §2.2): every MS norm becomes its original module again (class, eps, ...)
+- ``lowmembp`` / ``lowmembp-norm`` (docs/design.md#ms-norms): each MS norm becomes its original module (class, eps…)
   and every consumer is un-folded, ``W = W'·diag(1/γ)``, ``b = b' − W·β``. Which (γ, β)? Any nonzero γ is an exact
   decomposition of a pre-norm site, so the values folded at conversion are put back (recorded by
   :func:`record_fold`); a zero entry becomes 1. Post-norm sites (BERT / RoBERTa) re-apply γ/β on the residual path

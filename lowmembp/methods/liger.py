@@ -1,4 +1,4 @@
-"""``liger``: Liger-Kernel's own patching of a transformers model (PyPI ``liger-kernel`` 0.8.x; DESIGN §2.7).
+"""``liger``: Liger-Kernel's own patching of a transformers model (PyPI ``liger-kernel`` 0.8.x; docs/design.md#peers).
 
 Liger replaces, on the model instance, the RMSNorm / LayerNorm, the SwiGLU / GeGLU MLP, the rotary embedding and the
 causal LM's lm_head + cross-entropy (fused linear cross-entropy: the logits are never materialised) with exact Triton

@@ -1,4 +1,4 @@
-"""``lora``: low-rank adapters through peft (DESIGN §2.6). Returns the ``PeftModel``; use the return value.
+"""``lora``: low-rank adapters through peft (docs/design.md#lora). Returns the ``PeftModel``; use the return value.
 
 Options: ``rank`` (default 4), ``alpha`` (default None: α = rank, i.e. no α/r scaling — the LowMemoryBP ViT
 setting), ``targets`` (default None: per family, below; or a list of module names / a comma-separated string / a

@@ -1,4 +1,4 @@
-"""``lora-fa``: LoRA with the A matrices frozen at their initialisation (LoRA-FA, arXiv 2308.03303; DESIGN §2.7).
+"""``lora-fa``: LoRA with A frozen at its initialisation (LoRA-FA, arXiv 2308.03303; docs/design.md#peers).
 
 The adapters are peft's, placed exactly as ``lora`` places them (same options: ``rank``, ``alpha``, ``targets``; the
 classification head stays trainable), then every ``lora_A`` weight is frozen. Only B (and the head) train.

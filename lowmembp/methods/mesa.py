@@ -1,4 +1,4 @@
-"""``mesa`` and ``mesa-gelu-ln``: Mesa-style 8-bit activation compression (Pan et al., 2021; DESIGN §2.3).
+"""``mesa`` and ``mesa-gelu-ln``: Mesa-style 8-bit activation compression (Pan et al., 2021; docs/design.md#mesa).
 
 - ``mesa``: every ``nn.Linear`` (the head and LoRA's A/B included; with ``chunked-ce`` that op computes the head from
   its weight, keeping its input itself), every GELU/SiLU activation and every

@@ -1,6 +1,6 @@
 """``offload``: activation offloading — saved tensors go to host memory in the forward, come back in the backward.
 
-Exact (the same values come back). DESIGN §2.7; torchtune's ``OffloadActivations`` and
+Exact (the same values come back). docs/design.md#peers; torchtune's ``OffloadActivations`` and
 ``torch.autograd.graph.save_on_cpu`` are the references.
 
 Where: the forward of the module that runs the block loop (the parent of the layout's block container: the timm

@@ -1,4 +1,4 @@
-"""``sac``: selective activation checkpointing per transformer block (DESIGN §2.7).
+"""``sac``: selective activation checkpointing per transformer block (docs/design.md#peers).
 
 Each block's forward runs under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False,
 context_fn=partial(create_selective_checkpoint_contexts, policy))``: the policy marks every op the block runs as

@@ -1,4 +1,4 @@
-"""Folding a norm's affine map (γ, β) into the linear layers that read its output (DESIGN §2.2).
+"""Folding a norm's affine map (γ, β) into the linear layers that read its output (docs/design.md#ms-norms).
 
 A consumer computed ``W·(γ⊙y + β) + b``; after folding it computes ``W'·y + b'`` with ``W' = W·diag(γ)`` and
 ``b' = b + W·β`` — the same function of the normalised ``y``. Arithmetic in float64, cast back to the weight dtype.

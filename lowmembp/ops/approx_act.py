@@ -1,4 +1,4 @@
-"""Approx-BP activations: exact forward, k-bit backward (Yang et al., ICML 2024, arXiv 2406.16282; DESIGN.md §2.1).
+"""Approx-BP activations: exact forward, k-bit backward (Yang et al., arXiv 2406.16282; docs/design.md#approx-act).
 
 Kinds (``KINDS``) and their exact forward, computed in fp32 and cast back to the input dtype:
 ``gelu`` 0.5·x·(1 + erf(x/√2)) · ``gelu_tanh`` 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) · ``quick_gelu``
@@ -8,7 +8,7 @@ Non-finite inputs follow the mathematics, not a library's vector path: f(NaN) = 
 Alongside, each element gets a ``bits``-bit code ``Σ_j [x > c_j]`` over the ``2**bits − 1`` breakpoints (compared in
 fp32 against the constants rounded to fp32; NaN compares false: code 0). Codes are packed as a little-endian bit
 stream: element i occupies bits ``bits·i .. bits·i + bits − 1`` (for 2 bits: element i in byte i // 4, bits
-2·(i % 4) and 2·(i % 4) + 1, least significant first — the layout of DESIGN.md §2.1).
+2·(i % 4) and 2·(i % 4) + 1, least significant first — the layout of docs/design.md#approx-act).
 
 Saved for backward: one uint8 tensor, the packed codes followed by ONE flag byte: ``ceil(N·bits/8) + 1`` bytes, i.e.
 bits/8 byte per element (0.25 for ReGELU2 / ReSiLU2, against 2 for a bf16 or 4 for an fp32 input that ``F.gelu`` /

@@ -1,4 +1,4 @@
-"""Derive the approximate-activation constants from the paper's objective (DESIGN.md §2.1).
+"""Derive the approximate-activation constants from the paper's objective (docs/design.md#approx-act).
 
 For an activation h and ``bits`` bits, find ``n = 2**bits − 1`` breakpoints c and weights a of
 ``h̃(x) = Σ a_i·max(x − c_i, 0)`` minimising ``∫_{−b}^{b} (h(x) − h̃(x))² dx``, with ``Σ a_i = 1`` and

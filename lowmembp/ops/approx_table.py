@@ -6,13 +6,13 @@ backward's slope for code j is ``Σ_{i<=j} a_i`` (code 0: slope 0). The numbers 
 written out here so that importing the ops needs neither scipy nor a minimisation; ``tests/test_derive.py`` re-derives
 every
 entry and checks it. ``("gelu", 2)`` and ``("silu", 2)`` are the published ReGELU2 / ReSiLU2 constants (the authors'
-released reference, DESIGN.md §2.1); they are within 0.02 of the exact minimum that ``derive`` finds, not equal to
+released reference, docs/design.md#approx-act); within 0.02 of the exact minimum that ``derive`` finds, not equal to
 it (a simulated-annealing result; see lowmembp/ops/approx_derive.py).
 Regenerate with ``python -m lowmembp.ops.approx_derive --table``.
 """
 from __future__ import annotations
 
-# Published (arXiv 2406.16282, github.com/yyyyychen/LowMemoryBP); DESIGN.md §2.1.
+# Published (arXiv 2406.16282, github.com/yyyyychen/LowMemoryBP); docs/design.md#approx-act.
 REGELU2_C = (-3.1858810036855245, -0.001178821281161997, 3.190832613414926)
 REGELU2_A = (-0.04922261145617846, 1.0979632065417297, -0.048740595085551286)
 RESILU2_C = (-6.3050461001646445, -0.0008684942046214787, 6.325815242089708)

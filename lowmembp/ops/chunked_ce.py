@@ -1,4 +1,4 @@
-"""Chunked lm_head + cross-entropy that never holds the full ``N × V`` logits (DESIGN §2.7, ``chunked-ce``).
+"""Chunked lm_head + cross-entropy that never holds the full ``N × V`` logits (docs/design.md#peers, ``chunked-ce``).
 
     loss = chunked_linear_cross_entropy(hidden, weight, bias, targets, chunk=1024)   # hidden [N, d], targets [N]
 

@@ -1,4 +1,4 @@
-"""MS-BP norms: MS-LayerNorm and MS-RMSNorm without affine parameters (Yang et al., ICML 2024; DESIGN §2.2).
+"""MS-BP norms: MS-LayerNorm and MS-RMSNorm without affine parameters (Yang et al., ICML 2024; docs/design.md#ms-norms).
 
 Forward (statistics in fp32, over the last dimension of size N):
     LayerNorm  y = (x - mean(x)) * rstd,   rstd = 1 / sqrt(var(x) + eps)
@@ -362,7 +362,7 @@ def _(x, kind, eps, out_dtype):
 @torch.library.custom_op("lowmembp::ms_norm_bwd", mutates_args=())
 def _ms_norm_bwd_op(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str,
                     dx_dtype: torch.dtype) -> torch.Tensor:
-    """dx from the output y and rstd (DESIGN §2.2)."""
+    """dx from the output y and rstd (docs/design.md#ms-norms)."""
     with _no_autocast(g):
         if _use_triton(g, y.shape[-1]) and rstd.dtype == torch.float32:
             return ms_norm_bwd_triton(g, y, rstd, kind, dx_dtype)
@@ -496,7 +496,7 @@ class _MSNormBase(nn.Module):
 class MSLayerNorm(_MSNormBase):
     """Drop-in for ``nn.LayerNorm(normalized_shape, elementwise_affine=False)`` that saves only its output + rstd.
 
-    Fold γ/β of a trained LayerNorm into the following linear layers first (DESIGN §2.2; lowmembp.methods).
+    Fold γ/β of a trained LayerNorm into the next linear layers first (docs/design.md#ms-norms; lowmembp.methods).
     ``out_dtype``: the dtype it emits and saves, one of :data:`OUT_DTYPES` (module doc)."""
     _kind = "layernorm"
 

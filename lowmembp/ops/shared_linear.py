@@ -1,4 +1,4 @@
-"""Linear layers that save their input *as given*, so that an MS-norm's output is stored once (DESIGN §2.2).
+"""Linear layers that save their input *as given*, so that an MS-norm's output is stored once (docs/design.md#ms-norms).
 
 Saves for backward: nothing of its own beyond what ``F.linear`` saves: the input tensor itself (same storage as the
 norm output: 0 extra bytes per element) and the weight cast to the input dtype (a parameter-sized copy, none when

@@ -1,4 +1,4 @@
-"""``mesa_momentum``: the EMA range's λ (DESIGN §2.3 default 0.9) — validated, applied to every range tracker, and
+"""``mesa_momentum``: the EMA range λ (default 0.9, docs/design.md#mesa) — validated, applied to each range tracker and
 the lag it causes when activations grow fast (a from-scratch model at a high learning rate), which λ = 0 removes."""
 import pytest
 import torch

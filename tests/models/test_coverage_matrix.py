@@ -1,9 +1,9 @@
-"""The README's coverage matrix (architecture × method) is generated here from the live code, on the tiny random
+"""The coverage matrix of docs/models.md (architecture × method), generated here from the live code on the tiny random
 models of tests/tiny_models.py (γ/β perturbed). Every cell either converts with the eval forward unchanged
 (relative error ≤ 1e-5) and a training step (forward + backward) that runs, or is refused with a clear error —
 never another exception.
 
-Regenerate the README block after a change: ``LOWMEMBP_WRITE_MATRIX=1 pytest tests/test_coverage_matrix.py``.
+Regenerate the docs/models.md block after a change: ``LOWMEMBP_WRITE_MATRIX=1 pytest tests/test_coverage_matrix.py``.
 """
 import copy
 import os
@@ -19,7 +19,7 @@ from tiny_models import MORE_BUILDERS, build, logits
 
 ARCHS = ["vit", "swin", "bert", "llama"] + list(MORE_BUILDERS)
 METHODS = ["lowmembp", "lowmembp-act", "lowmembp-norm", "mesa", "checkpointing", "lora", "tokentune"]
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "models.md"
 START, END = "<!-- coverage-matrix:start -->", "<!-- coverage-matrix:end -->"
 
 
@@ -80,22 +80,22 @@ def matrix() -> str:
     return "\n".join(rows) + "\n\nRefusals: " + " ".join(notes) + "\n"
 
 
-def test_coverage_matrix_matches_readme():
+def test_coverage_matrix_matches_the_docs():
     table = matrix()
-    text = README.read_text()
-    assert START in text and END in text, "README.md lacks the coverage-matrix markers"
+    text = PAGE.read_text()
+    assert START in text and END in text, "docs/models.md lacks the coverage-matrix markers"
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     current = rest.split(END, 1)[0].strip("\n")
     if os.environ.get("LOWMEMBP_WRITE_MATRIX"):
-        README.write_text(f"{head}{START}\n{table}{END}{tail}")
+        PAGE.write_text(f"{head}{START}\n{table}{END}{tail}")
         return
-    assert current == table.strip("\n"), ("the README's coverage matrix is stale; regenerate it with "
+    assert current == table.strip("\n"), ("the coverage matrix of docs/models.md is stale; regenerate it with "
                                          "LOWMEMBP_WRITE_MATRIX=1 pytest tests/test_coverage_matrix.py\n" + table)
 
 
 def test_add_a_family():
-    """The README's "How to add a family" example: a toy model, an adapter registered before the built-in ones."""
+    """The "How to add a family" example of docs/models.md: a toy model, its adapter tried before the built-in ones."""
     import torch.nn as nn
 
     from lowmembp.models import ModelLayout, NormSite, Site, register_adapter, unregister_adapter

@@ -33,7 +33,7 @@ def _objective_quad(kind, c, a, b):
 
 
 def test_interval_rule_reproduces_the_published_intervals():
-    assert round(D.interval("gelu"), 2) == 6.07  # DESIGN.md §2.1: [−6.07, 6.07]
+    assert round(D.interval("gelu"), 2) == 6.07  # docs/design.md#approx-act: [−6.07, 6.07]
     assert round(D.interval("silu"), 1) == 38.2  # [−38.2, 38.2]
     # the same rule for silu(k·x)/k with k = 1: SiLU's own interval
     assert D._silu_type_bound(1.0, D.EPS) == pytest.approx(D.interval("silu"), rel=1e-12)

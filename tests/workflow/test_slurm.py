@@ -104,7 +104,7 @@ def test_tiny_pipeline_through_the_slurm_profile_equals_a_local_run(cluster, tmp
     local, remote = tmp_path / "local", tmp_path / "slurm"
     local.mkdir(), remote.mkdir()
     t0 = time.time()
-    # the README's command (README.md, "Paper sweeps on a GPU machine or a SLURM cluster") with the test's paths
+    # the README's command (docs/pipeline.md, "Paper sweeps on a GPU machine or a SLURM cluster") with the test's paths
     # (a results folder of its own, the tiny config and the GPU overlay); SBATCH_ACCOUNT is left out: this cluster
     # has no accounts. The local run (only runs.csv) runs meanwhile: the SLURM run is mostly waiting.
     slurm = _snakemake(["--profile", str(PROFILE), "--configfile", *cfgs, "--directory", str(remote)], remote,
