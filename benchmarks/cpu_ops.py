@@ -11,7 +11,8 @@ For each op, shape, dtype and thread count it times one forward + backward (``to
   Mesa there is no native op: ``native`` is then a plain ``copy_`` of the input into a fresh tensor (the baseline's
   step does not have these passes at all),
 
-taken in turns in one process (:func:`lowmembp.measurement.timing.time_interleaved`, rotating order) and reports the medians,
+taken in turns in one process (:func:`lowmembp.measurement.timing.time_interleaved`, rotating order) and reports the
+medians,
 ``ours / native`` and ``ref / native``. The machine's copy bandwidth is measured first (a ``copy_`` of a 256 MiB
 tensor, read + write counted); ``bytes`` is what the op must move at least (forward + backward), ``roof ms`` that
 divided by the bandwidth, and ``ours/roof`` how far from the memory limit ours runs. On a shared machine the medians

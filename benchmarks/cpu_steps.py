@@ -6,7 +6,8 @@
 For each task of the default sweep (config/config.yaml: mnist5k / vit-mnist, tweets-sentiment / minilm-l6,
 tweets-lm / llama-tiny) it builds one run per method exactly as ``python -m experiments.train`` does
 (:class:`experiments.train.Run`: the task's model and data, ``lowmembp.apply``, AdamW) and times whole optimizer
-steps of all of them taken in turns in one process (:func:`lowmembp.measurement.timing.time_interleaved`, rotating order), so
+steps of all of them taken in turns in one process (:func:`lowmembp.measurement.timing.time_interleaved`, rotating
+order), so
 that every method sees the same load of a shared machine. It prints each method's median step time and its ratio to
 the baseline's. Random initial weights (no ``--init``): the step time does not depend on them. The LowMemoryBP and
 Mesa ops run as dispatched on CPU tensors (the CPU fast path); ``--reference`` runs them with

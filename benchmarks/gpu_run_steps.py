@@ -1,7 +1,8 @@
 """Parts "fig1", "llama" and "estimates" of benchmarks/gpu_run.py: whole training steps measured by the allocator,
 and lowmembp's fake-tensor estimate of the same steps.
 
-fig1   LowMemoryBP Fig. 1 (docs/design.md#papers): timm ViT-B/16 (random weights), batch 64, fp16 autocast, LoRA r4 on qkv only
+fig1   LowMemoryBP Fig. 1 (docs/design.md#papers): timm ViT-B/16 (random weights), batch 64, fp16 autocast, LoRA r4 on
+qkv only
        FIRST (Fig. 1's setting, the official lora_qv: q and v, here one adapter on timm's fused qkv;
        experiments/configs/vit-b16-cifar100-lora-qv.yaml), then on all linears (qkv, proj, fc1, fc2: lora_all):
        lora, lora+checkpointing, lora+mesa-gelu-ln, lora+lowmembp, lora+liger (refused for timm models: recorded so).
@@ -11,7 +12,8 @@ llama  transformers LLaMA-7B width (hidden 4096, intermediate 11008, 32 heads), 
        expected on the device): lora, lora+lowmembp, lora+liger, lora+checkpointing. Their estimates run dropout as
        CUDA does (a 1-byte mask; the CPU dropout of a fake step keeps one of the input's dtype); in the CPU dry run
        both sides use the CPU's.
-Each model is built once (fp32 weights under autocast, as :func:`lowmembp.estimator.step.estimate` builds them), warmed up
+Each model is built once (fp32 weights under autocast, as :func:`lowmembp.estimator.step.estimate` builds them), warmed
+up
 right after its build, then the configurations take steps in turn (round-robin), so drifts of clock or temperature
 hit them alike. A step is forward, loss, backward, fused AdamW (lr 1e-4, wd 0.1), ``zero_grad(set_to_none=True)`` —
 the step the estimate measures, on the batch and loss the estimate builds.

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     print(f"saved for backward, KiB (fp32, batch {a.batch}, L = {a.seq_len}, k = {a.k}, {DEPTH} blocks of width "
           f"{WIDTH}); in brackets: share of baseline")
     cols = [f for f in families]
-    head = f"| method | " + " | ".join(cols) + " |"
+    head = "| method | " + " | ".join(cols) + " |"
     print(head)
     print("|---" * (len(cols) + 1) + "|")
     for m in methods:

@@ -7,7 +7,8 @@
     d = error_record(identity, message, started)   # the crash guard's record (a dict, valid)
 
 Sections: ``run`` (identity: task, model, method, optimizer, batch size, seq len, dtype, seed, steps),
-``method_options`` (what the method spec takes, e.g. ``k``, ``rank``), ``hyperparameters`` (lr, weight decay, warm-up, ...),
+``method_options`` (what the method spec takes, e.g. ``k``, ``rank``), ``hyperparameters`` (lr, weight decay, warm-up,
+...),
 ``task_facts`` (what the task reported: pool sizes, ...), ``base`` (the ``--init`` weights), measurements
 (``saved_bytes`` by kind, ``peak`` by category for the device and the host, ``step_time_s`` quantiles,
 ``throughput``), ``distributed`` (a torchrun run: mode, world size, every rank's peak), the result

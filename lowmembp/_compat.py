@@ -11,7 +11,8 @@ Lookups that import more of torch are functions (cached), so importing this modu
 Class-like names (:data:`TorchDispatchMode`, :data:`FakeTensorMode`, :data:`FakeTensor`, :func:`tree_flatten`,
 :func:`tree_leaves`) are module attributes resolved on first access (PEP 562).
 
-The fake-tensor fast path of :mod:`lowmembp.estimator.fake_mode` needs more of ``FakeTensorMode``'s internals than any other
+The fake-tensor fast path of :mod:`lowmembp.estimator.fake_mode` needs more of ``FakeTensorMode``'s internals than any
+other
 part: :func:`fast_fake_internals` gathers them and checks that they behave as that path expects; where they do not
 (or where the environment variable ``LOWMEMBP_FAST_FAKE`` is ``0``) the fast path switches itself off and torch's own
 ``FakeTensorMode`` does the work, giving the same estimates, slower.

@@ -8,7 +8,8 @@ setting behind them, so each is shown beside the row of the official setting of 
 summary); the band "20–30 % across ViT, LLaMA, RoBERTa, BERT and Swin" is a summary too. Rows of settings the official
 repository does not have (ViT-L LoRA, BERT-large, Swin-T) are ours: no paper value. Each row says where its setting
 comes from (``note``): the official code (github yyyyychen/LowMemoryBP@bb2980f; ``vit_exp`` = ``experiments/vit_exp``,
-``llama_exp``, ``roberta_exp`` likewise) or, where that has none, the suite's spec (:data:`lowmembp.estimator.step.MODELS`).
+``llama_exp``, ``roberta_exp`` likewise) or, where that has none, the suite's spec
+(:data:`lowmembp.estimator.step.MODELS`).
 
 Ours: the peak of one steady training step (AdamW) on fake tensors, each model measured on 2- and 3-block builds and
 extended to its depth (:func:`lowmembp.estimator.step.estimate_by_depth`); Swin-T (depth per stage) is built whole at a

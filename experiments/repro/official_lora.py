@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 
 def _autocast_state(t: torch.Tensor):

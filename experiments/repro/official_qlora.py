@@ -18,7 +18,8 @@ build with NF4 storage subtracted, :mod:`experiments.repro.headline`) in what it
 - the optimizer: ``paged_adamw_32bit`` (``qlora.py:217``) keeps its states in CUDA unified memory, which
   ``torch.cuda.max_memory_allocated`` does not count (the official run reports that, ``qlora.py:763-773``).
 
-:func:`emulated` makes :func:`lowmembp.estimator.step.estimate` build the official run's model while the context is open:
+:func:`emulated` makes :func:`lowmembp.estimator.step.estimate` build the official run's model while the context is
+open:
 the dtypes above (cast on the meta model, before it moves to fake storage), and every LoRA layer's frozen base linear
 running :class:`KeptInputMatmul` (the 4-bit matmul's forward and input-gradient, keeping its bf16 input as
 bitsandbytes does; the weight stays the bf16 stand-in of the fake build, its NF4 storage subtracted by the caller).

@@ -500,4 +500,4 @@ def _remove_tiled_mlp(model: nn.Module) -> None:
                 d[tiled["attr"]] = tiled["inner"]
 
 
-__all__ = ["export", "ExportError", "record_fold", "record_act", "record_swap", "record_attention", "guard_save"]
+__all__ = ["export", "ExportError", "guard_save"]

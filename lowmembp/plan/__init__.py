@@ -42,7 +42,7 @@ from lowmembp.plan.models import resolve_model
 from lowmembp.plan.pool import modules_needed, run_rows
 from lowmembp.plan.progress import Bar
 from lowmembp.plan.search import largest_batch
-from lowmembp.plan.sources import GiB, margin as margin_of, measured_ratios, parse_bytes
+from lowmembp.plan.sources import margin as margin_of, measured_ratios, parse_bytes
 
 __all__ = ["make_plan", "Plan", "evaluate"]
 

@@ -1,6 +1,5 @@
 """lowmembp's ``norm_dtype`` option: MS norms emitting fp32 under autocast (the official lomem kernel's choice), the
 next linear saving that same storage, gradients against the default and against float64 math."""
-import contextlib
 
 import pytest
 import torch

@@ -7,7 +7,6 @@ fresh base applies γ again (checked here, so these tests can tell a silent mism
 import warnings
 
 import pytest
-import torch
 
 import lowmembp
 from lowmembp.methods.export import ExportError

@@ -2,7 +2,6 @@
 it when the pipeline has not been run."""
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
 

@@ -68,7 +68,7 @@ def test_dry_run_plans_every_cell(config, tmp_path):
 
     assert jobs.get("notebook", 0) == len(cfg.get("notebooks", NOTEBOOKS))
     assert jobs.get("aggregate", 0) == (1 if cfg["sweeps"] else 0)  # config/repro.yaml: reproductions only
-    assert any(f"--configfile" in line or "Config file(s)" in line for line in (p.stdout + p.stderr).splitlines())
+    assert any("--configfile" in line or "Config file(s)" in line for line in (p.stdout + p.stderr).splitlines())
 
 
 def test_paper_configs_ask_for_one_gpu_per_run():
