@@ -163,7 +163,7 @@ def test_tiny_pipeline_end_to_end(tmp_path):
         assert (res / "tables" / f"{name}.md").read_text().startswith("# ")
     mem = pd.read_csv(res / "tables" / "memory.csv")
     low = mem[mem["method"] == "lowmembp"]
-    assert (low["peak_ratio_paper"] == 0.73).all()  # vit-mnist plays ViT
+    assert low["peak_ratio_paper"].isna().all()  # a CPU stand-in shows no paper value (paper_claims.yaml)
     for png in res.glob("figures/*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from catalogue import RUN_FIGURES
