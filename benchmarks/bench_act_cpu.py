@@ -25,7 +25,8 @@ def ratio_table(request):
     yield
     if not _MEDIANS:
         return
-    lines = ["", f"{'activation':10s} {'shape':26s} {'dtype':5s} {'native ms':>10s} {'ours ms':>10s} {'ours/native':>12s}"]
+    lines = ["", f"{'activation':10s} {'shape':26s} {'dtype':5s} {'native ms':>10s} "
+                 f"{'ours ms':>10s} {'ours/native':>12s}"]
     for (act, shape, dt), v in sorted(_MEDIANS.items()):
         if "native" in v and "ours" in v:
             lines.append(f"{act:10s} {shape:26s} {dt:5s} {v['native'] * 1e3:10.1f} {v['ours'] * 1e3:10.1f} "

@@ -134,7 +134,8 @@ def main(argv=None) -> int:
                 roof = b_ours / bw
                 ref = med.get("ref", float("nan"))
                 shape = "x".join(map(str, OPS[name][0]))
-                print(f"{name:14s} {shape:16s} {dn:5s} {threads:3d} {med['native'] * 1e3:9.2f} {med['ours'] * 1e3:8.2f} "
+                print(f"{name:14s} {shape:16s} {dn:5s} {threads:3d} {med['native'] * 1e3:9.2f} "
+                      f"{med['ours'] * 1e3:8.2f} "
                       f"{ref * 1e3:8.2f} {med['ours'] / med['native']:8.2f} {ref / med['native']:8.2f} "
                       f"{b_ours / 1e6:8.1f} {b_nat / 1e6:7.1f} {roof * 1e3:7.2f} {med['ours'] / roof:9.2f}",
                       flush=True)

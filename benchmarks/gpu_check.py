@@ -377,7 +377,8 @@ def _large_mesa(r, mod, big):
         ok_d, worst = within_ulps(d[-4:], mod.dequantize_ref(q[-4:], step, beta, inner, G, torch.bfloat16),
                                   torch.bfloat16, 1.0, atol=1e-6)
         ok_q = int(diff.max()) <= 1
-        return ok_q and ok_d, f"tail: codes differing {int((diff != 0).sum())} (max {int(diff.max())}), dequant {worst:.2f} ulp"
+        return ok_q and ok_d, (f"tail: codes differing {int((diff != 0).sum())} (max {int(diff.max())}), "
+                               f"dequant {worst:.2f} ulp")
 
     r.record("mesa_quant", "64b", f"{rows}x{c}", torch.bfloat16, 0, check, None)
     _empty_cache(torch)
@@ -401,13 +402,17 @@ def write_report(out: Path, meta: dict, rows: list) -> None:
     (out / "gpu_check.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"# gpu_check — {meta['device']}", "",
              f"torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, {meta['when']}, "
-             f"{meta['seconds']:.0f} s{' (CPU smoke: timings are the interpreter, not bandwidth)' if meta['smoke'] else ''}",
-             "", "| op | dir | shape | dtype | check | kernel ms | GB/s | % of copy | reference ms | native ms | detail |",
+             f"{meta['seconds']:.0f} s"
+             f"{' (CPU smoke: timings are the interpreter, not bandwidth)' if meta['smoke'] else ''}",
+             "",
+             "| op | dir | shape | dtype | check | kernel ms | GB/s | % of copy | reference ms | native ms | detail |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
         status = "skipped" if x.get("skipped") else ("ok" if x["ok"] else "**FAIL**")
-        lines.append(f"| {x['op']} | {x['dir']} | {x['shape']} | {x['dtype']} | {status} | {_fmt(x.get('ms'), '.4f')} | "
-                     f"{_fmt(x.get('gbps'), '.0f')} | {_fmt(x.get('pct_copy'), '.0f')} | {_fmt(x.get('ref_ms'), '.4f')} | "
+        lines.append(f"| {x['op']} | {x['dir']} | {x['shape']} | {x['dtype']} | "
+                     f"{status} | {_fmt(x.get('ms'), '.4f')} | "
+                     f"{_fmt(x.get('gbps'), '.0f')} | {_fmt(x.get('pct_copy'), '.0f')} | "
+                     f"{_fmt(x.get('ref_ms'), '.4f')} | "
                      f"{_fmt(x.get('native_ms'), '.4f')} | {x['detail']} |")
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
 

@@ -234,8 +234,8 @@ def ensure_liger(ctx: Ctx) -> str:
     if r.returncode != 0:
         return f"liger: pip install of {wheels[-1].name} failed: {r.stderr[-300:]}"
     sys.path.insert(0, str(target))
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(target)] + [p for p in
-                                                                os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(target)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     return f"liger: installed {wheels[-1].name} into {target}"
 
 
@@ -398,7 +398,8 @@ def main(argv=None) -> int:
                             seconds=round(proc.seconds, 1), background=True)
     finish(ctx, status, argv, t0, liger_line)
     failed = [n for n, s in status.items() if s["status"] not in ("ok",)]
-    print(f"\ngpu_run: done in {time.time() - t0:.0f} s; parts not ok: {failed or 'none'}; see {ctx.out / 'summary.md'}",
+    print(f"\ngpu_run: done in {time.time() - t0:.0f} s; parts not ok: {failed or 'none'}; "
+          f"see {ctx.out / 'summary.md'}",
           flush=True)
     return 1 if failed else 0
 

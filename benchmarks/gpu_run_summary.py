@@ -63,7 +63,8 @@ def write_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
     fig1 = _rows(out / "fig1.csv")
     if fig1:
         lines += ["## Fig. 1: ViT-B/16, batch 64, fp16 autocast, LoRA r4 (fig1.csv)", "",
-                  "Paper: LowMemoryBP Fig. 1 (their ViT and LoRA code, one GPU; docs/design.md#papers), shown beside the "
+                  "Paper: LowMemoryBP Fig. 1 (their ViT and LoRA code, one GPU; docs/design.md#papers), "
+                  "shown beside the "
                   "rows of its setting only: LoRA on q and v (here qkv, the official lora_qv); the all-linear rows "
                   "(lora_all) have no paper value."
                   + (" Dry run: tiny model, no timing." if smoke else ""), ""]
@@ -74,7 +75,8 @@ def write_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
                           r["note"][:80]] for r in fig1])
     llama = _rows(out / "llama.csv")
     if llama:
-        lines += ["## LLaMA-7B width, 4 layers, batch 4 x 640, bf16, LoRA r64 α16 dropout 0.1 all linears (llama.csv)", ""]
+        lines += ["## LLaMA-7B width, 4 layers, batch 4 x 640, bf16, LoRA r64 α16 dropout 0.1 all linears (llama.csv)",
+                  ""]
         lines += _table(["method", "status", "peak MiB", "peak vs lora", "tokens/s", "speed vs lora", "step ms p50",
                          "note"],
                         [[r["method"], r["status"], r["peak_mib"], *_vs_lora(r, llama), r["step_ms_p50"],

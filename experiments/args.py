@@ -260,7 +260,8 @@ def check_device(device) -> None:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ArgError(f"--device {device}: CUDA is not available on this machine (torch "
-                           f"{torch.__version__}, {'built without CUDA' if torch.version.cuda is None else 'no GPU visible'}); "
+                           f"{torch.__version__}, "
+                           f"{'built without CUDA' if torch.version.cuda is None else 'no GPU visible'}); "
                            "use --device cpu or leave --device out")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ArgError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")

@@ -220,7 +220,8 @@ def fsdp_cpu_peak(model, optimizer, step, *, warmup: int = 0, external: tuple = 
 
 
 def peak_measure(ctx: Context, device):
-    """The peak measurement of a rank's step: None (``lowmembp.measurement.peak.measure_step_peak``) but for FSDP2 on CPU."""
+    """The peak measurement of a rank's step: None (``lowmembp.measurement.peak.measure_step_peak``) but for FSDP2 on
+    CPU."""
     if ctx.mode == "fsdp" and device.type == "cpu":
         return fsdp_cpu_peak
     return None

@@ -110,11 +110,12 @@ class MemoryBudgetExceeded(MemoryError):
 
 
 class PeakProbe:
-    """Peak memory of one whole steady training step on the model's device (``lowmembp.measurement.peak.measure_step_peak``:
-    the CUDA allocator's peak, on CPU the storage tracker) → ``peak.device``. A failure of the tracker itself is
-    not a failure of the run: the step is run again untracked and the failure becomes a note. Over ``budget_bytes``
-    raises :class:`MemoryBudgetExceeded`. ``measure``: another ``measure_step_peak(model, optimizer, step,
-    warmup=0)`` (a sharded model's: ``experiments.distributed.peak_measure``)."""
+    """Peak memory of one whole steady training step on the model's device
+    (``lowmembp.measurement.peak.measure_step_peak``: the CUDA allocator's peak, on CPU the storage tracker) →
+    ``peak.device``. A failure of the tracker itself is not a failure of the run: the step is run again untracked and
+    the failure becomes a note. Over ``budget_bytes`` raises :class:`MemoryBudgetExceeded`. ``measure``: another
+    ``measure_step_peak(model, optimizer, step, warmup=0)`` (a sharded model's:
+    ``experiments.distributed.peak_measure``)."""
 
     def __init__(self, model, optimizer, at: int | None, budget_bytes: float | None = None, is_fatal=None,
                  measure=None):

@@ -394,7 +394,8 @@ def from_v1(d: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------------ the CSV flattening
 COLUMNS = ["task", "model", "method", "optimizer", "batch_size", "seed", "status", "message", "steps", "steps_planned",
-           "epochs", "dtype", "seq_len", "peak_bytes", "peak_how", "host_peak_bytes", "host_peak_how", "activation_bytes",
+           "epochs", "dtype", "seq_len", "peak_bytes", "peak_how", "host_peak_bytes", "host_peak_how",
+           "activation_bytes",
            "step_time_p20", "step_time_p50", "step_time_p80", "step_time_n", "samples_per_s", "tokens_per_s",
            "distributed", "world_size", "peak_bytes_rank_max", "peak_bytes_rank_mean",
            "final_loss", "metric_name", "metric_value", "metric_split", "base_path", "base_sha256",

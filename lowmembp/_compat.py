@@ -260,8 +260,9 @@ def inductor_decompositions():
 
 # ------------------------------------------------------------------------------------------- the fake-mode fast path
 def fast_fake_enabled() -> bool:
-    """True when :mod:`lowmembp.estimator.fake_mode`'s fast path is to be used: not switched off by ``LOWMEMBP_FAST_FAKE=0``
-    and torch's fake-tensor internals are the ones it was written for (:func:`fast_fake_internals`)."""
+    """True when :mod:`lowmembp.estimator.fake_mode`'s fast path is to be used: not switched off by
+    ``LOWMEMBP_FAST_FAKE=0`` and torch's fake-tensor internals are the ones it was written for
+    (:func:`fast_fake_internals`)."""
     if os.environ.get(FAST_FAKE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     return fast_fake_internals() is not None

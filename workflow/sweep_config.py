@@ -252,7 +252,8 @@ def check(config: dict, root: Path = ROOT) -> None:
             problems.append(f"{where}: {err}")
         elif any(m.name in CHANGE_WEIGHTS for m in job.registry.parse(b["method"])):
             keep = [m for m in job.registry.list_methods() if m not in CHANGE_WEIGHTS]
-            problems.append(f"{where}: method {b['method']!r} changes the model's weights ({', '.join(CHANGE_WEIGHTS)}: "
+            problems.append(f"{where}: method {b['method']!r} "
+                            f"changes the model's weights ({', '.join(CHANGE_WEIGHTS)}: "
                             f"adapters, or norms folded into the next layers), so the saved base would not load into "
                             f"a fresh model; train a base with {', '.join(keep)} (e.g. baseline)")
         elif b["task"] in job.task_names and b["model"] in job.models(b["task"]):

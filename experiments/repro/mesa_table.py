@@ -108,8 +108,10 @@ def mesa_table(small: bool = False, batch_size: int = 128, models: tuple[str, ..
     df.attrs["caption"] = (f"batch {2 if small else batch_size}, 224 px, 1000 classes, fp16 CPU autocast, AdamW, all "
                            "parameters trainable; peak of one steady training step on fake tensors. Paper: Mesa "
                            "README (ziplab/Mesa@8b7a0db README.md:107-120; MB as printed there; the repository reports "
-                           "torch.cuda.max_memory_allocated/2**20). ours_like_for_like_saving_%: our Mesa row against our "
-                           "baseline plus CUDA autocast's fp32 softmax (cuda_amp_fp32_softmax_MiB, counted; the README's "
+                           "torch.cuda.max_memory_allocated/2**20). "
+                           "ours_like_for_like_saving_%: our Mesa row against our "
+                           "baseline plus CUDA autocast's fp32 softmax "
+                           "(cuda_amp_fp32_softmax_MiB, counted; the README's "
                            "run keeps it, Mesa saves int8 either way). Swin-T: mesa compresses the window attention as "
                            f"Mesa's Swin demo does; '{KEEP}' keeps it exact (ours; no paper value).")
     return df

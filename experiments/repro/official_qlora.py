@@ -114,9 +114,10 @@ def emulated():
 
 
 def paged_optimizer_bytes(result: dict) -> int:
-    """The optimizer state at the peak of an :func:`lowmembp.estimator.step.estimate` result: what a paged optimizer holds
-    outside ``torch.cuda.max_memory_allocated``."""
+    """The optimizer state at the peak of an :func:`lowmembp.estimator.step.estimate` result: what a paged optimizer
+    holds outside ``torch.cuda.max_memory_allocated``."""
     return int(result["peak"]["by_category"].get("optimizer_state", 0))
 
 
-__all__ = ["DROPOUT", "cuda_dropout", "KeptInputMatmul", "four_bit_forward", "official_dtypes", "emulated", "paged_optimizer_bytes"]
+__all__ = ["DROPOUT", "cuda_dropout", "KeptInputMatmul", "four_bit_forward",
+           "official_dtypes", "emulated", "paged_optimizer_bytes"]

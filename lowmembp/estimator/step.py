@@ -46,7 +46,8 @@ __all__ = ["MODELS", "ModelSpec", "estimate", "estimate_by_depth", "full_depth",
            "train_step", "extend_by_depth"]
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-_PEFT_METHODS = ("lora", "lora-fa", "velora")  # peft wraps the model on the meta device, before to_empty (docs/design.md#fake-tensors)
+# peft wraps the model on the meta device, before to_empty (docs/design.md#fake-tensors)
+_PEFT_METHODS = ("lora", "lora-fa", "velora")
 
 
 @dataclass(frozen=True)

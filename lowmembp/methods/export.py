@@ -87,7 +87,8 @@ class _SaveExported:
         n_bias = sum(1 for n, _ in exported.named_parameters() if ".lora_B." in n and n.endswith(".bias"))
         with warnings.catch_warnings():
             if n_bias:  # peft 0.21 takes every 1-D lora_B tensor for an ungathered ZeRO-3 shard, lora_bias ones too
-                warnings.filterwarnings("ignore", message=rf"Adapter '.*': {n_bias} LoRA tensor\(s\) have invalid shape")
+                warnings.filterwarnings("ignore",
+                                        message=rf"Adapter '.*': {n_bias} LoRA tensor\(s\) have invalid shape")
             return exported.save_pretrained(save_directory, *args, **kwargs)
 
 
@@ -275,7 +276,8 @@ def _unfold(base: nn.Module, f: NormFold, deltas: dict) -> None:
         if not isinstance(p0, torch.Tensor) or val is None:
             continue
         # Gemma-like norms hold w with γ = 1 + w: keep the offset between the folded γ and the module's parameter
-        offset = 0.0 if folded is None or folded.is_meta or p0.is_meta else folded.double().cpu() - p0.detach().double().cpu()
+        offset = (0.0 if folded is None or folded.is_meta or p0.is_meta
+                  else folded.double().cpu() - p0.detach().double().cpu())
         new = (val - offset).to(device=ref.device if ref is not None else p0.device,
                                 dtype=ref.dtype if ref is not None else p0.dtype)
         setattr(stock, name, nn.Parameter(new, requires_grad=p0.requires_grad))
@@ -285,7 +287,8 @@ def _unfold(base: nn.Module, f: NormFold, deltas: dict) -> None:
 
 
 def _fit_beta(f: NormFold, leaves, inv, beta, post: bool) -> torch.Tensor:
-    """β such that every consumer without a stock bias gets a zero bias back (``W'·(β/γ) = b'``), closest to ``beta``."""
+    """β such that every consumer without a stock bias gets a zero bias back (``W'·(β/γ) = b'``), closest to
+    ``beta``."""
     rows = [(_out_in(lin).cpu(), lin.bias.detach().double().cpu(), p)
             for p, lin, had in leaves if not had and lin.bias is not None]
     if not rows:
@@ -317,7 +320,8 @@ def _unfold_linear(lin: nn.Module, inv, beta, had_bias: bool, path: str) -> None
             if beta is not None:
                 b = b - W @ beta.to(wd.device)
             if not had_bias:
-                scale = lin.bias.detach().double().abs() + W.abs() @ (beta.abs().to(wd.device) if beta is not None else 0)
+                scale = lin.bias.detach().double().abs() + W.abs() @ (beta.abs().to(wd.device)
+                                                                          if beta is not None else 0)
                 if not _is_zero(b, scale, w.dtype):
                     raise ExportError(f"{path}: the bias lowmembp created while folding is {b.abs().max():.3g} away "
                                       f"from zero after un-folding; the stock layer has no bias")
@@ -372,7 +376,8 @@ def _retie(base: nn.Module, rec: ExportRecord) -> None:
             untied.append(u)
     cfg = getattr(base, "config", None)
     if untied:
-        warnings.warn(f"lowmembp.methods.export: {', '.join(u.path for u in untied)} no longer equal(s) the weight it was tied "
+        warnings.warn(f"lowmembp.methods.export: {', '.join(u.path for u in untied)} "
+                      f"no longer equal(s) the weight it was tied "
                       f"to ({', '.join(u.tied_to for u in untied)}) after training; exported untied with "
                       f"tie_word_embeddings=False (save_pretrained/from_pretrained round-trip; a fresh tied model "
                       f"cannot hold it)", stacklevel=3)

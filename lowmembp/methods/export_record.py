@@ -113,7 +113,8 @@ def record_fold(base: nn.Module, norm: nn.Module, gamma, beta, consumers, residu
     rec.folds.append(NormFold(
         path=where.get(id(norm), "?"), original=norm,
         gamma=None if gamma is None else gamma.detach(), beta=None if beta is None else beta.detach(),
-        consumers=cons, stock_bias={p: getattr(_linear_of(c), "bias", None) is not None for c, p in zip(consumers, cons)},
+        consumers=cons,
+        stock_bias={p: getattr(_linear_of(c), "bias", None) is not None for c, p in zip(consumers, cons)},
         residuals=[where.get(id(r), "?") for r in residuals]))
 
 

@@ -53,7 +53,8 @@ def _check_weight(lin: nn.Linear, where: str) -> None:
     w = lin.weight
     if not (isinstance(w, torch.Tensor) and w.is_floating_point()) or type(w).__name__ in ("Params4bit", "Int8Params"):
         raise TypeError(f"{where}: cannot fold a norm into a {type(w).__name__} weight of dtype {w.dtype} "
-                        f"(quantised layers, e.g. bitsandbytes 4/8-bit, are not supported: convert before quantising; for "
+                        f"(quantised layers, e.g. bitsandbytes 4/8-bit, are not supported: "
+                        f"convert before quantising; for "
                         f"QLoRA apply both in one call, lowmembp.apply(model, 'lora+lowmembp', quantize='nf4'), "
                         f"which folds first and quantises after)")
 

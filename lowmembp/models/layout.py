@@ -297,7 +297,8 @@ def get_layout(model: nn.Module) -> ModelLayout:
         f"no architecture adapter recognises {type(base).__name__} ({type(base).__module__}). {detail}"
         f"Dedicated adapters: {', '.join(FAMILIES)} — timm VisionTransformer (vit_*, deit_*), timm SwinTransformer, "
         f"transformers BERT/RoBERTa (post-norm) and LLaMA-like decoders; other models are traced (data flow). An "
-        f"adapter (lowmembp/models/, @register_adapter; docs/models.md#how-to-add-a-family) must provide a ModelLayout: "
+        f"adapter (lowmembp/models/, @register_adapter; docs/models.md#how-to-add-a-family) "
+        f"must provide a ModelLayout: "
         f"the blocks in forward order, each block's attention, every LayerNorm/RMSNorm with the linear layers its "
         f"output feeds (and for post-norm models the modules that take it as residual), the activation modules, the "
         f"final norm and the head's linears.")

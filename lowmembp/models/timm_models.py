@@ -83,7 +83,8 @@ def detect_vit(model: nn.Module, base: nn.Module) -> ModelLayout | None:
         pooled_ok = True  # fc_norm runs after pooling: it feeds head_drop -> head directly
     elif norm_kind(getattr(base, "norm", nn.Identity())):
         final = site(base, "norm", "", NormSite, kind=norm_kind(base.norm), consumers=head)
-        pooled_ok = getattr(base, "attn_pool", None) is None and getattr(base, "global_pool", "token") in ("token", "avg", "")
+        pooled_ok = (getattr(base, "attn_pool", None) is None
+                     and getattr(base, "global_pool", "token") in ("token", "avg", ""))
     if final is not None:
         if not head:
             final.foldable, final.why = False, "no classifier head (num_classes=0): the features are the output"

@@ -93,7 +93,8 @@ _MIN_RANGE = 1e-12  # a constant group (α = 0) quantises to β exactly
 
 # ----------------------------------------------------------------------------------------------------------- groups
 def group_layout(x: torch.Tensor, mode: str, num_groups: int | None = None) -> tuple[int, int]:
-    """``(inner, G)`` for ``x``: ``mode="head"`` for [B, H, N, D] (G = H) or ``"channel"`` (G groups of the last dim)."""
+    """``(inner, G)`` for ``x``: ``mode="head"`` for [B, H, N, D] (G = H) or ``"channel"`` (G groups of the last
+    dim)."""
     if mode == "head":
         if x.dim() != 4:
             raise ValueError(f"per-head quantisation needs a [B, H, N, D] tensor, got shape {tuple(x.shape)}")
@@ -258,7 +259,8 @@ def _check_groups(x, inner, groups, alpha, beta):
 
 # ------------------------------------------------------------------------------------------- PyTorch reference
 def hash_uniform(n: int, seed: int, device=None, start: int = 0) -> torch.Tensor:
-    """The counter-based uniforms in [0, 1) for element indices ``start .. start+n-1`` (fp32, exact multiples of 2⁻²⁴)."""
+    """The counter-based uniforms in [0, 1) for element indices ``start .. start+n-1`` (fp32, exact multiples of
+    2⁻²⁴)."""
     i = torch.arange(start, start + n, device=device, dtype=torch.int64) & _MASK32
     h = (i * _GOLDEN + (int(seed) & _MASK32)) & _MASK32
     h = h ^ (h >> 16)

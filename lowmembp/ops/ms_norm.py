@@ -340,7 +340,8 @@ _OP_NAME = {"layernorm": "ms_layer_norm", "rmsnorm": "ms_rms_norm"}
 
 
 @torch.library.custom_op("lowmembp::ms_norm_fwd", mutates_args=())
-def _ms_norm_fwd_op(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _ms_norm_fwd_op(x: torch.Tensor, kind: str, eps: float,
+                    out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(y in out_dtype, rstd [rows] fp32): Triton or the reference, autocast off inside."""
     with _no_autocast(x):
         if _use_triton(x, x.shape[-1]):

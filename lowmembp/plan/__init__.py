@@ -48,7 +48,8 @@ __all__ = ["make_plan", "Plan", "evaluate"]
 
 PEAK_SOURCE = ("fake-tensor step of lowmembp.estimator.step (exact tensor bytes: forward, backward, the optimizer's "
                "step with its state as that optimizer holds it), {depth}")
-FLOPS_SOURCE = ("torch.utils.flop_counter formulas summed over the same fake step (lowmembp.measurement.flops: matmuls, "
+FLOPS_SOURCE = ("torch.utils.flop_counter formulas summed over the same fake step "
+                "(lowmembp.measurement.flops: matmuls, "
                 "attention incl. recomputation; pointwise ops = 0)")
 _STATIC = ("parameters", "gradients", "optimizer_state")
 

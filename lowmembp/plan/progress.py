@@ -1,5 +1,5 @@
-"""The planner's progress bar: ``make_plan(..., progress="bar")`` (the command line's default) shows a tqdm bar on stderr
-over the combinations, each finished one counted, the last one's label beside it. Off when stderr is not a
+"""The planner's progress bar: ``make_plan(..., progress="bar")`` (the command line's default) shows a tqdm bar on
+stderr over the combinations, each finished one counted, the last one's label beside it. Off when stderr is not a
 terminal (tqdm's ``disable=None``), so logs and captured output stay clean."""
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The planner's fake-tensor steps: :func:`lowmembp.estimator.step.estimate`'s procedure, built once, run at several batches.
+"""The planner's fake-tensor steps: :func:`lowmembp.estimator.step.estimate`'s procedure, built once, run at several
+batches.
 
     steps = Steps(spec, "lora+checkpointing", layers=2, seq_len=2048, dtype="bf16")
     run = steps.run(4, flops=True)     # run.peak: estimate()'s "peak" at batch 4, run.flops, run.events

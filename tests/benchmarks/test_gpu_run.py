@@ -114,7 +114,8 @@ def _fake_lomem(root: Path, with_python: bool) -> Path:
             "class _Act(torch.autograd.Function):\n"
             "    @staticmethod\n    def forward(ctx, x, fw, bw):\n"
             "        out, p = fw(x)\n        ctx.save_for_backward(p)\n        ctx.bw = bw\n        return out\n"
-            "    @staticmethod\n    def backward(ctx, g):\n        return ctx.bw(g, ctx.saved_tensors[0]), None, None\n\n"
+            "    @staticmethod\n"
+            "    def backward(ctx, g):\n        return ctx.bw(g, ctx.saved_tensors[0]), None, None\n\n"
             "MARK = 'theirs'\n"
             "def regelu2(x):\n    return _Act.apply(x, _C.regelu2_fw, _C.regelu2_bw)\n"
             "def resilu2(x):\n    return _Act.apply(x, _C.resilu2_fw, _C.resilu2_bw)\n"
@@ -132,7 +133,8 @@ def test_build_command_of_the_official_ops(tmp_path):
     assert all(Path(s).is_absolute() for s in kw["sources"])
     assert kw["extra_include_paths"] == [str((pkg / "csrc" / "include").resolve())]
     assert kw["name"].isidentifier() and kw["build_directory"] == str((tmp_path / "build").resolve())
-    for flag in ("-O3", "-std=c++17", "--use_fast_math", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "--expt-extended-lambda"):
+    for flag in ("-O3", "-std=c++17", "--use_fast_math", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+                 "--expt-extended-lambda"):
         assert flag in kw["extra_cuda_cflags"]
     assert kw["extra_cflags"] == ["-O3", "-std=c++17"]
     kw20 = official.build_kwargs(pkg, tmp_path / "build", std="-std=c++20")
@@ -231,11 +233,13 @@ def _ctx(tmp_path, smoke=False):
 def test_part_commands_on_the_gpu(tmp_path):
     ctx = _ctx(tmp_path)
     gc = gpu_run.part_command("gpu_check", ctx, 0.0)
-    assert gc[1].endswith("gpu_check.py") and "--cpu-smoke" not in gc and gc[gc.index("--out") + 1].endswith("gpu_check")
+    assert (gc[1].endswith("gpu_check.py") and "--cpu-smoke" not in gc
+            and gc[gc.index("--out") + 1].endswith("gpu_check"))
     pt = gpu_run.part_command("pytest", ctx, 0.0)
     assert pt[1:5] == ["-m", "pytest", "-m", "gpu"] and "--collect-only" not in pt
     files = gpu_run.gpu_test_files()
-    assert "tests/ops/test_ms_norm.py" in files and "tests/benchmarks/test_gpu_run.py" not in files and pt[-len(files):] == files
+    assert ("tests/ops/test_ms_norm.py" in files and "tests/benchmarks/test_gpu_run.py" not in files
+            and pt[-len(files):] == files)
     for part in ("kernels", "fig1", "llama", "estimates"):
         cmd = gpu_run.part_command(part, ctx, 123.0)
         assert cmd[cmd.index("--part") + 1] == part and cmd[cmd.index("--deadline") + 1] == "123.0"

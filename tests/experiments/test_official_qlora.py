@@ -1,5 +1,5 @@
-"""The emulation of the official LowMemoryBP QLoRA run's memory (experiments.repro.official_qlora) on a tiny LLaMA on fake
-tensors: bf16 adapters, fp32 norms (qlora.py:437-442), each 4-bit linear keeping its bf16 input (bitsandbytes'
+"""The emulation of the official LowMemoryBP QLoRA run's memory (experiments.repro.official_qlora) on a tiny LLaMA on
+fake tensors: bf16 adapters, fp32 norms (qlora.py:437-442), each 4-bit linear keeping its bf16 input (bitsandbytes'
 MatMul4Bit), LoRA dropout with CUDA's 1-byte masks; the patches are gone when the context closes; KeptInputMatmul's
 gradient is the matmul's."""
 from __future__ import annotations

@@ -261,6 +261,7 @@ def test_lora_dropout_reaches_peft():
     drops = [m.lora_dropout["default"] for m in model.modules() if hasattr(m, "lora_dropout")]
     assert drops and all(isinstance(d, nn.Dropout) and d.p == 0.1 for d in drops)
     model = lowmembp.apply(_decoder().float(), "lora", rank=4)
-    assert all(isinstance(m.lora_dropout["default"], nn.Identity) for m in model.modules() if hasattr(m, "lora_dropout"))
+    assert all(isinstance(m.lora_dropout["default"], nn.Identity)
+               for m in model.modules() if hasattr(m, "lora_dropout"))
     with pytest.raises(ValueError, match="dropout must be a number in"):
         lowmembp.apply(_decoder().float(), "lora", dropout=1.5)

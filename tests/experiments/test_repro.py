@@ -1,4 +1,5 @@
-"""Reproductions (experiments.repro) at reduced scale: they run, return the expected rows/columns, and agree with math."""
+"""Reproductions (experiments.repro) at reduced scale: they run, return the expected rows/columns, and agree with
+math."""
 import pandas as pd
 import pytest
 import torch
@@ -101,7 +102,8 @@ def test_headline_small():
     assert df["paper_source"][0].startswith("LowMemoryBP Fig. 1: 2717 / 3827 MiB")
     assert "the paper's stated summary" in df["paper_source"][1] and "−21 % (RoBERTa)" in df["paper_source"][2]
     assert (df["lowmembp_MiB"] < df["baseline_MiB"]).all()
-    assert df["ours_saving_pct"].tolist() == pytest.approx((100 * (1 - df["lowmembp_MiB"] / df["baseline_MiB"])).tolist())
+    assert df["ours_saving_pct"].tolist() == pytest.approx(
+        (100 * (1 - df["lowmembp_MiB"] / df["baseline_MiB"])).tolist())
     assert df["spec"].str.contains("QLoRA").tolist() == [False, True, False]
     assert df["note"].str.len().gt(20).all()
     assert "from the bf16 build" in df["note"][1]  # QLoRA: the model loaded in bf16, as the official script
@@ -204,7 +206,8 @@ def test_mesa_attribution_small():
     # counted: CUDA autocast's fp32 softmax output + its fp16 copy vs one fp16 output = 4 bytes x B·H·N² per block
     assert row["cuda_amp_fp32_softmax_MiB"] == pytest.approx(4 * 2 * 3 * 197 ** 2 * 2 / 2 ** 20)
     assert row["sdpa_to_eager_MiB"] > 0 and abs(row["drop_path_MiB"]) < 0.05 and row["dropout_if_p_gt_0_MiB"] > 0
-    explained = row["ours_sdpa_MiB"] + row["sdpa_to_eager_MiB"] + row["drop_path_MiB"] + row["cuda_amp_fp32_softmax_MiB"]
+    explained = (row["ours_sdpa_MiB"] + row["sdpa_to_eager_MiB"] + row["drop_path_MiB"]
+                 + row["cuda_amp_fp32_softmax_MiB"])
     assert row["ours_explained_MiB"] == pytest.approx(explained)
     assert row["unexplained_MiB"] == pytest.approx(row["paper_MB"] - explained)
     # the demo's model EMA: on by default, never built (its ModelEma call commented out): 0, and what it would add

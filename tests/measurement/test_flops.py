@@ -1,5 +1,5 @@
-"""lowmembp.measurement.flops: the step FLOP counter hands torch's formulas the shapes by its own conversion (not torch's pytree
-map); the totals must be torch's, op by op and over whole training steps (real and fake tensors)."""
+"""lowmembp.measurement.flops: the step FLOP counter hands torch's formulas the shapes by its own conversion (not
+torch's pytree map); the totals must be torch's, op by op and over whole training steps (real and fake tensors)."""
 import torch
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 

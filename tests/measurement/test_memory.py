@@ -1,4 +1,5 @@
-"""Saved-for-backward accounting (lowmembp.measurement.saved) and peak tracking (lowmembp.measurement.peak) against hand counts."""
+"""Saved-for-backward accounting (lowmembp.measurement.saved) and peak tracking (lowmembp.measurement.peak) against hand
+counts."""
 import pytest
 import torch
 import torch.nn as nn

@@ -1,5 +1,6 @@
-"""lowmembp.methods.export: a converted, trained model back in its stock form — strict state_dict load into a fresh unconverted
-model, the same eval logits (fp32, ≤ 1e-5 relative), original module classes, refusals where no stock form exists.
+"""lowmembp.methods.export: a converted, trained model back in its stock form — strict state_dict load into a fresh
+unconverted model, the same eval logits (fp32, ≤ 1e-5 relative), original module classes, refusals where no stock form
+exists.
 
 Every model is trained a few Adam steps after converting (norms perturbed before), so W', b', γ/β on the residual
 path, LoRA A', A's bias and B are all off their conversion-time values.

@@ -154,7 +154,8 @@ def test_act_gradient_close(name):
         groups.setdefault(_group(k), []).append(k)
     cosines = {g: cos(torch.cat([ga[k].flatten() for k in ks]), torch.cat([ge[k].flatten() for k in ks]))
                for g, ks in groups.items()}
-    print(f"\n{name}: cosine(approx, exact) per group: " + ", ".join(f"{g} {c:.4f}" for g, c in sorted(cosines.items())))
+    print(f"\n{name}: cosine(approx, exact) per group: "
+          + ", ".join(f"{g} {c:.4f}" for g, c in sorted(cosines.items())))
     # the approximation changes the gradient (not bitwise equal) but keeps its direction
     assert min(cosines.values()) > 0.8
     assert any(rel(ga[k], ge[k]) > 1e-6 for k in ge)
@@ -347,7 +348,8 @@ def test_saved_bytes_drop_bf16_autocast(name, lora):
     print(f"\n{name}{' +lora' if lora else ''} bf16: {r0['total']} -> {r1['total']} B "
           f"({100 * (1 - r1['total'] / r0['total']):.1f} % less), by kind {r0['by_kind']} -> {r1['by_kind']}")
     assert r1["total"] < 0.75 * r0["total"]
-    assert r1["by_kind"]["linear"] <= r0["by_kind"]["linear"] + 2 * 17 * 32 * 2  # + ViT's final-norm output (see README)
+    assert r1["by_kind"]["linear"] <= (r0["by_kind"]["linear"]
+                                       + 2 * 17 * 32 * 2)  # + ViT's final-norm output (see README)
     if name != "bert":  # BERT keeps its last LayerNorm (and ResidualAffine saves nothing new)
         # what stays: rstd per row, plus the final MS-norm's bf16 output where the head is frozen (LoRA lm_head:
         # nothing else saves it) — against the fp32 input (+ fp32 normalised copy in LlamaRMSNorm) before

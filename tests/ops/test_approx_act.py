@@ -324,7 +324,8 @@ def test_no_grad_saves_nothing_and_matches(kind, torch_backend):
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_fake_tensors_take_the_reference_and_save_the_same_bytes(device, triton_backend):
-    """Paper-scale memory estimates run models on fake tensors: no kernel launch, same saved bytes, no cache poisoning."""
+    """Paper-scale memory estimates run models on fake tensors: no kernel launch, same saved bytes, no cache
+    poisoning."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         x = torch.empty(64, 197, 3072, device=device, dtype=torch.bfloat16, requires_grad=True)

@@ -1,7 +1,7 @@
-"""``chunked-ce``: the op equals lm_head + cross-entropy (float64, any chunk size, bias, ignored targets, bf16 autocast);
-the method's loss and gradients equal the model's own (LLaMA, tied embeddings, Mistral, Qwen2, with LoRA), eval and
-label-free calls are untouched; no saved tensor is V wide and the saved bytes drop by the fp32 logits; refused for
-models without a causal-LM head; trains a tiny LLaMA."""
+"""``chunked-ce``: the op equals lm_head + cross-entropy (float64, any chunk size, bias, ignored targets, bf16
+autocast); the method's loss and gradients equal the model's own (LLaMA, tied embeddings, Mistral, Qwen2, with LoRA),
+eval and label-free calls are untouched; no saved tensor is V wide and the saved bytes drop by the fp32 logits; refused
+for models without a causal-LM head; trains a tiny LLaMA."""
 import copy
 
 import pytest

@@ -329,7 +329,8 @@ def test_optimizer_axis_rows_are_estimates_with_that_optimizer(tiny_config, caps
     with pytest.raises(ValueError, match="unknown optimizer"):
         make_plan("bert_large", batch_size=3, optimizer="sgd", **BERT)
     from lowmembp.plan.__main__ import main
-    args = ["--model", str(tiny_config), "--batch-size", "2", "--seq-len", "16", "--gpu-memory", "4MiB", "--reserved", "0",
+    args = ["--model", str(tiny_config), "--batch-size", "2", "--seq-len", "16", "--gpu-memory", "4MiB",
+            "--reserved", "0",
             "--methods", "checkpointing", "--jobs", "1", "--optimizer", "adamw8bit", "--json"]
     assert main(args) == 0
     doc = json.loads(capsys.readouterr().out)

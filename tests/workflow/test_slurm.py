@@ -43,7 +43,8 @@ def cluster(tmp_path_factory):
         pytest.skip("needs root: tests/slurm_cluster.sh starts its own munged, slurmctld and slurmd")
     if shutil.which("sbatch") is None and shutil.which("apt-get") is None:
         pytest.skip("SLURM is not installed and there is no apt-get to install slurmctld slurmd slurm-client munge")
-    pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install 'lowmembp[slurm]' (the profile's plugin)")
+    pytest.importorskip("snakemake_executor_plugin_slurm",
+                        reason="pip install 'lowmembp[slurm]' (the profile's plugin)")
     d = tmp_path_factory.mktemp("slurm")
     script = ROOT / "tests" / "slurm_cluster.sh"
     p = _run(["bash", str(script), "start", str(d)], timeout=600)
@@ -176,7 +177,8 @@ def test_profile_passes_partition_and_account_and_sizes_jobs_from_the_config(tmp
     """No cluster needed: the profile's default-resources keep their sizes when SBATCH_PARTITION / SBATCH_ACCOUNT are
     set (even a partition named like a Python builtin and a numeric account stay strings), a cell's `gpu: N`,
     `runtime` and `mem_mb` become its job's request on one node, and every other rule gets the profile's defaults."""
-    pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install 'lowmembp[slurm]' (the profile's plugin)")
+    pytest.importorskip("snakemake_executor_plugin_slurm",
+                        reason="pip install 'lowmembp[slurm]' (the profile's plugin)")
     prof = yaml.safe_load((PROFILE / "config.yaml").read_text())["default-resources"]
     over = tmp_path / "gpus.yaml"
     over.write_text(yaml.safe_dump({"sweeps": {GPU_SWEEP: {"resources": {"gpu": 2, "runtime": 7, "mem_mb": 1234}}}}))

@@ -167,7 +167,8 @@ def test_a_paper_value_shows_only_beside_its_own_setting():
     assert "stated summary" in qv.loc[("lowmembp", 32), "peak_source"]
     # checkpointing without LoRA is full fine-tuning: Fig. 1's LoRA + checkpointing ratio is not its
     assert pd.isna(qv.loc[("checkpointing", 32), "peak_ratio_paper"])
-    every = tables.memory_table(_paper_runs('["qkv", "proj", "fc1", "fc2"]'), claims).set_index(["method", "batch_size"])
+    every = tables.memory_table(_paper_runs('["qkv", "proj", "fc1", "fc2"]'),
+                                claims).set_index(["method", "batch_size"])
     assert pd.isna(every.loc[("lora+lowmembp", 32), "peak_ratio_paper"])  # lora_all: Fig. 1 is not its setting
     spd = tables.speed_table(_paper_runs("qkv"), claims).set_index(["method", "batch_size"])
     assert spd.loc[("lora+lowmembp", 32), "time_ratio_paper"] == pytest.approx(0.993)

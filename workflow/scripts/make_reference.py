@@ -54,11 +54,13 @@ def main(runs_csv, tables, repro, benchmarks, machine_out, runs_out, config, tab
         "    snakemake --cores all && snakemake --cores 1 reference",
         "",
         f"- device (from the records): {devices}",
-        f"- CPU: {cpu_name()}, {os.cpu_count()} logical cores; host {platform.node()}; Python {platform.python_version()}",
+        f"- CPU: {cpu_name()}, {os.cpu_count()} logical cores; "
+        f"host {platform.node()}; Python {platform.python_version()}",
         f"- torch {runs['torch'].dropna().iloc[0] if runs['torch'].notna().any() else '?'}, "
         f"git commit {commit or '?'} (records: {', '.join(sorted(set(runs['git_commit'].dropna().astype(str))))})",
         f"- cells: {len(runs)} ({runs['status'].value_counts().to_dict()})",
-        f"- training jobs ran from {start} to {end}: {span / 60:.1f} min; reproductions {repro_s / 60:.1f} min of job time",
+        f"- training jobs ran from {start} to {end}: {span / 60:.1f} min; "
+        f"reproductions {repro_s / 60:.1f} min of job time",
         f"- made {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}",
         "",
         "Config:",

@@ -358,9 +358,11 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
 RUN_TABLES = {"memory": memory_table, "speed": speed_table, "accuracy": accuracy_table,
               "accuracy_short": accuracy_short_table}
 TITLES = {name: catalogue.RUN_TABLE[name].title for name in RUN_TABLES}
-RATIO_NOTE = ("`compared_with`: the method a ratio divides by (same task, model, optimizer, batch size). `*_ratio_ours` = this "
+RATIO_NOTE = ("`compared_with`: the method a ratio divides by (same task, model, optimizer, batch size). "
+              "`*_ratio_ours` = this "
               "method / compared_with in our runs, `*_ratio_paper` the same ratio as published, `*_ours/paper` ours "
-              "over the paper's (1 = we reproduce it); '-' = no number for this row's setting (a paper value is shown only beside "
+              "over the paper's (1 = we reproduce it); "
+              "'-' = no number for this row's setting (a paper value is shown only beside "
               "rows of the models and LoRA targets it was measured on; workflow/resources/paper_claims.yaml).")
 CAPTIONS = {
     "memory": "Peak device memory of one training step and the activation bytes saved for backward, in MiB "
