@@ -52,19 +52,6 @@ import torch.nn as nn
 from lowmembp.methods.export_record import (RECORD, ActSwap, AttentionPatch, ExportRecord, NormFold, Untie,  # noqa: F401
                                      _text_config)
 
-def _remove_tiled_mlp(model: nn.Module) -> None:
-    """``tiled-mlp``'s instance-level MLP calls removed (an earlier override they wrapped put back)."""
-    for m in model.modules():
-        d = m.__dict__
-        tiled = d.pop("_lowmembp_tiled_mlp", None)
-        if tiled is not None:
-            d.pop(tiled["attr"], None)
-            if tiled["inner"] is not None:
-                d[tiled["attr"]] = tiled["inner"]
-
-
-__all__ = ["export", "ExportError", "guard_save"]
-
 _TOL = 1e-5  # relative: what counts as "zero to rounding" when a term cannot be expressed in the stock form
 
 
