@@ -1,4 +1,4 @@
-# The Pareto figure (issue #15): peak memory against step time for every method of one run, per task
+# The Pareto figure: peak memory against step time for every method of one run, per task
 # (workflow/scripts/plots_pareto.py). Listed in workflow/catalogue.py (RUN_FIGURES), which puts it in `all`.
 
 PARETO_FIGURE = cat.figure_path(R, "pareto")
