@@ -25,6 +25,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The checkout's root on the path: this script imports ``experiments.record`` when it writes a crash record, also when
+# it is run by path outside Snakemake (which puts the root on the job's PYTHONPATH, workflow/rules/common.smk).
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(1, str(ROOT))
+
 USAGE_ERROR = 2
 USER_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
