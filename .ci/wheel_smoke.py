@@ -22,11 +22,11 @@ model = lowmembp.apply(transformers.LlamaForCausalLM(cfg), "lora+lowmembp")
 ids = torch.randint(0, 61, (2, 7))
 model(input_ids=ids, labels=ids).loss.backward()
 lowmembp.export(model)
-peak = estimate("llama_7b", "lora+lowmembp", batch_size=2, layers=2, seq_len=8, dtype="bf16",
+peak = estimate("llama-7b", "lora+lowmembp", batch_size=2, layers=2, seq_len=8, dtype="bf16",
                 overrides={"hidden_size": 32, "intermediate_size": 56, "num_attention_heads": 4,
                            "num_key_value_heads": 2, "vocab_size": 61})["peak"]["bytes"]
 assert peak > 0
-cmd = [sys.executable, "-m", "lowmembp.plan", "--model", "llama_7b", "--batch-size", "2", "--seq-len", "8",
+cmd = [sys.executable, "-m", "lowmembp.plan", "--model", "llama-7b", "--batch-size", "2", "--seq-len", "8",
        "--gpu-memory", "80GiB", "--methods", "lora", "--max-methods", "1", "--jobs", "1"]
 out = subprocess.run(cmd, capture_output=True, text=True, cwd=os.getcwd())
 assert out.returncode == 0, out.stderr[-2000:]

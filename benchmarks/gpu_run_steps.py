@@ -69,12 +69,12 @@ def step_configs(smoke: bool) -> list[StepConfig]:
     out = []
     for targets, label in (("qkv", "qkv"), (None, "all")):  # Fig. 1's setting (lora_qv) first
         for m in FIG1_METHODS:
-            out.append(StepConfig("fig1", f"fig1-{label}", "vit_b16", m, {"rank": 4, "targets": targets},
+            out.append(StepConfig("fig1", f"fig1-{label}", "vit-b16", m, {"rank": 4, "targets": targets},
                                   batch_size=2 if smoke else 64, dtype="fp16", layers=2 if smoke else None,
                                   overrides=dict(VIT_SMOKE) if smoke else None,
                                   lora_targets="qkv, proj, fc1, fc2" if targets is None else targets))
     for m in LLAMA_METHODS:
-        out.append(StepConfig("llama", "llama7b-4layers", "llama_7b", m, {"rank": 64, "alpha": 16, "dropout": 0.1},
+        out.append(StepConfig("llama", "llama7b-4layers", "llama-7b", m, {"rank": 64, "alpha": 16, "dropout": 0.1},
                               batch_size=2 if smoke else 4, seq_len=16 if smoke else 640, dtype="bf16",
                               layers=2 if smoke else 4, overrides=dict(LLAMA_SMOKE) if smoke else None,
                               lora_targets="all linears"))

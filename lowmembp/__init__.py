@@ -4,7 +4,7 @@
     model = lowmembp.apply(model, "lora+lowmembp")   # one call on your own timm / transformers model
     lowmembp.list_methods()                          # {name: description}
     lowmembp.export(model).save_pretrained(out)      # an ordinary model again (γ/β restored, LoRA kept or merged)
-    lowmembp.make_plan("llama_7b", gpu_memory="24GiB", batch_size=4, seq_len=2048)   # what fits my GPU?
+    lowmembp.make_plan("llama-7b", gpu_memory="24GiB", batch_size=4, seq_len=2048)   # what fits my GPU?
 
 The package's rooms, each a subpackage whose ``__init__`` says what it holds and what it may import:
 

@@ -8,7 +8,7 @@ test process alone), from the repository root. What changes, and why (nothing el
   from a transformers config, a small MLP; the block's own lines run unchanged after it;
 - pretrained weights are not downloaded (no network at test time): ``pretrained=True`` becomes ``pretrained=False``
   and ViT-B/16 becomes ViT-Ti/16 (same code path, 20x fewer parameters);
-- ``estimate("llama_7b", ...)`` builds 1 block at 32 tokens instead of 32 blocks at 512.
+- ``estimate("llama-7b", ...)`` builds 1 block at 32 tokens instead of 32 blocks at 512.
 
 **Opting out.** A block that needs a GPU or a download is not run when the line right above its opening fence is
 ``<!-- no-run -->``; tests/test_docs.py checks that such a block does need one (it names CUDA or a hub download).
@@ -31,8 +31,8 @@ FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", flags=re.S | re.M)
 SUBSTITUTIONS = [
     ("pretrained=True", "pretrained=False"),
     ('"vit_base_patch16_224"', '"vit_tiny_patch16_224"'),
-    ('estimate("llama_7b", "lora+lowmembp", rank=64)',
-     'estimate("llama_7b", "lora+lowmembp", rank=64, layers=1, seq_len=32)'),
+    ('estimate("llama-7b", "lora+lowmembp", rank=64)',
+     'estimate("llama-7b", "lora+lowmembp", rank=64, layers=1, seq_len=32)'),
 ]
 
 TINY_LLAMA = """

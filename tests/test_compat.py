@@ -315,15 +315,15 @@ def _estimates():
     from lowmembp.estimator.step import estimate
     out = {}
     for method in ("baseline", "lora+lowmembp", "mesa+checkpointing", "tokentune", "lora+sac", "offload"):
-        out[method] = estimate("llama_7b", method, batch_size=3, layers=2, **LLAMA)
-    out["vit lora"] = estimate("vit_b16", "lora", batch_size=2, layers=1, dtype="fp16",
+        out[method] = estimate("llama-7b", method, batch_size=3, layers=2, **LLAMA)
+    out["vit lora"] = estimate("vit-b16", "lora", batch_size=2, layers=1, dtype="fp16",
                                overrides={"img_size": 32, "embed_dim": 48, "num_heads": 3})
     return out
 
 
 def _plan_rows():
     from lowmembp.plan import plan
-    p = plan("llama_7b", batch_size=3, gpu_memory=800_000, methods=["lora", "lowmembp"], margin=0.0, reserved=0,
+    p = plan("llama-7b", batch_size=3, gpu_memory=800_000, methods=["lora", "lowmembp"], margin=0.0, reserved=0,
              **LLAMA)
     return [{k: v for k, v in r.items() if "time" not in k and "seconds" not in k} for r in p.rows]
 

@@ -53,15 +53,15 @@ LLAMA = dict(overrides={"hidden_size": 32, "intermediate_size": 56, "num_attenti
 @pytest.mark.parametrize("method", ["baseline", "lora+lowmembp", "mesa+checkpointing"])
 def test_estimate(method):
     from lowmembp.estimator.step import estimate
-    r = estimate("llama_7b", method, batch_size=2, layers=2, dtype="bf16", **LLAMA)
+    r = estimate("llama-7b", method, batch_size=2, layers=2, dtype="bf16", **LLAMA)
     assert r["peak"]["bytes"] > 0
-    v = estimate("vit_b16", method, batch_size=2, layers=1, dtype="fp16",
+    v = estimate("vit-b16", method, batch_size=2, layers=1, dtype="fp16",
                  overrides={"img_size": 32, "embed_dim": 48, "num_heads": 3})
     assert v["peak"]["bytes"] > 0
 
 
 def test_small_plan_command(capsys):
     from lowmembp.plan.__main__ import main
-    args = ["--model", "llama_7b", "--batch-size", "2", "--seq-len", "8", "--gpu-memory", "80GiB",
+    args = ["--model", "llama-7b", "--batch-size", "2", "--seq-len", "8", "--gpu-memory", "80GiB",
             "--methods", "lora,lowmembp", "--max-methods", "1", "--jobs", "1", "--json"]
     assert main(args) == 0, capsys.readouterr().err

@@ -77,7 +77,7 @@ def test_deprecated_names_warn_and_still_work():
         assert plan_room.make_plan is lowmembp.make_plan
     with pytest.warns(DeprecationWarning, match="make_plan"):
         with pytest.raises(ValueError, match="batch_size"):  # the call reaches make_plan, which checks its arguments
-            lowmembp.plan("bert_large", batch_size=0)
+            lowmembp.plan("bert-large", batch_size=0)
     with pytest.warns(DeprecationWarning, match="make_plan"):
         with pytest.raises(ValueError, match="batch_size"):
-            plan_room.plan("bert_large", batch_size=0)
+            plan_room.plan("bert-large", batch_size=0)

@@ -25,7 +25,7 @@ def test_the_readme_is_a_front_page():
     for command in ("bash .ci/setup && . .venv/bin/activate && snakemake --cores all",
                     ".venv/bin/python -m pytest -n 2 ",
                     '.venv/bin/python -m pytest -n 2 --dist loadfile -m "" --durations=20',
-                    "python -m lowmembp.plan --model llama_7b --gpu-memory 24GiB --batch-size 4 --seq-len 2048",
+                    "python -m lowmembp.plan --model llama-7b --gpu-memory 24GiB --batch-size 4 --seq-len 2048",
                     "python -m experiments.repro "):
         assert command in text, command
 

@@ -52,9 +52,9 @@ def theory(family: str, r: float = PAPER_R) -> tuple[dict, dict]:
 
 
 MODELS = {  # name -> (estimate key, family, hidden size, r (real), batch, seq_len or None)
-    "ViT-B/16": ("vit_b16", "vit", 768, 4.0, 64, None),
-    "LLaMA-7B": ("llama_7b", "llama", 4096, 11008 / 4096, 4, 512),
-    "LLaMA-13B": ("llama_13b", "llama", 5120, 13824 / 5120, 4, 512),
+    "ViT-B/16": ("vit-b16", "vit", 768, 4.0, 64, None),
+    "LLaMA-7B": ("llama-7b", "llama", 4096, 11008 / 4096, 4, 512),
+    "LLaMA-13B": ("llama-13b", "llama", 5120, 13824 / 5120, 4, 512),
 }
 
 

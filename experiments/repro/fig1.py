@@ -102,7 +102,7 @@ def _step(run, method: str, diffs, kw) -> dict:
     """One fake-tensor step of ``method`` with the official code's ``diffs`` emulated."""
     from experiments.repro.official_lora import emulated
     with emulated() if "lora_function" in diffs else contextlib.nullcontext():
-        return run("vit_b16", _emulated_spec(method, diffs), **kw)
+        return run("vit-b16", _emulated_spec(method, diffs), **kw)
 
 
 def fig1(small: bool = False, batch_size: int = 64, dtype: str = "fp16",
@@ -122,7 +122,7 @@ def fig1(small: bool = False, batch_size: int = 64, dtype: str = "fp16",
         base_ours = base_official = None
         for method, (label, paper_mib, paper_tp) in PAPER.items():
             kws = dict(kw, targets=targets)
-            est = run("vit_b16", method, **kws)
+            est = run("vit-b16", method, **kws)
             ours = est["peak"]["bytes"] / MiB
             diffs = differences(method)
             alone = {d: _step(run, method, (d,), kws) for d in diffs}

@@ -44,37 +44,37 @@ PAPER_SOURCE = {
     "vit_b_full": SUMMARY.format(27, "ViT"),
     "vit_b_lora": "LowMemoryBP Fig. 1: 2717 / 3827 MiB (ViT-B/16, LoRA r4 on q and v, batch 64, fp16 AMP)",
     "vit_l_full": SUMMARY.format(27, "ViT"),
-    "vit_l_lora": None, "llama_7b": SUMMARY.format(29, "LLaMA"), "llama_13b": SUMMARY.format(29, "LLaMA"),
-    "roberta_base": SUMMARY.format(21, "RoBERTa"), "bert_large": None, "swin_t": None,
+    "vit_l_lora": None, "llama-7b": SUMMARY.format(29, "LLaMA"), "llama-13b": SUMMARY.format(29, "LLaMA"),
+    "roberta-base": SUMMARY.format(21, "RoBERTa"), "bert-large": None, "swin-t": None,
 }
 
 # name -> (label, model key, method without LowMemoryBP, options, paper saving %, setting cited, estimate kwargs)
 ROWS = {
-    "vit_b_full": ("ViT-B/16 full fine-tuning", "vit_b16", "baseline", {}, 27.0,
+    "vit_b_full": ("ViT-B/16 full fine-tuning", "vit-b16", "baseline", {}, 27.0,
                    "vit_exp/configs/cifar100/fulltuning_ViT_B_baseline.yaml (batch 64, AMP)", {}),
-    "vit_b_lora": ("ViT-B/16 LoRA r4 (q, v)", "vit_b16", "lora", {"rank": 4, "targets": "qkv"},
+    "vit_b_lora": ("ViT-B/16 LoRA r4 (q, v)", "vit-b16", "lora", {"rank": 4, "targets": "qkv"},
                    round(100 * (1 - 2717 / 3827), 1), VIT_QV, {}),
-    "vit_l_full": ("ViT-L/16 full fine-tuning", "vit_l16", "baseline", {}, 27.0,
+    "vit_l_full": ("ViT-L/16 full fine-tuning", "vit-l16", "baseline", {}, 27.0,
                    "vit_exp/configs/cifar100/fulltuning_ViT_L_baseline.yaml (batch 64, AMP)", {}),
-    "vit_l_lora": ("ViT-L/16 LoRA r4 (q, v) (our setting)", "vit_l16", "lora", {"rank": 4, "targets": "qkv"}, None,
+    "vit_l_lora": ("ViT-L/16 LoRA r4 (q, v) (our setting)", "vit-l16", "lora", {"rank": 4, "targets": "qkv"}, None,
                    "ours: no official ViT-L LoRA config; the ViT-B lora_qv setting", {}),
-    "llama_7b": ("LLaMA-7B QLoRA r64 α16 (all linears)", "llama_7b", "lora",
+    "llama-7b": ("LLaMA-7B QLoRA r64 α16 (all linears)", "llama-7b", "lora",
                  {"rank": 64, "alpha": 16}, 29.0,
                  "llama_exp/scripts/finetune_llama_7b.sh:9-10 (source 512 + target 128), :30-37 (r 64, α 16, "
                  "all, double quant, nf4, bf16; dropout 0.1 in official_run_* only), :41 (batch 4)",
                  {"qlora": True, "weights": "bf16", "seq_len": 640}),
-    "llama_13b": ("LLaMA-13B QLoRA r64 α16 (all linears)", "llama_13b", "lora",
+    "llama-13b": ("LLaMA-13B QLoRA r64 α16 (all linears)", "llama-13b", "lora",
                   {"rank": 64, "alpha": 16}, 29.0,
                   "llama_exp/scripts/finetune_llama_13b.sh (as 7B)",
                   {"qlora": True, "weights": "bf16", "seq_len": 640}),
-    "roberta_base": ("RoBERTa-base LoRA r64 α16 (query, key)", "roberta_base", "lora",
+    "roberta-base": ("RoBERTa-base LoRA r64 α16 (query, key)", "roberta-base", "lora",
                      {"rank": 64, "alpha": 16, "targets": "query,key"}, 21.0,
                      "roberta_exp/scripts/finetune_roberta.sh:12-13,22-23 (len 256, batch 32, r 64, α 16); "
                      "roberta_exp/run_glue.py:493 (query, key), :220-221 (dropout 0); fp32", {}),
-    "bert_large": ("BERT-large full fine-tuning (our setting)", "bert_large", "baseline", {}, None,
-                   "ours: no official BERT script; MODELS['bert_large'] (batch 32, len 128, fp32)", {}),
-    "swin_t": ("Swin-T full fine-tuning (our setting)", "swin_t", "baseline", {}, None,
-               "ours: no official Swin script; MODELS['swin_t'] at batch 32 (whole build; fp16 AMP)",
+    "bert-large": ("BERT-large full fine-tuning (our setting)", "bert-large", "baseline", {}, None,
+                   "ours: no official BERT script; MODELS['bert-large'] (batch 32, len 128, fp32)", {}),
+    "swin-t": ("Swin-T full fine-tuning (our setting)", "swin-t", "baseline", {}, None,
+               "ours: no official Swin script; MODELS['swin-t'] at batch 32 (whole build; fp16 AMP)",
                {"batch_size": 32}),
 }
 
@@ -112,7 +112,7 @@ def headline(small: bool = False, rows: tuple[str, ...] | None = None) -> pd.Dat
             kw.update(batch_size=2, layers=2)
             if key.startswith("vit"):
                 kw["overrides"] = {"img_size": 64, "embed_dim": 64, "num_heads": 4}
-            elif key == "swin_t":
+            elif key == "swin-t":
                 kw.pop("layers")
                 kw["overrides"] = {"img_size": 64, "window_size": 2, "depths": (1, 1, 1, 1), "embed_dim": 16,
                                    "num_heads": (1, 1, 1, 1)}
@@ -121,7 +121,7 @@ def headline(small: bool = False, rows: tuple[str, ...] | None = None) -> pd.Dat
                                                  "intermediate_size": 160, "num_key_value_heads": 4}
                           if key.startswith("llama") else {"hidden_size": 64, "num_attention_heads": 4,
                                                           "intermediate_size": 128})
-        run = estimate if (small or key == "swin_t") else estimate_by_depth
+        run = estimate if (small or key == "swin-t") else estimate_by_depth
         with_ = "lowmembp" if base == "baseline" else f"{base}+lowmembp"
         peaks, official = {}, {}
         for method in (base, with_):

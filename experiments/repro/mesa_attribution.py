@@ -40,7 +40,7 @@ EMA_SOURCE = ("HubHop/deit-mesa: --model-ema on by default (main.py:53 at c5551a
 
 
 def mesa_attribution(small: bool = False, batch_size: int = 128,
-                     models: tuple[str, ...] = ("deit_ti", "deit_s", "deit_b")) -> pd.DataFrame:
+                     models: tuple[str, ...] = ("deit-ti", "deit-s", "deit-b")) -> pd.DataFrame:
     """One row per DeiT baseline: ours (today's block, sdpa), each difference in MiB, ours with the differences,
     the README's MB, ratio, and what is left unexplained."""
     from lowmembp.estimator.step import estimate, estimate_by_depth

@@ -26,15 +26,15 @@ import pandas as pd
 from experiments.repro._common import MiB, ratio
 
 PAPER = {  # model key -> (label, baseline MB, mesa MB)
-    "deit_ti": ("DeiT-Ti", 4171, 1858),
-    "deit_s": ("DeiT-S", 8459, 3840),
-    "deit_b": ("DeiT-B", 17691, 8616),
-    "swin_t": ("Swin-T", 11812, 5371),
+    "deit-ti": ("DeiT-Ti", 4171, 1858),
+    "deit-s": ("DeiT-S", 8459, 3840),
+    "deit-b": ("DeiT-B", 17691, 8616),
+    "swin-t": ("Swin-T", 11812, 5371),
 }
 
 
 KEEP = "mesa (window attention exact)"
-HEADS_TOKENS = {"deit_ti": (3, 197), "deit_s": (6, 197), "deit_b": (12, 197)}  # (heads, tokens incl. class token)
+HEADS_TOKENS = {"deit-ti": (3, 197), "deit-s": (6, 197), "deit-b": (12, 197)}  # (heads, tokens incl. class token)
 SWIN_T = dict(heads=(3, 6, 12, 24), depths=(2, 2, 6, 2), window=7, patch=4, img=224)
 
 
@@ -49,7 +49,7 @@ def cuda_amp_softmax_bytes(key: str, batch_size: int, small: bool = False) -> in
         if small:
             tokens, blocks = (64 // 16) ** 2 + 1, 2
         return 4 * batch_size * heads * tokens ** 2 * blocks
-    if key == "swin_t":
+    if key == "swin-t":
         c = dict(SWIN_T)
         if small:
             c.update(img=64, window=2, depths=(1, 1, 1, 1))
@@ -83,7 +83,7 @@ def mesa_table(small: bool = False, batch_size: int = 128, models: tuple[str, ..
         ours = {}
         amp = cuda_amp_softmax_bytes(key, kw["batch_size"], small) / MiB
         cases = [("baseline", "baseline", {}, p_base), ("mesa", "mesa", {}, p_mesa)]
-        if key == "swin_t":  # beside Mesa's demo setting: ours with the window attention kept exact (no paper value)
+        if key == "swin-t":  # beside Mesa's demo setting: ours with the window attention kept exact (no paper value)
             cases.append((KEEP, "mesa", {"mesa_attention": "keep"}, None))
         for method, spec, opts, paper in cases:
             est = run(key, spec, **kw, **opts)

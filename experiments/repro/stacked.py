@@ -27,7 +27,7 @@ GPU_ONLY = {"liger"}  # methods with no CPU / fake-tensor path: their rows carry
 # than no checkpointing at all (ViT-B/16: 2283 -> 5211 MiB peak; python -m experiments.repro stacked with policy
 # changed).
 STACKS = {
-    "llama_7b": ("LLaMA-7B, batch 4 × 512 tokens, bf16 autocast, LoRA r 64 α 16 on q/k/v/o/gate/up/down",
+    "llama-7b": ("LLaMA-7B, batch 4 × 512 tokens, bf16 autocast, LoRA r 64 α 16 on q/k/v/o/gate/up/down",
                  {"rank": 64, "alpha": 16, "policy": "save-attention"}, [
                      ("LoRA", "lora"),
                      ("+ LoRA-FA (A frozen)", "lora-fa"),
@@ -37,7 +37,7 @@ STACKS = {
                      ("+ activation offloading", "lora-fa+chunked-ce+lowmembp+sac+offload"),
                      ("Liger-Kernel for chunked CE + LowMemoryBP", "lora-fa+liger+sac+offload"),
                  ]),
-    "vit_b16": ("ViT-B/16, 224 px, batch 64, fp16 autocast, LoRA r 4 on qkv/proj/fc1/fc2 (head trainable)",
+    "vit-b16": ("ViT-B/16, 224 px, batch 64, fp16 autocast, LoRA r 4 on qkv/proj/fc1/fc2 (head trainable)",
                 {"rank": 4, "policy": "save-attention"}, [
                     ("LoRA", "lora"),
                     ("+ LoRA-FA (A frozen)", "lora-fa"),
@@ -49,7 +49,7 @@ STACKS = {
 }
 
 
-def stacked(small: bool = False, models: tuple[str, ...] = ("llama_7b", "vit_b16")) -> pd.DataFrame:
+def stacked(small: bool = False, models: tuple[str, ...] = ("llama-7b", "vit-b16")) -> pd.DataFrame:
     """One row per (model, technique added); ``small``: two blocks, batch 2, 64 tokens (seconds, for tests)."""
     from lowmembp.estimator.step import estimate, estimate_by_depth
     from lowmembp.methods.registry import method_options

@@ -39,7 +39,7 @@ def train_eval(method: str, *, seed: int = 0, steps: int = 150, options: dict | 
     torch.set_num_threads(1)
     try:
         torch.manual_seed(seed)
-        model = build(MODELS["bert_large"], layers=2, overrides=MODEL, device="cpu", attention="eager")
+        model = build(MODELS["bert-large"], layers=2, overrides=MODEL, device="cpu", attention="eager")
         if method != "baseline":
             model = lowmembp.apply(model, method, **(options or {}))
         ids, labels = _data(steps * BATCH, 1000 + seed)

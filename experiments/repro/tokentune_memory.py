@@ -45,7 +45,7 @@ def tokentune_memory(small: bool = False, batch_sizes: tuple[int, ...] = (8, 32)
         row = {"method": label, "spec": method}
         peaks, saved = [], []
         for bs in batch_sizes:
-            est = (estimate_by_depth if by_depth and not small else estimate)("bert_large", method, batch_size=bs,
+            est = (estimate_by_depth if by_depth and not small else estimate)("bert-large", method, batch_size=bs,
                                                                               **kw)
             peaks.append(est["peak"]["bytes"] / MiB)
             saved.append(est["saved"]["total"] / MiB)

@@ -35,7 +35,7 @@ def step_ms(methods, batch_size: int, *, seq_len: int = 128, k: int = 16, layers
     from lowmembp.estimator.step import MODELS, _batch, _loss, build
     from lowmembp.measurement.timing import time_interleaved
 
-    spec = MODELS["bert_large"]
+    spec = MODELS["bert-large"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -82,7 +82,7 @@ def tokentune_vs_ckpt(small: bool = False, batch_sizes: tuple[int, ...] = (8, 32
     for method, label in METHODS.items():
         row = {"method": label, "spec": method}
         for bs in batch_sizes:
-            est = run("bert_large", method, batch_size=bs, **kw, **_opts(method, k))
+            est = run("bert-large", method, batch_size=bs, **kw, **_opts(method, k))
             row[f"peak_MiB_b{bs}"] = est["peak"]["bytes"] / MiB
         rows.append(row)
     for bs in time_batches:

@@ -10,14 +10,15 @@ May import: :mod:`lowmembp.methods`, :mod:`lowmembp.models`, :mod:`lowmembp.meas
 torch, timm, transformers, peft. Never the planner, which builds on it.
 
     from lowmembp.estimator import estimate
-    estimate("llama_7b", "lora+lowmembp", batch_size=4, seq_len=2048)
+    estimate("llama-7b", "lora+lowmembp", batch_size=4, seq_len=2048)
 """
 from __future__ import annotations
 
 import importlib
 
-_PUBLIC = ("DTYPES", "MODELS", "ModelSpec", "build", "block_names", "estimate", "estimate_by_depth",
-           "extend_by_depth", "full_depth", "fsdp_peak", "nf4_weight_bytes", "prepare_model", "to_fake_cpu")
+_PUBLIC = ("DTYPES", "MODELS", "ModelSpec", "model_spec", "paper_model_name", "build", "block_names", "estimate",
+           "estimate_by_depth", "extend_by_depth", "full_depth", "fsdp_peak", "nf4_weight_bytes", "prepare_model",
+           "to_fake_cpu")
 __all__ = list(_PUBLIC)
 
 

@@ -1,6 +1,6 @@
 """Paper-scale memory estimates without a GPU: the real timm / transformers code on fake tensors.
 
-    est = estimate("vit_b16", "lora+lowmembp", batch_size=64, dtype="fp16")
+    est = estimate("vit-b16", "lora+lowmembp", batch_size=64, dtype="fp16")
     est -> {"model", "method", "batch_size", "seq_len", "dtype", "layers", "saved": <memory.SavedTensorAccountant
             report>, "per_block": {kind: bytes} (one middle block), "peak": <peak.measure_step_peak result>}
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +42,8 @@ from lowmembp.measurement.saved import SavedTensorAccountant
 from lowmembp.measurement.kinds import KINDS
 from lowmembp.measurement.peak import measure_step_peak, prime_optimizer
 
-__all__ = ["MODELS", "ModelSpec", "estimate", "estimate_by_depth", "full_depth", "build", "block_names", "DTYPES",
+__all__ = ["MODELS", "ModelSpec", "model_spec", "paper_model_name",
+           "estimate", "estimate_by_depth", "full_depth", "build", "block_names", "DTYPES",
            "nf4_weight_bytes", "fsdp_peak", "prepare_model", "make_optimizer",
            "train_step", "extend_by_depth"]
 
@@ -63,17 +65,43 @@ class ModelSpec:
 
 
 MODELS: dict[str, ModelSpec] = {
-    "vit_b16": ModelSpec("timm", "vit_base_patch16_224", 64, dtype="fp16"),
-    "vit_l16": ModelSpec("timm", "vit_large_patch16_224", 64, dtype="fp16"),
-    "swin_t": ModelSpec("timm", "swin_tiny_patch4_window7_224", 128, dtype="fp16", num_classes=1000),
-    "deit_ti": ModelSpec("timm", "deit_tiny_patch16_224", 128, dtype="fp16", num_classes=1000),
-    "deit_s": ModelSpec("timm", "deit_small_patch16_224", 128, dtype="fp16", num_classes=1000),
-    "deit_b": ModelSpec("timm", "deit_base_patch16_224", 128, dtype="fp16", num_classes=1000),
-    "bert_large": ModelSpec("bert", "bert-large", 32, seq_len=128, dtype="fp32", num_classes=2),
-    "roberta_base": ModelSpec("roberta", "roberta-base", 32, seq_len=256, dtype="fp32", num_classes=2),
-    "llama_7b": ModelSpec("llama", "llama-7b", 4, seq_len=512, dtype="bf16"),
-    "llama_13b": ModelSpec("llama", "llama-13b", 4, seq_len=512, dtype="bf16"),
+    "vit-b16": ModelSpec("timm", "vit_base_patch16_224", 64, dtype="fp16"),
+    "vit-l16": ModelSpec("timm", "vit_large_patch16_224", 64, dtype="fp16"),
+    "swin-t": ModelSpec("timm", "swin_tiny_patch4_window7_224", 128, dtype="fp16", num_classes=1000),
+    "deit-ti": ModelSpec("timm", "deit_tiny_patch16_224", 128, dtype="fp16", num_classes=1000),
+    "deit-s": ModelSpec("timm", "deit_small_patch16_224", 128, dtype="fp16", num_classes=1000),
+    "deit-b": ModelSpec("timm", "deit_base_patch16_224", 128, dtype="fp16", num_classes=1000),
+    "bert-large": ModelSpec("bert", "bert-large", 32, seq_len=128, dtype="fp32", num_classes=2),
+    "roberta-base": ModelSpec("roberta", "roberta-base", 32, seq_len=256, dtype="fp32", num_classes=2),
+    "llama-7b": ModelSpec("llama", "llama-7b", 4, seq_len=512, dtype="bf16"),
+    "llama-13b": ModelSpec("llama", "llama-13b", 4, seq_len=512, dtype="bf16"),
 }
+
+# The paper models' names of the 0.1 releases, with underscores; accepted for one more release with a
+# DeprecationWarning (:func:`model_spec`). The names are those of the tasks and the training job: ``vit-b16``.
+_OLD_NAMES = {name.replace("-", "_"): name for name in MODELS if "-" in name}
+
+
+def paper_model_name(name: str) -> str | None:
+    """``name`` as a key of :data:`MODELS` (an old underscore spelling warns and maps), or None if it names none."""
+    if name in MODELS:
+        return name
+    if name in _OLD_NAMES:
+        warnings.warn(f"the paper model {name!r} is now spelled {_OLD_NAMES[name]!r} (as in the tasks and the "
+                      "training job); the old spelling goes in the next release", DeprecationWarning, stacklevel=3)
+        return _OLD_NAMES[name]
+    return None
+
+
+def model_spec(model: str | ModelSpec) -> ModelSpec:
+    """The :class:`ModelSpec` of a paper model's name (a key of :data:`MODELS`), or ``model`` itself if it is one."""
+    if not isinstance(model, str):
+        return model
+    name = paper_model_name(model)
+    if name is None:
+        raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
+    return MODELS[name]
+
 
 _HF_CONFIGS = {
     "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
@@ -183,9 +211,7 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     :func:`fsdp_peak`) with ``batch_size`` samples *per rank* (activations stay per rank; the training job's
     ``--batch-size`` is the global batch, N times this).
     """
-    if isinstance(model, str) and model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
-    spec = MODELS[model] if isinstance(model, str) else model
+    spec = model_spec(model)
     if device not in ("fake", "cpu"):
         raise ValueError(f"device must be 'fake' or 'cpu', got {device!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -392,7 +418,7 @@ def fsdp_peak(pk: dict, model: nn.Module, optimizer, blocks: list[str], n: int) 
 
 def full_depth(model: str | ModelSpec, overrides: dict | None = None) -> int:
     """The number of transformer blocks of the full model (built on the meta device: no memory)."""
-    spec = MODELS[model] if isinstance(model, str) else model
+    spec = model_spec(model)
     return len(block_names(build(spec, overrides=overrides, device="meta")))
 
 

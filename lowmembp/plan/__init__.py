@@ -1,9 +1,9 @@
 """The planner: what fits my GPU? Every method combination for a model, batch, sequence length and GPU size.
 
     from lowmembp.plan import make_plan                # also lowmembp.make_plan(...)
-    p = make_plan("llama_7b", gpu_memory="24GiB", batch_size=4, seq_len=2048)
+    p = make_plan("llama-7b", gpu_memory="24GiB", batch_size=4, seq_len=2048)
     print(p.table())                                   # ranked; p.rows (dicts), p.to_json(), p.to_csv(path)
-    python -m lowmembp.plan --model llama_7b --gpu-memory 24GiB --batch-size 4 --seq-len 2048
+    python -m lowmembp.plan --model llama-7b --gpu-memory 24GiB --batch-size 4 --seq-len 2048
 
 Each row is one valid combination of the registry's methods (:mod:`lowmembp.plan.combos`), estimated on fake tensors
 as :func:`lowmembp.estimator.step.estimate_by_depth` does (2- and 3-block builds extended to the full depth; the full

@@ -1,6 +1,6 @@
 """``python -m lowmembp.plan``: the planner on the command line (a ranked table; ``--json`` / ``--csv FILE``).
 
-    python -m lowmembp.plan --model llama_7b --gpu-memory 24GiB --batch-size 4 --seq-len 2048
+    python -m lowmembp.plan --model llama-7b --gpu-memory 24GiB --batch-size 4 --seq-len 2048
     python -m lowmembp.plan --model vit_base_patch16_224 --gpu-memory 12GiB --batch-size 64 --option lora.rank=4,16
     python -m lowmembp.plan --model path/to/config.json --gpu-memory 80GiB --batch-size 8 --seq-len 4096 --json
 """
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None, start_method: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lowmembp.plan", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True,
-                    help="a paper model (llama_7b, vit_b16, ...), a timm model name, or a transformers config.json")
+                    help="a paper model (llama-7b, vit-b16, ...), a timm model name, or a transformers config.json")
     ap.add_argument("--gpu-memory", default="24GiB", help="memory of one GPU, e.g. 24GiB, 40GB (default 24GiB)")
     ap.add_argument("--batch-size", type=int, required=True, help="the batch size you want to train with")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (text models)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from lowmembp.estimator.step import MODELS, ModelSpec
+from lowmembp.estimator.step import MODELS, ModelSpec, paper_model_name
 
 __all__ = ["resolve_model"]
 
@@ -17,8 +17,8 @@ def resolve_model(model: str | ModelSpec, *, seq_len: int | None = None, num_cla
     """``(spec, where)``: the :class:`ModelSpec` that ``model`` names and a few words on where it came from."""
     if isinstance(model, ModelSpec):
         spec, where = model, f"the given ModelSpec ({model.family} {model.arch})"
-    elif model in MODELS:
-        spec, where = MODELS[model], f"paper model {model} ({MODELS[model].arch})"
+    elif (name := paper_model_name(model)) is not None:
+        spec, where = MODELS[name], f"paper model {name} ({MODELS[name].arch})"
     elif Path(model).exists():
         from lowmembp.estimator.hf_config import hf_spec
         spec = hf_spec(model, seq_len=seq_len)

@@ -26,17 +26,17 @@ def _same(fake, real):
 @pytest.mark.parametrize("method,dtype", [("baseline", "bf16"), ("lora", "fp16"), ("lora+lowmembp", "bf16")])
 def test_vit_fake_equals_real(method, dtype):
     kw = dict(VIT_SMALL, dtype=dtype)
-    _same(estimate("vit_b16", method, **kw), estimate("vit_b16", method, device="cpu", **kw))
+    _same(estimate("vit-b16", method, **kw), estimate("vit-b16", method, device="cpu", **kw))
 
 
 @pytest.mark.parametrize("method", ["baseline", "lowmembp"])
 def test_llama_fake_equals_real(method):
-    _same(estimate("llama_7b", method, **LLAMA_SMALL), estimate("llama_7b", method, device="cpu", **LLAMA_SMALL))
+    _same(estimate("llama-7b", method, **LLAMA_SMALL), estimate("llama-7b", method, device="cpu", **LLAMA_SMALL))
 
 
 def test_bert_tokentune_fake_equals_real():
     kw = dict(BERT_SMALL, k=4)
-    _same(estimate("bert_large", "tokentune", **kw), estimate("bert_large", "tokentune", device="cpu", **kw))
+    _same(estimate("bert-large", "tokentune", **kw), estimate("bert-large", "tokentune", device="cpu", **kw))
 
 
 def test_fake_peak_matches_cpu_allocator():
@@ -45,10 +45,10 @@ def test_fake_peak_matches_cpu_allocator():
     fp32, not bf16 autocast: on a CPU with AMX, oneDNN's bf16 matmuls allocate reordered weight copies through the
     CPU allocator (seen here: 1.51x the tensor bytes; with ONEDNN_MAX_CPU_ISA=AVX512_CORE 1.008x). That is kernel
     scratch the estimate does not model, and it depends on the CPU the test runs on; fp32 does not."""
-    est = estimate("vit_b16", "lora", dtype="fp32", **VIT_SMALL)
+    est = estimate("vit-b16", "lora", dtype="fp32", **VIT_SMALL)
     import lowmembp
     torch.manual_seed(0)
-    model = lowmembp.apply(build(MODELS["vit_b16"], layers=2, overrides=VIT_SMALL["overrides"], device="cpu"),
+    model = lowmembp.apply(build(MODELS["vit-b16"], layers=2, overrides=VIT_SMALL["overrides"], device="cpu"),
                            "lora", rank=4)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.1,
                             fused=True)
@@ -65,20 +65,20 @@ def test_fake_peak_matches_cpu_allocator():
 
 
 def test_per_block_and_categories_are_consistent():
-    est = estimate("vit_b16", "baseline", **VIT_SMALL)
+    est = estimate("vit-b16", "baseline", **VIT_SMALL)
     assert est["layers"] == 2 and est["seq_len"] == 5  # (32/16)^2 patches + the class token
     assert set(est["per_block"]) == set(KINDS)
     assert 0 < sum(est["per_block"].values()) < est["saved"]["total"]
     cats = est["peak"]["by_category"]
     assert sum(cats.values()) == est["peak"]["bytes"]
-    nparam = 4 * sum(p.numel() for p in build(MODELS["vit_b16"], **{k: VIT_SMALL[k] for k in ("layers", "overrides")})
+    nparam = 4 * sum(p.numel() for p in build(MODELS["vit-b16"], **{k: VIT_SMALL[k] for k in ("layers", "overrides")})
                      .parameters())
     assert cats["parameters"] == nparam
 
 
 def test_saved_bytes_scale_with_batch():
-    a = estimate("vit_b16", "baseline", peak=False, **dict(VIT_SMALL, batch_size=2))
-    b = estimate("vit_b16", "baseline", peak=False, **dict(VIT_SMALL, batch_size=4))
+    a = estimate("vit-b16", "baseline", peak=False, **dict(VIT_SMALL, batch_size=2))
+    b = estimate("vit-b16", "baseline", peak=False, **dict(VIT_SMALL, batch_size=4))
     assert a["peak"] is None
     for k in KINDS:
         assert b["per_block"][k] == 2 * a["per_block"][k]
@@ -89,9 +89,9 @@ def _no_layers(kw):
 
 
 @pytest.mark.parametrize("model,method,kw", [
-    ("bert_large", "baseline", _no_layers(BERT_SMALL)),
-    ("bert_large", "lora+tokentune", dict(_no_layers(BERT_SMALL), k=4, rank=4)),
-    ("vit_b16", "lora+mesa-gelu-ln", dict(_no_layers(VIT_SMALL), dtype="fp16")),
+    ("bert-large", "baseline", _no_layers(BERT_SMALL)),
+    ("bert-large", "lora+tokentune", dict(_no_layers(BERT_SMALL), k=4, rank=4)),
+    ("vit-b16", "lora+mesa-gelu-ln", dict(_no_layers(VIT_SMALL), dtype="fp16")),
 ])
 def test_estimate_by_depth_equals_full_depth(model, method, kw):
     """Two shallow builds extended to the full depth give the full-depth estimate to the byte (peak included)."""
@@ -105,25 +105,25 @@ def test_estimate_by_depth_equals_full_depth(model, method, kw):
 
 def test_estimate_by_depth_shallow_models_and_errors():
     kw = dict(_no_layers(VIT_SMALL), peak=False)
-    assert estimate_by_depth("vit_b16", layers=3, **kw) == estimate("vit_b16", layers=3, **kw)
+    assert estimate_by_depth("vit-b16", layers=3, **kw) == estimate("vit-b16", layers=3, **kw)
     with pytest.raises(ValueError, match="shallow"):
-        estimate_by_depth("vit_b16", shallow=(3, 2), **kw)
+        estimate_by_depth("vit-b16", shallow=(3, 2), **kw)
 
 
 def test_block_names():
-    m = build(MODELS["swin_t"])
+    m = build(MODELS["swin-t"])
     names = block_names(m)
     assert len(names) == 12 and names[0] == "layers.0.blocks.0"
-    assert block_names(build(MODELS["llama_7b"], layers=3)) == [f"model.layers.{i}" for i in range(3)]
+    assert block_names(build(MODELS["llama-7b"], layers=3)) == [f"model.layers.{i}" for i in range(3)]
 
 
 def test_errors():
     with pytest.raises(ValueError, match="unknown model"):
         estimate("vit_x")
     with pytest.raises(ValueError, match="dtype"):
-        estimate("vit_b16", dtype="fp8", **{k: VIT_SMALL[k] for k in ("layers", "overrides")})
+        estimate("vit-b16", dtype="fp8", **{k: VIT_SMALL[k] for k in ("layers", "overrides")})
     with pytest.raises(ValueError, match="device"):
-        estimate("vit_b16", device="cuda")
+        estimate("vit-b16", device="cuda")
 
 
 @pytest.mark.parametrize("method", ["baseline", "lora", "lora+lowmembp"])
@@ -133,11 +133,11 @@ def test_weights_in_16_bits(method):
     import torch
 
     kw = dict(LLAMA_SMALL, batch_size=2)
-    fp32 = estimate("llama_7b", method, **kw)
-    bf16 = estimate("llama_7b", method, weights="bf16", **kw)
-    real = estimate("llama_7b", method, weights="bf16", device="cpu", **kw)
+    fp32 = estimate("llama-7b", method, **kw)
+    bf16 = estimate("llama-7b", method, weights="bf16", **kw)
+    real = estimate("llama-7b", method, weights="bf16", device="cpu", **kw)
     assert bf16["peak"]["bytes"] == real["peak"]["bytes"] and bf16["weights"] == "bf16"
-    model = prepare_model(MODELS["llama_7b"], method, contextlib.nullcontext(), layers=kw.get("layers"),
+    model = prepare_model(MODELS["llama-7b"], method, contextlib.nullcontext(), layers=kw.get("layers"),
                           overrides=kw["overrides"], device="cpu", weights="bf16")
     by_dtype = {}
     for n, p in model.named_parameters():
@@ -151,7 +151,7 @@ def test_weights_in_16_bits(method):
         1 for p in model.parameters() if p.requires_grad)  # exp_avg, exp_avg_sq in the parameter's dtype; fp32 step
     assert bf16["peak"]["bytes"] < fp32["peak"]["bytes"]
     with pytest.raises(ValueError, match="weights must be one of"):
-        estimate("llama_7b", method, weights="int8", **kw)
+        estimate("llama-7b", method, weights="int8", **kw)
 
 
 def test_optimizers_fake_equals_real_and_their_state_bytes():
@@ -163,11 +163,11 @@ def test_optimizers_fake_equals_real_and_their_state_bytes():
     from lowmembp.methods.optimizers import BNB_QMAP_BYTES, adamw8bit_state_bytes
 
     kw = dict(LLAMA_SMALL, dtype="fp32")
-    numels = [p.numel() for p in build(MODELS["llama_7b"], layers=2, overrides=kw["overrides"]).parameters()]
-    est = {o: estimate("llama_7b", "baseline", optimizer=o, **kw)
+    numels = [p.numel() for p in build(MODELS["llama-7b"], layers=2, overrides=kw["overrides"]).parameters()]
+    est = {o: estimate("llama-7b", "baseline", optimizer=o, **kw)
            for o in ("adamw", "adamw8bit", "adamw-fused-backward")}
     for o in ("adamw", "adamw-fused-backward"):
-        real = estimate("llama_7b", "baseline", optimizer=o, device="cpu", **kw)
+        real = estimate("llama-7b", "baseline", optimizer=o, device="cpu", **kw)
         assert (est[o]["peak"]["bytes"], est[o]["peak"]["by_category"]) == \
             (real["peak"]["bytes"], real["peak"]["by_category"]), o
         assert est[o]["optimizer"] == o
@@ -177,18 +177,34 @@ def test_optimizers_fake_equals_real_and_their_state_bytes():
     assert cats["adamw8bit"]["optimizer_state"] == BNB_QMAP_BYTES + sum(map(adamw8bit_state_bytes, numels))
     assert cats["adamw-fused-backward"]["gradients"] <= 4 * max(numels)
     assert est["adamw-fused-backward"]["peak"]["bytes"] < est["adamw"]["peak"]["bytes"]
-    real8 = estimate("llama_7b", "baseline", optimizer="adamw8bit", device="cpu", **kw)["peak"]
+    real8 = estimate("llama-7b", "baseline", optimizer="adamw8bit", device="cpu", **kw)["peak"]
     assert real8["by_category"]["optimizer_state"] == cats["adamw8bit"]["optimizer_state"]
     scratch = 6 * 4 * max(n for n in numels if n >= 4096)  # fp32: two states, gradient copy, denominator, ...
     assert 0 <= real8["bytes"] - est["adamw8bit"]["peak"]["bytes"] <= scratch
     with pytest.raises(ValueError, match="adamw8bit"):
-        estimate("llama_7b", optimizer="sgd", peak=False, **kw)
+        estimate("llama-7b", optimizer="sgd", peak=False, **kw)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw-fused-backward"])
 def test_optimizers_estimate_by_depth_equals_full_depth(optimizer):
     kw = dict(LLAMA_SMALL, layers=5, optimizer=optimizer)
-    ext, full = estimate_by_depth("llama_7b", "lora", **kw), estimate("llama_7b", "lora", **kw)
+    ext, full = estimate_by_depth("llama-7b", "lora", **kw), estimate("llama-7b", "lora", **kw)
     assert ext["peak"]["bytes"] == full["peak"]["bytes"]
     assert ext["peak"]["by_category"] == full["peak"]["by_category"]
     assert ext["optimizer"] == optimizer
+
+
+def test_paper_models_old_underscore_spelling_warns_and_names_the_same_model():
+    from lowmembp.estimator import MODELS, model_spec
+    from lowmembp.plan.models import resolve_model
+
+    for name in MODELS:
+        old = name.replace("-", "_")
+        if old == name:
+            continue
+        with pytest.warns(DeprecationWarning, match=f"now spelled '{name}'"):
+            assert model_spec(old) is MODELS[name]
+        with pytest.warns(DeprecationWarning):
+            assert resolve_model(old)[0] == resolve_model(name)[0]
+    with pytest.raises(ValueError, match="unknown model 'vit-b17'; known: vit-b16"):
+        model_spec("vit-b17")

@@ -15,15 +15,15 @@ from lowmembp.measurement.peak import prime_optimizer
 from lowmembp.plan.combos import combinations
 
 SMALL = {
-    "llama_7b": dict(overrides={"hidden_size": 32, "intermediate_size": 56, "num_attention_heads": 4,
+    "llama-7b": dict(overrides={"hidden_size": 32, "intermediate_size": 56, "num_attention_heads": 4,
                                 "num_key_value_heads": 2, "vocab_size": 61}, seq_len=9, dtype="bf16"),
-    "vit_b16": dict(overrides={"img_size": 32, "embed_dim": 48, "num_heads": 3}, seq_len=None, dtype="fp16"),
+    "vit-b16": dict(overrides={"img_size": 32, "embed_dim": 48, "num_heads": 3}, seq_len=None, dtype="fp16"),
     "bert_base": dict(overrides={"hidden_size": 48, "intermediate_size": 96, "num_attention_heads": 4,
                                  "vocab_size": 101}, seq_len=13, dtype="fp16"),
 }
-CASES = ([("llama_7b", m) for m in combinations(max_methods=1)[0]]
-         + [("llama_7b", m) for m in ("lora+lowmembp+sac", "lora-fa+mesa+checkpointing", "tokentune+offload")]
-         + [(model, m) for model in ("vit_b16", "bert_base") for m in ("baseline", "lora+lowmembp", "mesa")])
+CASES = ([("llama-7b", m) for m in combinations(max_methods=1)[0]]
+         + [("llama-7b", m) for m in ("lora+lowmembp+sac", "lora-fa+mesa+checkpointing", "tokentune+offload")]
+         + [(model, m) for model in ("vit-b16", "bert_base") for m in ("baseline", "lora+lowmembp", "mesa")])
 
 
 def _meta(x):

@@ -26,9 +26,9 @@ def _block_rows(monkeypatch, method="lora", emulate=True, **kw):
     monkeypatch.setattr(memory.SavedTensorAccountant, "report", rep)
     if emulate:
         with oq.emulated():
-            est = estimate("llama_7b", method, **KW, **kw)
+            est = estimate("llama-7b", method, **KW, **kw)
     else:
-        est = estimate("llama_7b", method, **KW, **kw)
+        est = estimate("llama-7b", method, **KW, **kw)
     return est, [r for r in tables[-1] if ".layers.1." in r["module"]]
 
 
@@ -69,7 +69,7 @@ def test_dtypes_as_the_official_script_and_patches_undone(monkeypatch):
     monkeypatch.setattr(est_mod, "prepare_model", spy)
     apply, dropout = lowmembp.apply, F.dropout
     with oq.emulated():
-        estimate("llama_7b", "lora", **KW)
+        estimate("llama-7b", "lora", **KW)
     assert seen == {"lora": {torch.bfloat16}, "norm": {torch.float32}, "embed": {torch.bfloat16}}
     assert lowmembp.apply is apply and F.dropout is dropout
 

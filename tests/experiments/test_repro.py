@@ -95,7 +95,7 @@ def test_fig1_official_code_is_measured_and_adds_up(fig1_small):
 
 
 def test_headline_small():
-    df = run("headline", small=True, rows=("vit_b_lora", "llama_7b", "roberta_base"))
+    df = run("headline", small=True, rows=("vit_b_lora", "llama-7b", "roberta-base"))
     assert list(df.columns[:3]) == ["model", "paper_saving_pct", "ours_saving_pct"]
     # one paper value per row, each with its source: Fig. 1 for ViT-B LoRA q/v; the stated summary for LLaMA, RoBERTa
     assert list(df["paper_saving_pct"]) == [29.0, 29.0, 21.0]
@@ -118,7 +118,7 @@ def test_headline_our_settings_carry_no_paper_value():
     """ViT-L LoRA, BERT-large and Swin-T are not settings of the official code: no paper value beside them."""
     from experiments.repro.headline import PAPER_SOURCE, ROWS
 
-    for name in ("vit_l_lora", "bert_large", "swin_t"):
+    for name in ("vit_l_lora", "bert-large", "swin-t"):
         assert ROWS[name][4] is None and PAPER_SOURCE[name] is None and "our setting" in ROWS[name][0]
         assert ROWS[name][5].startswith("ours:")
     assert set(PAPER_SOURCE) == set(ROWS)
@@ -134,8 +134,8 @@ def test_headline_qlora_delta_is_bf16_to_nf4():
     n = 2 * (4 * 64 * 64 + 3 * 64 * 160)  # 2 blocks: q, k, v, o and gate, up, down
     per = [(64 * 64, 4), (64 * 160, 3)]
     nf4 = 2 * sum(c * nf4_weight_bytes(k) for k, c in per)
-    assert _qlora_delta("llama_7b", 2, over, "bf16") == 2 * n - nf4
-    assert _qlora_delta("llama_7b", 2, over) == 4 * n - nf4
+    assert _qlora_delta("llama-7b", 2, over, "bf16") == 2 * n - nf4
+    assert _qlora_delta("llama-7b", 2, over) == 4 * n - nf4
 
 
 def test_nf4_weight_bytes():
@@ -150,7 +150,7 @@ def test_nf4_weight_bytes():
 
 
 def test_mesa_table_small():
-    df = run("mesa-table", small=True, models=("deit_ti", "swin_t"))
+    df = run("mesa-table", small=True, models=("deit-ti", "swin-t"))
     assert list(df["model"]) == ["DeiT-Ti", "DeiT-Ti", "Swin-T", "Swin-T", "Swin-T"]
     assert list(df["method"]) == ["baseline", "mesa", "baseline", "mesa", "mesa (window attention exact)"]
     for m in ("DeiT-Ti", "Swin-T"):
@@ -169,8 +169,8 @@ def test_mesa_table_reports_the_like_for_like_saving():
     Mesa's int8 softmax does not), beside the plain one; Swin-T's row says it is not like for like."""
     from experiments.repro.mesa_table import cuda_amp_softmax_bytes
 
-    df = run("mesa-table", small=True, models=("deit_ti", "swin_t"))
-    for m, key in (("DeiT-Ti", "deit_ti"), ("Swin-T", "swin_t")):
+    df = run("mesa-table", small=True, models=("deit-ti", "swin-t"))
+    for m, key in (("DeiT-Ti", "deit-ti"), ("Swin-T", "swin-t")):
         rows = df[df.model == m].set_index("method")
         amp = cuda_amp_softmax_bytes(key, 2, small=True) / 2**20
         assert rows.loc["baseline", "cuda_amp_fp32_softmax_MiB"] == pytest.approx(amp) and amp > 0
@@ -178,14 +178,14 @@ def test_mesa_table_reports_the_like_for_like_saving():
         assert rows.loc["mesa", "ours_like_for_like_saving_%"] == pytest.approx(want)
         assert rows.loc["mesa", "ours_like_for_like_saving_%"] > rows.loc["mesa", "ours_saving_%"]
     # the counts at paper scale: DeiT 4 bytes x B·H·N² x 12 blocks; Swin-T per stage (windows x heads x depth x 49²)
-    assert cuda_amp_softmax_bytes("deit_b", 128) == 4 * 128 * 12 * 197 ** 2 * 12
-    assert cuda_amp_softmax_bytes("swin_t", 128) == 4 * 128 * (64 * 3 * 2 + 16 * 6 * 2 + 4 * 12 * 6 + 24 * 2) * 49 ** 2
-    assert "window attention as Mesa's Swin demo" in run("mesa-table", small=True, models=("swin_t",)).attrs["caption"]
+    assert cuda_amp_softmax_bytes("deit-b", 128) == 4 * 128 * 12 * 197 ** 2 * 12
+    assert cuda_amp_softmax_bytes("swin-t", 128) == 4 * 128 * (64 * 3 * 2 + 16 * 6 * 2 + 4 * 12 * 6 + 24 * 2) * 49 ** 2
+    assert "window attention as Mesa's Swin demo" in run("mesa-table", small=True, models=("swin-t",)).attrs["caption"]
 
 
 def test_mesa_table_by_depth_equals_full_depth():
     """DeiT rows extended from 2- and 3-block builds equal the 12-block builds (reduced batch)."""
-    kw = dict(batch_size=2, models=("deit_ti",))
+    kw = dict(batch_size=2, models=("deit-ti",))
     pd.testing.assert_frame_equal(run("mesa-table", **kw), run("mesa-table", by_depth=False, **kw))
 
 
@@ -201,7 +201,7 @@ def test_tokentune_memory_small():
 
 
 def test_mesa_attribution_small():
-    df = run("mesa-attribution", small=True, models=("deit_ti",))
+    df = run("mesa-attribution", small=True, models=("deit-ti",))
     row = df.iloc[0]
     # counted: CUDA autocast's fp32 softmax output + its fp16 copy vs one fp16 output = 4 bytes x B·H·N² per block
     assert row["cuda_amp_fp32_softmax_MiB"] == pytest.approx(4 * 2 * 3 * 197 ** 2 * 2 / 2 ** 20)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def vit_table():  # ViT-B/16 at full width, two blocks, batch 2: six estimates (~30 s on a shared 2-core machine)
-    return run("stacked", small=True, models=("vit_b16",))
+    return run("stacked", small=True, models=("vit-b16",))
 
 
 @pytest.mark.slow
@@ -26,7 +26,7 @@ def test_rows_are_estimates_and_add_one_technique_each(vit_table):
 
     assert "stacked" in REPROS
     df = vit_table
-    stack = STACKS["vit_b16"][2]
+    stack = STACKS["vit-b16"][2]
     assert list(df["row"]) == [label for label, _ in stack]
     measured = df[df["peak_MiB"].notna()]
     specs = [spec for _, spec in stack]
@@ -37,7 +37,7 @@ def test_rows_are_estimates_and_add_one_technique_each(vit_table):
     # one row again, by a direct call: the same bytes
     row = measured.iloc[3]
     spec = row["method"].split(" (")[0]
-    est = estimate("vit_b16", spec, batch_size=2, layers=2, rank=4, policy="save-attention")
+    est = estimate("vit-b16", spec, batch_size=2, layers=2, rank=4, policy="save-attention")
     assert math.isclose(row["peak_MiB"], est["peak"]["bytes"] / MiB)
     assert math.isclose(row["saved_for_backward_MiB"], est["saved"]["total"] / MiB)
     # the change columns are against the previous measured row

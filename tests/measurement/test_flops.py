@@ -39,7 +39,7 @@ def test_each_op_counts_what_torchs_formulas_count():
 
 
 def test_a_fake_training_step_counts_what_torchs_formulas_count():
-    spec = MODELS["llama_7b"]
+    spec = MODELS["llama-7b"]
     overrides = {"hidden_size": 32, "intermediate_size": 56, "num_attention_heads": 4, "num_key_value_heads": 2,
                  "vocab_size": 61}
     totals = []

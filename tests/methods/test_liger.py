@@ -35,7 +35,7 @@ def test_excludes_the_same_layers(spec):
 def test_estimate_refuses_it():
     from lowmembp.estimator.step import estimate
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        estimate("llama_7b", "liger", layers=1, batch_size=1, seq_len=8, peak=False)
+        estimate("llama-7b", "liger", layers=1, batch_size=1, seq_len=8, peak=False)
 
 
 @pytest.mark.gpu

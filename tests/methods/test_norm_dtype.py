@@ -197,12 +197,12 @@ def test_spec_option_reaches_the_estimate():
     the class token (b·d·2), nothing else."""
     from lowmembp.estimator.step import estimate
     kw = dict(batch_size=1, dtype="fp16", rank=4, layers=2, targets="qkv", peak=False)
-    a = estimate("vit_b16", "lora+lowmembp", **kw)["saved"]["total"]
-    b = estimate("vit_b16", "lora+lowmembp@norm_dtype=fp32", **kw)["saved"]["total"]
-    c = estimate("vit_b16", "lora+lowmembp", norm_dtype="fp32", **kw)["saved"]["total"]
+    a = estimate("vit-b16", "lora+lowmembp", **kw)["saved"]["total"]
+    b = estimate("vit-b16", "lora+lowmembp@norm_dtype=fp32", **kw)["saved"]["total"]
+    c = estimate("vit-b16", "lora+lowmembp", norm_dtype="fp32", **kw)["saved"]["total"]
     assert b == c and b - a == 5 * 197 * 768 * 2 + 768 * 2
     with pytest.raises(ValueError, match="norm_dtype: out_dtype must be one of"):
-        estimate("vit_b16", "lora+lowmembp@norm_dtype=fp16", **kw)
+        estimate("vit-b16", "lora+lowmembp@norm_dtype=fp16", **kw)
     from lowmembp.methods.registry import check_options, method_options
     assert method_options("lowmembp-norm")["norm_dtype"] == "auto"
     with pytest.raises(ValueError, match="norm_dtype"):

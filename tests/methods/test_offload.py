@@ -100,8 +100,8 @@ def test_fake_tensors_make_the_copies():
     from lowmembp.estimator.step import estimate
 
     kw = dict(layers=2, batch_size=4, dtype="fp16")
-    base = estimate("vit_b16", "baseline", **kw)
-    off = estimate("vit_b16", "offload", **kw)
+    base = estimate("vit-b16", "baseline", **kw)
+    off = estimate("vit-b16", "offload", **kw)
     assert off["saved"]["total"] == base["saved"]["total"]
     host = off["peak"]["host"]["bytes"]
     kept = base["saved"]["total"] + base["saved"]["param_casts"]  # autocast's fp16 weight copies are saved tensors too
@@ -151,8 +151,8 @@ def test_saved_tensors_come_back_with_their_strides_sac_on_fake_tensors():
     small = dict(layers=2, batch_size=2, seq_len=8, overrides=dict(hidden_size=64, intermediate_size=128,
                                                                     num_attention_heads=4, num_key_value_heads=4,
                                                                     vocab_size=100))
-    sac = estimate("llama_7b", "sac", **small)
-    both = estimate("llama_7b", "sac+offload", **small)
+    sac = estimate("llama-7b", "sac", **small)
+    both = estimate("llama-7b", "sac+offload", **small)
     assert both["saved"]["total"] == sac["saved"]["total"]
     assert both["peak"]["host"]["bytes"] > 0.5 * sac["saved"]["total"]
 

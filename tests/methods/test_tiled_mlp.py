@@ -196,7 +196,7 @@ def test_tile_lengths():
 def test_estimated_on_fake_tensors_below_the_plain_model():
     from lowmembp.estimator.step import estimate
 
-    saved = {m: estimate("llama_7b", m, batch_size=1, seq_len=256, layers=2)["saved"]["total"]
+    saved = {m: estimate("llama-7b", m, batch_size=1, seq_len=256, layers=2)["saved"]["total"]
              for m in ("baseline", "tiled-mlp")}
     assert 0 < saved["tiled-mlp"] < saved["baseline"]
 

@@ -165,6 +165,6 @@ def test_estimated_on_fake_tensors_below_lora():
     """The planner's estimate (peft on the meta device, a fake step): VeLoRA keeps fewer bytes than LoRA."""
     from lowmembp.estimator.step import estimate
 
-    saved = {m: estimate("llama_7b", m, batch_size=1, seq_len=256, layers=2)["saved"]["total"]
+    saved = {m: estimate("llama-7b", m, batch_size=1, seq_len=256, layers=2)["saved"]["total"]
              for m in ("lora", "velora")}
     assert 0 < saved["velora"] < saved["lora"]

@@ -9,15 +9,15 @@ from lowmembp.plan.__main__ import main
 
 plan_module = sys.modules["lowmembp.plan"]  # the package (``lowmembp.plan`` as an attribute is the function)
 
-LLAMA = ["--model", "llama_7b", "--batch-size", "2", "--seq-len", "8", "--methods", "lora", "--jobs", "1",
+LLAMA = ["--model", "llama-7b", "--batch-size", "2", "--seq-len", "8", "--methods", "lora", "--jobs", "1",
          "--margin", "0"]
 
 
 def test_a_gpu_smaller_than_the_reserve_is_refused(capsys):
     with pytest.raises(ValueError, match=r"not larger than the reserve .*smaller reserve"):
-        plan("llama_7b", batch_size=2, gpu_memory="100MiB", reserved="1GiB", margin=0.0, methods=["lora"])
+        plan("llama-7b", batch_size=2, gpu_memory="100MiB", reserved="1GiB", margin=0.0, methods=["lora"])
     with pytest.raises(ValueError, match=r"GPU memory 1GiB .*not larger than the reserve"):
-        plan("llama_7b", batch_size=2, gpu_memory="80GiB", reserved="1GiB", more_gpus=["1GiB"], margin=0.0)
+        plan("llama-7b", batch_size=2, gpu_memory="80GiB", reserved="1GiB", more_gpus=["1GiB"], margin=0.0)
     assert main(LLAMA + ["--gpu-memory", "512MiB", "--reserved", "1GiB"]) == 2
     err = capsys.readouterr().err
     assert "not larger than the reserve" in err and "-" not in err.split("MiB")[0]

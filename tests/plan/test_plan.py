@@ -26,13 +26,13 @@ NO_MARGIN = dict(margin=0.0, reserved=0)
 
 @pytest.fixture(scope="module")
 def bert_plan():
-    return make_plan("bert_large", batch_size=3, gpu_memory=int(1.7 * 2**20), methods=["checkpointing", "lora"],
+    return make_plan("bert-large", batch_size=3, gpu_memory=int(1.7 * 2**20), methods=["checkpointing", "lora"],
                 runs=REFERENCE_RUNS, **NO_MARGIN, **BERT)
 
 
 def _estimate(method, b, options=None, full=True):
     f = estimate if full else estimate_by_depth
-    return f("bert_large", method, batch_size=b, **BERT, **(options or {}))["peak"]["bytes"]
+    return f("bert-large", method, batch_size=b, **BERT, **(options or {}))["peak"]["bytes"]
 
 
 def test_peak_equals_estimate(bert_plan):
@@ -70,7 +70,7 @@ def test_cost_order_agrees_with_measured_cpu_step_times(bert_plan):
 
 def test_margin_and_fits():
     kw = dict(batch_size=2, gpu_memory="8MiB", methods=["checkpointing"], max_methods=1, **BERT)
-    p = make_plan("bert_large", margin=0.25, reserved="1MiB", **kw)
+    p = make_plan("bert-large", margin=0.25, reserved="1MiB", **kw)
     for r in p.rows:
         assert r["need_bytes"] == int(r["peak_bytes"] * 1.25 + 2**20)
         assert r["fits"] == (r["need_bytes"] <= 8 * 2**20)
@@ -117,7 +117,7 @@ def test_models_and_errors():
     with pytest.raises(ValueError, match="paper model"):
         resolve_model("no_such_model_anywhere")
     with pytest.raises(ValueError, match="world_size"):
-        make_plan("bert_large", batch_size=2, world_size=0, **BERT)
+        make_plan("bert-large", batch_size=2, world_size=0, **BERT)
     assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("40GB") == 40 * 10**9 and parse_bytes(2) == 2
     with pytest.raises(ValueError, match="24GiB"):
         parse_bytes("24 gigs")
@@ -239,7 +239,7 @@ def test_progress_bar_counts_every_combination(monkeypatch):
             seen["closed"] = True
 
     monkeypatch.setattr(sys.modules["lowmembp.plan"], "Bar", Recorder)
-    p = make_plan("bert_large", batch_size=2, gpu_memory="8MiB", methods=["checkpointing", "lora"], progress="bar",
+    p = make_plan("bert-large", batch_size=2, gpu_memory="8MiB", methods=["checkpointing", "lora"], progress="bar",
                   reserved=0,
              **BERT)
     assert seen["n"] == len(p.rows) == seen["total"][-1] == 4 and seen["closed"]
@@ -297,12 +297,12 @@ def test_the_fork_server_imports_what_the_workers_need_once():
     import logging
 
     from lowmembp.plan.pool import modules_needed as _modules_needed
-    spec, _ = resolve_model("llama_7b", seq_len=None, num_classes=None, image_size=None)
+    spec, _ = resolve_model("llama-7b", seq_len=None, num_classes=None, image_size=None)
     with_lora = _modules_needed(spec, None, ["baseline", "lora+lowmembp"])
     assert with_lora[0] == "lowmembp.plan.worker"          # first: its logger setting holds for what follows
     assert "transformers.models.llama.modeling_llama" in with_lora and "peft" in with_lora
     assert "peft" not in _modules_needed(spec, None, ["baseline", "mesa+checkpointing"])
-    swin, _ = resolve_model("swin_t", seq_len=None, num_classes=None, image_size=None)  # depth per stage
+    swin, _ = resolve_model("swin-t", seq_len=None, num_classes=None, image_size=None)  # depth per stage
     assert "timm.models.swin_transformer" in _modules_needed(swin, None, ["baseline"])
     # the worker module quietens bitsandbytes' "cannot download the CPU 4-bit kernel" line, here and in workers
     assert logging.getLogger("bitsandbytes.backends.cpu.ops").level == logging.ERROR
@@ -312,13 +312,13 @@ def test_optimizer_axis_rows_are_estimates_with_that_optimizer(tiny_config, caps
     """Every combination with every optimizer asked for: one row each, its peak estimate()'s with that optimizer
     to the byte; the 8-bit states and the step inside the backward need less than AdamW's."""
     opts = ["adamw", "adamw8bit", "adamw-fused-backward"]
-    p = make_plan("bert_large", batch_size=3, gpu_memory=int(1.7 * 2**20), methods=["checkpointing"], jobs=1,
+    p = make_plan("bert-large", batch_size=3, gpu_memory=int(1.7 * 2**20), methods=["checkpointing"], jobs=1,
                   optimizer=opts, **NO_MARGIN, **BERT)
     rows = {(r["method"], r["optimizer"]): r for r in p.rows}
     assert set(rows) == {(m, o) for m in ("baseline", "checkpointing") for o in opts}
     for (method, opt), r in rows.items():
         assert r["status"] == "ok", r
-        assert r["peak_bytes"] == estimate("bert_large", method, batch_size=3, optimizer=opt, **BERT)["peak"]["bytes"]
+        assert r["peak_bytes"] == estimate("bert-large", method, batch_size=3, optimizer=opt, **BERT)["peak"]["bytes"]
         assert r["label"] == method + ("" if opt == "adamw" else f" [{opt}]")
     for method in ("baseline", "checkpointing"):
         assert rows[(method, "adamw8bit")]["floor_bytes"] < rows[(method, "adamw")]["floor_bytes"]
@@ -327,7 +327,7 @@ def test_optimizer_axis_rows_are_estimates_with_that_optimizer(tiny_config, caps
     table = p.table()
     assert "optimizer" in table.splitlines()[3] and "adamw-fused-backward" in table
     with pytest.raises(ValueError, match="unknown optimizer"):
-        make_plan("bert_large", batch_size=3, optimizer="sgd", **BERT)
+        make_plan("bert-large", batch_size=3, optimizer="sgd", **BERT)
     from lowmembp.plan.__main__ import main
     args = ["--model", str(tiny_config), "--batch-size", "2", "--seq-len", "16", "--gpu-memory", "4MiB",
             "--reserved", "0",

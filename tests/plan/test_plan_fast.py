@@ -25,7 +25,7 @@ TINY_OPTIONS = {"offload": {"min_bytes": 0}}
 
 def _peak(method, b, layers=None, by_depth=False, **options):
     f = estimate_by_depth if by_depth else estimate
-    return f("llama_7b", method, batch_size=b, layers=layers, **LLAMA, **options)["peak"]
+    return f("llama-7b", method, batch_size=b, layers=layers, **LLAMA, **options)["peak"]
 
 
 def _same(got, want):
@@ -40,14 +40,14 @@ def test_steps_and_line_equal_estimate(method):
         want = {b: _peak(method, b, layers=2, **opts) for b in (3, 4, 1, 9)}
     except Exception as e:  # noqa: BLE001  a method estimate() cannot run on this model: the steps refuse it too
         with pytest.raises(type(e)):
-            Steps(estimate.__globals__["MODELS"]["llama_7b"], method, layers=2, **LLAMA, **opts).run(3)
+            Steps(estimate.__globals__["MODELS"]["llama-7b"], method, layers=2, **LLAMA, **opts).run(3)
         return
-    steps = Steps(estimate.__globals__["MODELS"]["llama_7b"], method, layers=2, **LLAMA, **opts)
+    steps = Steps(estimate.__globals__["MODELS"]["llama-7b"], method, layers=2, **LLAMA, **opts)
     runs = {b: steps.run(b, flops=b == 3) for b in (3, 4)}   # the second step reuses the model
     for b, r in runs.items():
         _same(r.peak, want[b])
         assert r.peak.get("host") == want[b].get("host")        # offload's host bytes too, step after step
-    assert runs[3].flops == estimate("llama_7b", method, batch_size=3, layers=2, flops=True, **LLAMA,
+    assert runs[3].flops == estimate("llama-7b", method, batch_size=3, layers=2, flops=True, **LLAMA,
                                      **opts)["flops"] > 0
     line = BatchLine(runs[3], runs[4])
     assert line.ok, f"{method}: the op sequence changed between batch 3 and 4"
@@ -58,7 +58,7 @@ def test_steps_and_line_equal_estimate(method):
 
 def test_a_batch_dependent_op_sequence_gets_no_line_and_is_stepped():
     opts = {"chunk": 8}  # 16 tokens per sample: 2 chunks per sample, so the chunk loop grows with the batch
-    spec = estimate.__globals__["MODELS"]["llama_7b"]
+    spec = estimate.__globals__["MODELS"]["llama-7b"]
     steps = Steps(spec, "chunked-ce", layers=2, **LLAMA, **opts)
     a, b = steps.run(3), steps.run(4)
     assert len(a.events) != len(b.events) and not BatchLine(a, b).ok and BatchLine(a, b).peak(9) is None
@@ -70,7 +70,7 @@ def test_a_batch_dependent_op_sequence_gets_no_line_and_is_stepped():
 
 @pytest.mark.parametrize("method", ["baseline", "lora+checkpointing"])
 def test_full_depth_from_the_line_equals_estimate(method):
-    peaks = Peaks(estimate.__globals__["MODELS"]["llama_7b"], method, shallow=(2, 3), depth=4, **LLAMA)
+    peaks = Peaks(estimate.__globals__["MODELS"]["llama-7b"], method, shallow=(2, 3), depth=4, **LLAMA)
     _same(peaks.direct(3)["peak"], _peak(method, 3))            # estimate() of the whole 4-block model
     assert peaks.fit_line(3)
     steps = peaks.steps_run
@@ -84,7 +84,7 @@ def test_plan_largest_batch_by_estimate_with_and_without_a_line():
     """chunked-ce with 32-token chunks (2 samples of 16 tokens a chunk): its op sequence changes with the batch, so
     its rows are searched by steps; the others read every batch off their line; all answers stepped and checked."""
     chunk, cap, more = 32, 800_000, 2**20
-    p = make_plan("llama_7b", batch_size=3, gpu_memory=cap, methods=["lora", "chunked-ce"],
+    p = make_plan("llama-7b", batch_size=3, gpu_memory=cap, methods=["lora", "chunked-ce"],
              options={"chunked-ce": {"chunk": [chunk]}}, more_gpus=[more], **NO_MARGIN, **LLAMA)
     rows = {r["label"]: r for r in p.rows}
     assert len(rows) == 4 and all(r["status"] == "ok" for r in rows.values()), rows
@@ -108,8 +108,8 @@ def test_worker_processes_give_the_same_rows():
     The GPU holds less than the weights and AdamW state: 2 steps a row."""
     kw = dict(batch_size=2, gpu_memory=200_000, methods=["checkpointing"], **NO_MARGIN, **LLAMA)
     keep = ("label", "status", "peak_bytes", "largest_batch", "flops", "largest_batch_how")
-    one = sorted(tuple(r.get(k) for k in keep) for r in make_plan("llama_7b", jobs=1, **kw).rows)
-    two = sorted(tuple(r.get(k) for k in keep) for r in make_plan("llama_7b", jobs=2, **kw).rows)
+    one = sorted(tuple(r.get(k) for k in keep) for r in make_plan("llama-7b", jobs=1, **kw).rows)
+    two = sorted(tuple(r.get(k) for k in keep) for r in make_plan("llama-7b", jobs=2, **kw).rows)
     assert one == two and len(one) == 2 and all(r[1] == "ok" and r[3] == 0 for r in one)
 
 
@@ -134,15 +134,15 @@ def _stacked_run(steps, b):
     return tracker
 
 
-@pytest.mark.parametrize("model,method", [("llama_7b", m) for m in SINGLES] + [
-    ("bert_large", m) for m in ("baseline", "lowmembp", "lora+mesa", "tokentune+checkpointing")] + [
-    ("vit_b16", m) for m in ("baseline", "lowmembp+sac", "mesa")])
+@pytest.mark.parametrize("model,method", [("llama-7b", m) for m in SINGLES] + [
+    ("bert-large", m) for m in ("baseline", "lowmembp", "lora+mesa", "tokentune+checkpointing")] + [
+    ("vit-b16", m) for m in ("baseline", "lowmembp+sac", "mesa")])
 def test_riding_in_the_fake_mode_sees_what_a_stacked_mode_sees(model, method):
     """The planner's tracker rides in its fake mode (RecordingFakeMode); entered as a dispatch mode of its own above
     the fake mode, as estimate() enters its tracker, it records the same events, peak and FLOPs, op for op."""
     from lowmembp.estimator.step import MODELS
 
-    sizes = {"llama_7b": LLAMA, "bert_large": BERT, "vit_b16": VIT}[model]
+    sizes = {"llama-7b": LLAMA, "bert-large": BERT, "vit-b16": VIT}[model]
     try:
         steps = Steps(MODELS[model], method, layers=2, **sizes)
     except Exception:  # noqa: BLE001  refused on this model (test_steps_and_line_equal_estimate checks that)

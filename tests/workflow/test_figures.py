@@ -154,9 +154,9 @@ def test_synthetic_one_seed_cells_and_failed_cell_are_drawn():
 
 
 def test_stacked_figure_names_rows_units_and_refusals():
-    df = pd.DataFrame([dict(model="llama_7b", row="LoRA", peak_MiB=3000.0),
-                       {"model": "llama_7b", "row": "+ checkpointing", "peak_MiB": 2000.0, "peak_change_%": -33.3},
-                       dict(model="llama_7b", row="+ liger", peak_MiB=None, note="needs a GPU")])
+    df = pd.DataFrame([dict(model="llama-7b", row="LoRA", peak_MiB=3000.0),
+                       {"model": "llama-7b", "row": "+ checkpointing", "peak_MiB": 2000.0, "peak_change_%": -33.3},
+                       dict(model="llama-7b", row="+ liger", peak_MiB=None, note="needs a GPU")])
     t = texts(plots_repro.figure("stacked", df))
     assert "peak memory of a training step (MiB" in t and "+ checkpointing" in t and "-33 % vs the row above" in t
     assert "not measured here" in t

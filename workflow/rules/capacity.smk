@@ -4,7 +4,7 @@
 # average ~10 (ViT-B/16 would add 333 s there).
 
 CAPACITY = config.setdefault("capacity", {})
-CAPACITY.setdefault("models", {"bert_large": {}, "llama_7b": {"seq_len": 512}})
+CAPACITY.setdefault("models", {"bert-large": {}, "llama-7b": {"seq_len": 512}})
 CAPACITY.setdefault("methods", ["baseline", "lora", "checkpointing", "tokentune", "lora+tokentune"])
 CAPACITY.setdefault("gpus", ["24GiB", "40GiB", "80GiB"])
 

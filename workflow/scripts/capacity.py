@@ -15,7 +15,7 @@ import time
 from lowmembp.atomic import atomic_open, atomic_write
 
 DEFAULTS = {
-    "models": {"bert_large": {}, "llama_7b": {"seq_len": 512}},
+    "models": {"bert-large": {}, "llama-7b": {"seq_len": 512}},
     "methods": ["baseline", "lora", "checkpointing", "tokentune", "lora+tokentune"],
     "gpus": ["24GiB", "40GiB", "80GiB"],
 }
