@@ -134,7 +134,7 @@ def test_a_record_that_does_not_assemble_becomes_an_error_record(tmp_path, monke
         out["final_loss"] = "not a number"  # a bug in the job: the section does not fit the layout
     monkeypatch.setattr(train, "train", sloppy)
     out = tmp_path / "r.json"
-    assert train.main([*RUN, "--out", str(out)]) == 0
+    assert train.main([*RUN, "--out", str(out)]) == 1
     rec = json.loads(out.read_text())
     assert rec["status"] == "error" and "could not assemble its record" in rec["message"]
     assert (rec["run"]["task"], rec["run"]["batch_size"]) == ("mnist5k", 4)
