@@ -90,7 +90,7 @@ def test_the_triton_kernel_is_refused_off_cuda():
 
 
 def test_refusals():
-    with pytest.raises(ValueError, match="'cce' cannot be combined with 'chunked-ce'"):
+    with pytest.raises(ValueError, match="'cce' cannot be combined with 'chunked-ce': both compute the causal-LM loss"):
         lowmembp.apply(build("llama")[0], "cce+chunked-ce")
     with pytest.raises(ValueError, match="cannot be combined"):
         lowmembp.apply(build("llama")[0], "liger+cce")
