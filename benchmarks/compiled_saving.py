@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from experiments.repro import to_markdown
-from experiments.repro.compiled_saving import FAMILIES, METHODS, compiled_saving
+from experiments.repro.compiled_saving import FAMILIES, METHODS, compiled_saving, read_choices
 
 
 def main(argv=None) -> int:
@@ -28,7 +28,11 @@ def main(argv=None) -> int:
                     help="torch.compile backend (default: inductor's partitioner without code generation; "
                          "'inductor' generates code too)")
     a = ap.parse_args(argv)
-    df = compiled_saving(methods=tuple(a.methods.split(",")), families=tuple(a.families.split(",")),
+    try:
+        methods, families = read_choices(a.methods, a.families)
+    except ValueError as err:
+        ap.error(str(err))
+    df = compiled_saving(methods=methods, families=families,
                          seq_len=a.seq_len, batch=a.batch, depth=a.depth, k=a.k, backend=a.backend)
     print(to_markdown(df.drop(columns=["note"]), floatfmt=".1f"))
     print(f"\n{df.attrs['caption']}")

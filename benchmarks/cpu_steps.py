@@ -62,6 +62,13 @@ def main(argv=None) -> int:
 
     if "baseline" not in a.methods:
         p.error("--methods must include baseline (the ratios are to it)")
+    from lowmembp.methods.registry import parse
+
+    for method in a.methods:
+        try:
+            parse(method)
+        except ValueError as err:
+            p.error(str(err))
     print(f"torch {torch.__version__}; {a.threads} thread(s); batch {a.batch_size}; ops: "
           f"{'PyTorch references' if a.reference else 'as dispatched (CPU fast path)'}; "
           f"load average {os.getloadavg()}", flush=True)

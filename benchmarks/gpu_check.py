@@ -480,8 +480,13 @@ def main(argv=None) -> int:
     out = Path(args.out)
     write_report(out, meta, r.rows)
     failed = [x for x in r.rows if not x["ok"]]
+    ran = [x for x in r.rows if not x.get("skipped")]
     print(f"\n{len(r.rows) - len(failed)}/{len(r.rows)} checks passed in {meta['seconds']:.0f} s; "
           f"report: {out / 'gpu_check.md'}")
+    if not ran:
+        print(f"gpu_check: nothing was checked (--ops {args.ops!r}: every op skipped or none named); name ops from "
+              f"{', '.join(sorted(CHECKS))}", file=sys.stderr)
+        return 1
     return 1 if failed else 0
 
 

@@ -67,8 +67,9 @@ def parse_args(argv):
     a = p.parse_args(argv)
     a.parts = [x.strip() for x in a.parts.split(",") if x.strip()]
     bad = [x for x in a.parts if x not in PARTS]
-    if bad:
-        p.error(f"unknown part(s) {bad}; choose from {list(PARTS)}")
+    if bad or not a.parts:
+        p.error(f"unknown part(s) {bad}; choose from {list(PARTS)}" if bad else
+                f"--parts names no part: nothing to run; choose from {list(PARTS)}")
     if a.budget_s <= 0:
         p.error("--budget-s must be positive")
     return a

@@ -23,7 +23,7 @@ import torch
 
 import lowmembp
 from lowmembp.measurement.saved import saved_bytes
-from experiments.repro.compiled_saving import FAMILIES, WIDTH
+from experiments.repro.compiled_saving import FAMILIES, WIDTH, read_choices
 from experiments.repro.compiled_saving import build as build_model
 
 METHODS = ("baseline", "lora", "checkpointing", "mesa", "mesa-gelu-ln", "lowmembp", "lowmembp-act",
@@ -77,7 +77,10 @@ def main(argv=None) -> int:
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--peak", action="store_true", help="also measure the peak of one training step (slower)")
     a = ap.parse_args(argv)
-    methods, families = a.methods.split(","), a.families.split(",")
+    try:
+        methods, families = read_choices(a.methods, a.families)
+    except ValueError as err:
+        ap.error(str(err))
     res = table(methods, families, a.seq_len, a.k, a.batch, a.peak)
     print(f"saved for backward, KiB (fp32, batch {a.batch}, L = {a.seq_len}, k = {a.k}, {DEPTH} blocks of width "
           f"{WIDTH}); in brackets: share of baseline")

@@ -12,9 +12,10 @@ the backward, ``step()`` and ``zero_grad()`` find nothing left to do).
 
 Exit status: 2 for a bad argument (any of them: ranges, an unwritable ``--out`` / ``--save-model``, ``--device cuda``
 without CUDA, missing data or weights), at once, before any work, with a message saying what is valid or what to
-fetch, and no record. Otherwise the run has started and it always ends with a record and exit 0: status ``ok``,
+fetch, and no record. Otherwise the run has started and it always ends with a record: status ``ok`` (exit 0),
 ``oom`` (the cell does not fit: a CUDA ``OutOfMemoryError``, a CPU ``MemoryError``/allocation failure, or a
-measured peak over ``--max-memory-mb``) or ``error`` (any other failure, with its message).
+measured peak over ``--max-memory-mb``) or ``error`` (any other failure, with its message), both exit 1 with the
+status and the record's path on stderr (the sweep's ``run_cell.py`` counts a cell with a record as done).
 
 What is measured (``experiments.probes``, on the schedule ``Schedule(saved_bytes_at=0, peak_at=1,
 time_from=--timing-warmup)``; the record's layout: ``experiments.record``):
@@ -372,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     rec = finish(cfg, sections, status, message, started)
     write(rec, cfg.out)
     print(summary(rec, cfg.out))
+    if rec["status"] != "ok":
+        why = str(rec.get("message") or "").strip().splitlines()[:1]
+        print(f"error: the run ended with status {rec['status']!r}{': ' + why[0] if why else ''}; "
+              f"its record: {cfg.out}", file=sys.stderr)
+        return 1
     return 0
 
 

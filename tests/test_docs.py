@@ -98,7 +98,12 @@ HISTORY = re.compile(r"issue #?\d+|this session|the old code|earlier (?:session|
 
 
 def test_no_user_facing_text_tells_the_history():
-    files = USER_FACING + sorted((ROOT / "lowmembp").rglob("*.py"))
+    """The docs, the library, and what a user reads beside them: configs, the experiments, the pipeline, the
+    benchmarks, the notebooks and the CI scripts (their comments and help texts included)."""
+    beside = [f for folder in ("config", "experiments", "workflow", "benchmarks", "notebooks", ".ci")
+              for f in sorted((ROOT / folder).rglob("*"))
+              if f.is_file() and f.suffix in {".py", ".smk", ".yaml", ".json", ".sh", ".ipynb", ".md", ".rst", ""}]
+    files = USER_FACING + sorted((ROOT / "lowmembp").rglob("*.py")) + beside + [ROOT / "Snakefile"]
     found = [f"{f.relative_to(ROOT)}: {m.group(0)!r}" for f in files for m in HISTORY.finditer(f.read_text())]
     assert not found, f"development history belongs in CHANGELOG.md: {found}"
 

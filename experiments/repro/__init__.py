@@ -48,7 +48,11 @@ REPROS: dict[str, Callable[..., pd.DataFrame]] = {
 
 
 def run(name: str, **kwargs) -> pd.DataFrame:
-    """Run reproduction ``name`` (see :data:`REPROS`); ``small=True`` for the reduced, fast version."""
+    """Run reproduction ``name`` (see :data:`REPROS`); ``small=True`` for the reduced, fast version. A reproduction
+    that returns no rows raises ``RuntimeError``: an empty table is a failure, never a result."""
     if name not in REPROS:
         raise ValueError(f"unknown reproduction {name!r}; known: {', '.join(REPROS)}")
-    return REPROS[name](**kwargs)
+    df = REPROS[name](**kwargs)
+    if df.empty:
+        raise RuntimeError(f"reproduction {name!r} produced no rows (options {kwargs}): nothing to report")
+    return df

@@ -77,6 +77,24 @@ def build(family: str, seq_len: int = 64, batch: int = 2, depth: int = 2, seed: 
     return model, forward
 
 
+def read_choices(methods: str, families: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The comma-separated ``--methods`` / ``--families`` of the benchmarks built on these models, checked before any
+    work: ValueError naming what is unknown and what is valid (an empty list included)."""
+    ms = tuple(m.strip() for m in methods.split(",") if m.strip())
+    fs = tuple(f.strip() for f in families.split(",") if f.strip())
+    if not ms or not fs:
+        raise ValueError(f"--methods and --families each need at least one name (families: {', '.join(FAMILIES)})")
+    bad = [f for f in fs if f not in FAMILIES]
+    if bad:
+        raise ValueError(f"unknown famil{'ies' if len(bad) > 1 else 'y'} {', '.join(map(repr, bad))}; "
+                         f"choose from {', '.join(FAMILIES)}")
+    from lowmembp.methods.registry import parse
+
+    for m in ms:
+        parse(m)  # ValueError: an unknown method, a conflict, a bad option
+    return ms, fs
+
+
 def convert(model: nn.Module, method: str, k: int = 16, **options) -> nn.Module:
     """``lowmembp.apply(model, method)`` (``k`` for TokenTune); ``baseline`` leaves the model as it is."""
     import lowmembp

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import re
+import sys
 
 import torch
 import torch.nn as nn
@@ -141,11 +142,24 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-budget", type=float, default=None,
                     help="torch's activation_memory_budget while partitioning, in [0, 1] (default: torch's, 1)")
     a = ap.parse_args(argv)
+    from lowmembp.methods.registry import parse
+
+    try:
+        parse(a.method)
+    except ValueError as err:
+        ap.error(str(err))
+    if a.memory_budget is not None and not 0 <= a.memory_budget <= 1:
+        ap.error(f"--memory-budget must be in [0, 1], got {a.memory_budget}")
     model, forward = build(a.family, a.seq_len)
     model = convert(model, a.method)
     rows = partitioner_saved(model, lambda: forward(model), memory_budget=a.memory_budget)
     if a.block is not None:
+        blocks = {m.group(1) for r in rows for m in [re.search(r"\.(\d+)(\.|$)", r["module"])] if m}
         rows = [r for r in rows if re.search(rf"\.{a.block}(\.|$)", r["module"])]
+        if not rows:
+            print(f"error: no saved tensor belongs to block {a.block}; the model's blocks: "
+                  f"{', '.join(sorted(blocks, key=int)) or 'none'}", file=sys.stderr)
+            return 1
     print("| module | op | shape | dtype | bytes | also saved as |")
     print("|---|---|---|---|---|---|")
     for r in rows:

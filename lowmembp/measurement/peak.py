@@ -229,10 +229,12 @@ class StorageTracker(TorchDispatchMode):
 
 
 def _storage(t: torch.Tensor):
-    """``t``'s untyped storage, or None for a tensor that has none to count (sparse, nested, some subclasses)."""
+    """``t``'s untyped storage, or None for a tensor that has none to count: torch raises ``NotImplementedError``
+    ("Cannot access storage of ...") for sparse and MKL-DNN tensors and functorch's batched / grad wrappers. Any
+    other exception is a real failure and propagates."""
     try:
         return t.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
+    except NotImplementedError:
         return None
 
 

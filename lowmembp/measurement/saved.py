@@ -172,7 +172,9 @@ def _unpack(t):
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage, or None for a tensor without one (torch's ``NotImplementedError`` "Cannot
+    access storage of ...": sparse, MKL-DNN, functorch's batched / grad wrappers); other exceptions propagate."""
     try:
         return StorageWeakRef(t.untyped_storage()).cdata
-    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
-        return None  # sparse / nested / opaque subclass: no plain storage to count
+    except NotImplementedError:
+        return None

@@ -45,9 +45,19 @@ def check_cce(impl="auto", filter_eps="high"):
                          f"got {filter_eps!r}")
 
 
+# The other methods that compute the causal-LM loss themselves: a model has one loss, so one of them at a time.
+LOSS_CONFLICTS = {
+    "chunked-ce": "both compute the causal-LM loss from lm_head's input without keeping the full logits (cce with "
+                  "its own kernel, chunked-ce chunk by chunk) and a model has one loss: choose one (cce: the Triton "
+                  "kernel on CUDA; chunked-ce: exact on any device)",
+    "liger": "both compute the causal-LM loss from lm_head's input without keeping the full logits (liger with its "
+             "fused linear cross-entropy) and a model has one loss: choose one",
+}
+
+
 @register("cce", "Cut Cross-Entropy (cut-cross-entropy package) for causal LMs: lm_head + loss without the logits "
                  "(impl auto/cce/torch_compile, filter_eps)",
-          options={"impl": "auto", "filter_eps": "high"}, order=45, excludes=("chunked-ce", "liger"),
+          options={"impl": "auto", "filter_eps": "high"}, order=45, excludes=LOSS_CONFLICTS,
           kinds={"filter_eps": (float, str)}, check=check_cce)
 def apply_cce(model: nn.Module, impl: str = "auto", filter_eps="high") -> nn.Module:
     from lowmembp.models import get_layout

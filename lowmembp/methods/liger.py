@@ -33,7 +33,11 @@ NO_GPU = ("liger: needs a CUDA GPU — Liger-Kernel's Triton kernels do not run 
 
 @register("liger", "Liger-Kernel's Triton RMSNorm/LayerNorm, SwiGLU, RoPE, fused linear CE (GPU only; transformers "
                    "families Liger patches)", order=5,
-          excludes=("lowmembp", "lowmembp-act", "lowmembp-norm", "mesa", "mesa-gelu-ln", "chunked-ce", "tokentune"))
+          excludes={**dict.fromkeys(("lowmembp", "lowmembp-act", "lowmembp-norm", "mesa", "mesa-gelu-ln", "tokentune"),
+                                    ""),
+                    "chunked-ce": "both compute the causal-LM loss from lm_head's input without keeping the full "
+                                  "logits (liger with its fused linear cross-entropy) and a model has one loss: "
+                                  "choose one"})
 def apply_liger(model: nn.Module) -> nn.Module:
     from lowmembp.models import get_layout
 

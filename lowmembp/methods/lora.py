@@ -23,7 +23,7 @@ dequantising per matmul. The adapters go on the full-precision model and the bas
 same ``apply`` (order 25, :mod:`lowmembp.methods.qlora`): with ``lowmembp`` / ``lowmembp-norm`` γ is folded into the
 full-precision weights first, then quantised — the official LowMemoryBP QLoRA setting, which is *not* the baseline
 QLoRA model exactly (``NF4(W·diag γ) ≠ NF4(W)·diag γ``; see qlora's docstring). Without lowmembp the model is the
-one quantising first gives, bit for bit (tests/test_qlora_lowmembp.py). Merging adapters into the NF4 base is
+one quantising first gives, bit for bit (tests/methods/test_qlora.py). Merging adapters into the NF4 base is
 refused. Needs real weights on the CPU or a GPU (not the meta device: the fake-tensor estimate models NF4 storage
 with :func:`lowmembp.estimator.step.nf4_weight_bytes`) and the ``qlora`` extra (``pip install bitsandbytes``).
 ``quantize=None`` (default): plain LoRA.

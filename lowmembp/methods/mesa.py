@@ -24,8 +24,9 @@ tensors are grouped per head. ``mesa_momentum`` (λ of the EMA ranges, default 0
 with its own min/max). The EMA lags when activations grow fast — a model trained from scratch at a high learning rate:
 on llama-tiny (tweets-lm, lr 3e-3) the residual stream grows ~15x in the first 10 steps, the EMA ranges of the
 RMSNorm inputs fall 5x behind, values clamp, and the gradient's cosine to the exact one drops to −0.98 (whole-gradient
-relative error 2.4); with ``mesa_momentum 0`` that error stays ≤ 0.4 % over 60 steps. ``tests/test_mesa_momentum.py``
-shows the mechanism on one norm. Fine-tuning a pretrained model (Mesa's and the paper's setting) keeps ranges steady.
+relative error 2.4); with ``mesa_momentum 0`` that error stays ≤ 0.4 % over 60 steps.
+``tests/methods/test_mesa_method.py`` shows the mechanism on one norm. Fine-tuning a pretrained model (Mesa's and the
+paper's setting) keeps ranges steady.
 Under peft LoRA the frozen base linear saves nothing (it needs only its weight for the input gradient), LoRA's A and
 B linears save 8-bit inputs. Range state lives in non-persistent buffers: checkpoints of a converted model load into
 an unconverted one and back.

@@ -142,7 +142,7 @@ class Offloader:
             for t in list(model.parameters()) + list(model.buffers()):
                 try:
                     self._skip.add(StorageWeakRef(t.untyped_storage()).cdata)
-                except (RuntimeError, NotImplementedError, TypeError):
+                except NotImplementedError:  # "Cannot access storage of ...": a tensor with none, nothing to skip
                     pass
         self._copies = {}
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -159,7 +159,7 @@ class Offloader:
             return t
         try:
             key = StorageWeakRef(t.untyped_storage()).cdata
-        except (RuntimeError, NotImplementedError, TypeError):
+        except NotImplementedError:  # a strided tensor without storage (functorch's wrappers): kept as it is
             return t
         if key in self._skip:
             return t

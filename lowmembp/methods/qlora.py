@@ -17,7 +17,7 @@ before those that wrap layers (``mesa`` 30 and later). So ``lora+lowmembp`` with
 final norm into ``lm_head``, :59-63), then ``scripts/finetune_llama_7b_mergeln.sh:3-5,34-37`` loads that merged
 checkpoint in NF4 (``qlora.py:348-363``). It is *not* the QLoRA-baseline model with γ moved: ``NF4(W·diag(γ)) ≠
 NF4(W)·diag(γ)`` (the blocks' absmax and rounding see the scaled weights), so the converted and the baseline QLoRA
-model differ by the order of NF4's own error (tests/test_qlora_lowmembp.py measures it). Two official details we do
+model differ by the order of NF4's own error (tests/methods/test_qlora.py measures it). Two official details we do
 not copy: merge_ln.py stores the merged weights transposed (``:75,86``, read back by
 ``src/utils/matmul_4bit.py:Linear4bit_forward``), so its NF4 blocks of 64 run along the output dimension where ours
 (bitsandbytes' layout) run along the input dimension; and their LoRA A is a fresh init on the merged model where

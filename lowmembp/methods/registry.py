@@ -38,6 +38,7 @@ class Method:
     options: dict[str, Any] = field(default_factory=dict)  # option name -> default
     order: int = 100
     excludes: tuple[str, ...] = ()  # names that cannot be combined with this one
+    exclude_reasons: dict[str, str] = field(default_factory=dict)  # excluded name -> why (the refusal's message)
     kinds: dict[str, tuple[type, ...]] = field(default_factory=dict)  # option -> types its text may read as, in order
     check: Callable[..., None] | None = None  # check(**options, defaults filled): ValueError for a bad value
     parts: tuple[str, ...] = ()  # methods that, applied together, are exactly this one (lowmembp = -act + -norm)
@@ -50,18 +51,22 @@ _OPTION_VALUE = re.compile(r"[A-Za-z0-9._-]+")
 
 
 def register(name: str, description: str, *, options: dict[str, Any] | None = None, order: int = 100,
-             excludes: tuple[str, ...] = (), kinds: dict[str, tuple[type, ...]] | None = None,
+             excludes: tuple[str, ...] | dict[str, str] = (), kinds: dict[str, tuple[type, ...]] | None = None,
              check: Callable[..., None] | None = None, parts: tuple[str, ...] = ()):
     """Decorator: register ``fn(model, **options) -> model`` as method ``name``.
 
     ``kinds``: for an option whose default's type does not say how to read its text, the types to try in order
     (tokentune's ``k``: ``(int, float)``, a count or a fraction). ``check``: called with every option (defaults
     filled) before any work (the training job calls it when it parses its arguments); raises ValueError.
-    ``parts``: the methods whose combination is exactly this method (the planner lists only one of the two)."""
+    ``parts``: the methods whose combination is exactly this method (the planner lists only one of the two).
+    ``excludes``: the methods this one cannot be combined with; a dict maps each to the reason the refusal gives
+    (without one, or with "": "both rewrite the same layers")."""
+    reasons = dict(excludes) if isinstance(excludes, dict) else {}
+
     def deco(fn):
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is registered twice")
-        _REGISTRY[name] = Method(name, description, fn, dict(options or {}), order, tuple(excludes),
+        _REGISTRY[name] = Method(name, description, fn, dict(options or {}), order, tuple(excludes), reasons,
                                  dict(kinds or {}), check, tuple(parts))
         return fn
     return deco
@@ -320,7 +325,8 @@ def _valid() -> str:
 
 
 def _why(a: Method, b: Method) -> str:
-    return f"{a.name} and {b.name} both rewrite the same layers"
+    reason = a.exclude_reasons.get(b.name) or b.exclude_reasons.get(a.name)
+    return reason or f"{a.name} and {b.name} both rewrite the same layers"
 
 
 _loaded = False

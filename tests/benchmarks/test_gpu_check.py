@@ -59,6 +59,17 @@ def test_unknown_op_is_a_failure(tmp_path, monkeypatch):
     assert _load().main(["--cpu-smoke", "--ops", "no_such_op", "--out", str(tmp_path)]) == 1
 
 
+@pytest.mark.parametrize("ops", ["", "ghost_op"])
+def test_nothing_checked_is_a_failure(tmp_path, monkeypatch, capsys, ops):
+    """No op named, or every named op skipped (its module absent): nothing was checked, exit 1 with the reason."""
+    monkeypatch.setenv("LOWMEMBP_BACKEND", "triton")
+    gc = _load()
+    monkeypatch.setitem(gc.CHECKS, "ghost_op", lambda *args: None)  # a check whose lowmembp/ops module is absent
+    assert gc.main(["--cpu-smoke", "--ops", ops, "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "nothing was checked" in err and "approx_act" in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
 def test_without_cuda_it_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], cwd=ROOT, capture_output=True,

@@ -245,8 +245,10 @@ def test_part_commands_on_the_gpu(tmp_path):
         assert cmd[cmd.index("--part") + 1] == part and cmd[cmd.index("--deadline") + 1] == "123.0"
         assert "--cpu-smoke" not in cmd and cmd[cmd.index("--third-party") + 1] == str(tmp_path / "tp")
     assert "--cpu-smoke" in gpu_run.part_command("fig1", _ctx(tmp_path, smoke=True), 0.0)
-    with pytest.raises(SystemExit):
-        gpu_run.parse_args(["--parts", "fig1,nope"])
+    for parts in ("fig1,nope", "", " , "):  # an unknown part; no part at all (nothing would run)
+        with pytest.raises(SystemExit) as stop:
+            gpu_run.parse_args(["--parts", parts])
+        assert stop.value.code == 2
 
 
 def test_a_part_past_its_limit_is_killed_and_keeps_its_output(tmp_path):

@@ -234,3 +234,50 @@ def test_tokentune_k_small():
     ids, labels = _data(4096, 0)
     first = ((ids >= 2) & (ids < 33)).sum(1)
     assert torch.equal(labels, (2 * first > 31).long()) and 0.3 < labels.float().mean() < 0.7  # not one class
+
+
+# ------------------------------------------------------------------------------- the commands: an empty table fails
+@pytest.fixture
+def fake_repros(monkeypatch):
+    """Two stand-in reproductions: one with a row, one that produces an empty table."""
+    monkeypatch.setitem(REPROS, "one-row", lambda small=False, **kw: pd.DataFrame({"model": ["m"], "ours": [1.5]}))
+    monkeypatch.setitem(REPROS, "no-rows", lambda small=False, **kw: pd.DataFrame({"model": [], "ours": []}))
+
+
+def test_an_empty_reproduction_is_an_error(fake_repros):
+    with pytest.raises(RuntimeError, match="'no-rows' produced no rows"):
+        run("no-rows")
+    assert len(run("one-row")) == 1
+
+
+def test_the_repro_command_exits_1_for_an_empty_table_and_2_for_a_bad_name(fake_repros, tmp_path, capsys):
+    from experiments.repro.__main__ import main
+
+    out = tmp_path / "t.csv"
+    assert main(["one-row", "--csv", str(out)]) == 0
+    assert pd.read_csv(out).to_dict("list") == {"model": ["m"], "ours": [1.5]}
+    assert main(["no-rows", "--csv", str(tmp_path / "e.csv")]) == 1
+    assert "'no-rows' produced no rows" in capsys.readouterr().err
+    assert not (tmp_path / "e.csv").exists()
+    with pytest.raises(SystemExit) as stop:
+        main(["no-such-table"])
+    assert stop.value.code == 2
+
+
+def test_the_pipelines_repro_script_exits_1_for_an_empty_table_and_2_for_usage(fake_repros, tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "workflow" / "scripts" / "repro.py"
+    spec = importlib.util.spec_from_file_location("repro_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "t.csv"
+    assert script.main(["one-row", str(out), "small=true"]) == 0
+    assert len(pd.read_csv(out)) == 1
+    assert script.main(["no-rows", str(tmp_path / "e.csv")]) == 1
+    assert "'no-rows' produced no rows" in capsys.readouterr().err and not (tmp_path / "e.csv").exists()
+    for argv, needle in ((["one-row"], "give NAME and OUT.csv"), (["nope", str(out)], "unknown reproduction 'nope'"),
+                         (["one-row", str(out), "small"], "options are key=value, not 'small'")):
+        assert script.main(argv) == 2
+        assert needle in capsys.readouterr().err

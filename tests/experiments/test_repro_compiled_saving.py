@@ -75,3 +75,20 @@ def test_figure_reads_alone_on_synthetic_rows():
     assert {t.get_text() for a in fig.axes for t in a.texts} == {"kept\n31 %"}
     heights = sorted(round(p.get_height(), 6) for p in ax.patches)
     assert heights == [12.5, 40.0]  # one eager bar, one compiled bar: the baseline is not drawn
+
+
+def test_the_partitioner_command_fails_when_its_block_filter_matches_nothing(capsys):
+    """``--block`` naming no block of the model: exit 1 naming the blocks there are (not an empty table and 0 bytes);
+    an unknown method or a budget out of [0, 1]: a usage error before anything is built."""
+    from experiments.repro.partitioner_saved import main
+
+    assert main(["--family", "llama", "--method", "baseline", "--seq-len", "16", "--block", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| model.layers.1." in out and "| model.layers.0." not in out
+    assert main(["--family", "llama", "--method", "baseline", "--seq-len", "16", "--block", "7"]) == 1
+    assert "no saved tensor belongs to block 7; the model's blocks: 0, 1" in capsys.readouterr().err
+    for argv, needle in ((["--method", "lowmembpp"], "unknown method 'lowmembpp'"),
+                         (["--memory-budget", "1.5"], "--memory-budget must be in [0, 1], got 1.5")):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2 and needle in capsys.readouterr().err

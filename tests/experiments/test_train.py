@@ -100,7 +100,7 @@ def test_config_file_with_command_line_override(tmp_path):
 def test_memory_budget_is_an_oom_result(tmp_path):
     out = tmp_path / "r.json"
     assert run(["--task", "mnist5k", "--method", "baseline", "--batch-size", "4", *TINY,
-                "--max-memory-mb", "0.01", "--out", out]) == 0
+                "--max-memory-mb", "0.01", "--out", out]) == 1
     rec = record(out)
     assert rec["status"] == "oom" and "--max-memory-mb" in rec["message"]
     assert rec["peak"]["device"]["bytes"] > 0.01 * 2**20 and rec["saved_bytes"]["total"] > 0
@@ -120,7 +120,7 @@ def test_allocator_oom_is_an_oom_result(tmp_path, monkeypatch):
         return setup
     monkeypatch.setattr(mnist5k, "build", build)
     out = tmp_path / "r.json"
-    assert run(["--task", "mnist5k", "--method", "baseline", "--batch-size", "4", *TINY, "--out", out]) == 0
+    assert run(["--task", "mnist5k", "--method", "baseline", "--batch-size", "4", *TINY, "--out", out]) == 1
     rec = record(out)
     assert rec["status"] == "oom" and "Tried to allocate" in rec["message"] and rec["run"]["steps"] == 0
 
@@ -128,10 +128,12 @@ def test_allocator_oom_is_an_oom_result(tmp_path, monkeypatch):
 def test_training_failure_is_an_error_result(tmp_path, capsys):
     out = tmp_path / "r.json"  # a learning rate that makes the loss overflow: a real failure of the training
     assert run(["--task", "mnist5k", "--method", "baseline", "--batch-size", "4", *TINY, "--lr", "1e30",
-                "--out", out]) == 0
+                "--out", out]) == 1
     rec = record(out)
     assert rec["status"] == "error" and "diverged" in rec["message"] and rec["metric"] is None
-    assert "[error]" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "[error]" in captured.out
+    assert "ended with status 'error': " in captured.err and "diverged" in captured.err and str(out) in captured.err
 
 
 def test_method_failure_is_an_error_result(tmp_path, monkeypatch):
@@ -141,7 +143,7 @@ def test_method_failure_is_an_error_result(tmp_path, monkeypatch):
         raise ValueError("this method cannot convert that model")
     monkeypatch.setattr(lowmembp, "apply", broken)
     out = tmp_path / "r.json"
-    assert run(["--task", "mnist5k", "--method", "mesa", "--batch-size", "4", *TINY, "--out", out]) == 0
+    assert run(["--task", "mnist5k", "--method", "mesa", "--batch-size", "4", *TINY, "--out", out]) == 1
     rec = record(out)
     assert rec["status"] == "error" and "cannot convert" in rec["message"]
 
@@ -313,7 +315,7 @@ def test_init_that_does_not_fit_the_model_is_an_error_result(tmp_path):
     assert run(["--task", "mnist5k", "--method", "baseline", "--batch-size", "4", *TINY, "--save-model", base,
                 "--out", tmp_path / "v.json"]) == 0
     out = tmp_path / "r.json"
-    assert run([*LM, "--method", "baseline", "--init", base, "--out", out]) == 0
+    assert run([*LM, "--method", "baseline", "--init", base, "--out", out]) == 1
     rec = record(out)
     assert rec["status"] == "error" and "do not fit" in rec["message"] and rec["run"]["steps"] == 0
 

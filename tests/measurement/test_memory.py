@@ -300,3 +300,40 @@ def test_checkpoint_region_counts_its_input_only():
     with SavedTensorAccountant(m) as acc:
         m(h)
     assert acc.report()["total"] > 3 * h.numel() * 4  # without checkpointing: the inputs of both linears and GELU
+
+
+class _FailingStorage(torch.Tensor):
+    """A tensor whose storage query fails with a RuntimeError: a fault to report, not a tensor without storage."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.untyped_storage:
+            raise RuntimeError("storage query failed")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_tensors_without_storage_are_skipped_and_other_failures_propagate():
+    """Sparse tensors and functorch's batched wrappers have no storage (torch: NotImplementedError): not counted.
+    Any other failure of the storage query reaches the caller."""
+    from lowmembp.measurement.peak import _storage
+    from lowmembp.measurement.saved import _storage_key
+
+    sparse = torch.eye(3).to_sparse()
+    assert _storage(sparse) is None and _storage_key(sparse) is None
+    seen = []
+    torch.vmap(lambda x: seen.append((_storage(x), _storage_key(x))) or x.sum())(torch.randn(2, 3))
+    assert seen == [(None, None)]
+    dense = torch.randn(3)
+    assert _storage(dense).nbytes() == 12 and _storage_key(dense) == _storage_key(dense[1:])
+    failing = torch.randn(3).as_subclass(_FailingStorage)
+    for probe in (_storage, _storage_key):
+        with pytest.raises(RuntimeError, match="storage query failed"):
+            probe(failing)
+    w = torch.randn(3, 4, requires_grad=True)
+    with SavedTensorAccountant(None) as acc:  # sparse.mm saves the sparse operand alone for w's gradient
+        torch.sparse.mm(sparse, w)
+    assert acc.report()["total"] == 0
+    with SavedTensorAccountant(None) as acc:
+        torch.sparse.mm(sparse, w)
+        (w * w).sum()  # saves w twice: one storage of 3 × 4 floats
+    assert acc.report()["total"] == 48

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lowmembp
-from peers_common import grads, train_steps
+from peers_common import assert_same_step, same_lora_b, train_steps
 from tiny_models import build
 
 pytestmark = pytest.mark.slow  # the first torch.compile of the loss takes ~10 s on 2 CPU cores
@@ -22,18 +22,8 @@ def _batch(inputs, seed=1):
     return {"input_ids": ids, "labels": labels}
 
 
-def _assert_same(ref, out, batch, tol, **extra):
-    """The loss and every gradient of ``out`` equal ``ref``'s (``tol``: relative, of the loss / the largest
-    gradient: several gradients are 0 up to rounding)."""
-    loss_ref, loss_out = ref(**batch, **extra).loss, out(**batch, **extra).loss
-    torch.testing.assert_close(loss_out, loss_ref, rtol=tol, atol=0)
-    loss_ref.backward()
-    loss_out.backward()
-    g_ref, g_out = grads(ref), grads(out)
-    assert g_ref and set(g_ref) == set(g_out)
-    scale = max(g.abs().max().item() for g in g_ref.values())
-    for k in g_ref:
-        torch.testing.assert_close(g_out[k], g_ref[k], rtol=tol, atol=tol * scale)
+def _model_loss(**extra):
+    return lambda model, batch: model(**batch, **extra).loss
 
 
 # float64 models: both the model's loss (transformers' ``logits.float()``) and CCE's torch_compile path take the
@@ -51,7 +41,7 @@ def test_loss_and_gradients_equal_the_models_own(name, items):
     if name == "gemma2":
         assert out.config.final_logit_softcapping  # CCE's softcap: the model's own soft-capped logits
     extra = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
-    _assert_same(ref, out, _batch(inputs), FP32_LOGSOFTMAX, **extra)
+    assert_same_step(ref, out, _batch(inputs), FP32_LOGSOFTMAX, loss=_model_loss(**extra))
 
 
 @pytest.mark.parametrize("spec", ["lora", "lowmembp", "checkpointing", "tiled-mlp", "lora+lowmembp+checkpointing",
@@ -67,14 +57,8 @@ def test_composes_as_without_cce(spec):
     ref = lowmembp.apply(copy.deepcopy(model), spec).train()
     torch.manual_seed(4)
     out = lowmembp.apply(model, spec + "+cce").train()
-    with torch.no_grad():  # a non-zero LoRA B, the same in both
-        g = torch.Generator().manual_seed(5)
-        for (na, pa), (nb, pb) in zip(ref.named_parameters(), out.named_parameters()):
-            assert na == nb
-            if "lora_B" in na:
-                pa.normal_(0, 0.1, generator=g)
-                pb.copy_(pa)
-    _assert_same(ref, out, _batch(inputs), FP32_LOGSOFTMAX if fp64 else 2e-5)
+    same_lora_b(ref, out)
+    assert_same_step(ref, out, _batch(inputs), FP32_LOGSOFTMAX if fp64 else 2e-5, loss=_model_loss())
 
 
 def test_eval_and_label_free_calls_are_the_models_own_and_it_trains():
@@ -106,7 +90,7 @@ def test_the_triton_kernel_is_refused_off_cuda():
 
 
 def test_refusals():
-    with pytest.raises(ValueError, match="'cce' cannot be combined with 'chunked-ce'"):
+    with pytest.raises(ValueError, match="'cce' cannot be combined with 'chunked-ce': both compute the causal-LM loss"):
         lowmembp.apply(build("llama")[0], "cce+chunked-ce")
     with pytest.raises(ValueError, match="cannot be combined"):
         lowmembp.apply(build("llama")[0], "liger+cce")
@@ -161,7 +145,7 @@ def test_kernel_equals_the_plain_loss_and_keeps_no_logits_on_cuda(dtype):
     ids = torch.randint(0, 32000, (2, 1024), device="cuda")
     batch = {"input_ids": ids, "labels": ids}
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    _assert_same(ref, out, batch, tol)
+    assert_same_step(ref, out, batch, tol, loss=_model_loss())
     peaks = {}
     for label, m in (("plain", ref), ("cce", out)):
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4)

@@ -1,31 +1,18 @@
 """``lora-fa``: A frozen, B and the head trainable; the gradients equal LoRA's for every trainable parameter (a
 frozen-A reference: same initialisation, A simply not updated); each LoRA layer saves exactly x·A (rank values per
 token) and never its input; composes with ``lowmembp``; excludes ``lora``; trains a tiny ViT, BERT and LLaMA."""
-import copy
 
 import pytest
 import torch
 
 import lowmembp
 from lowmembp.measurement.saved import SavedTensorAccountant
-from peers_common import FAMILIES, grads, loss_of, train_steps
+from peers_common import FAMILIES, adapter_pair, grads, loss_of, train_steps
 from tiny_models import build, logits
 
 
-def _pair(name, spec_a="lora", spec_b="lora-fa", **options):
-    model, inputs = build(name)
-    torch.manual_seed(3)
-    a = lowmembp.apply(copy.deepcopy(model), spec_a, **options).train()
-    torch.manual_seed(3)
-    b = lowmembp.apply(model, spec_b, **options).train()
-    with torch.no_grad():  # a non-zero B (same values in both) so that every gradient is non-trivial
-        g = torch.Generator().manual_seed(5)
-        for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
-            assert na == nb
-            if "lora_B" in na:
-                pa.normal_(0, 0.1, generator=g)
-                pb.copy_(pa)
-    return a, b, inputs()
+def _pair(name, **options):
+    return adapter_pair(name, "lora", "lora-fa", **options)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -179,3 +179,28 @@ def test_a_new_tensor_where_a_freed_one_was_gets_its_own_copy():
         off.done()
     assert len({id(h) for h in helds}) == 64 and all(h.moved for h in helds)
     assert same[0] is same[1] and same[2] is not same[0]    # one copy per distinct view of a live storage
+
+
+def test_tensors_without_storage_stay_and_other_failures_propagate():
+    """The pack hook keeps a strided tensor without storage (functorch's batched wrapper: torch raises
+    NotImplementedError) on the device as it is; any other failure of the storage query reaches the caller."""
+    from lowmembp.methods.offload import HostLedger, Offloader
+
+    class FailingStorage(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.untyped_storage:
+                raise RuntimeError("storage query failed")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    model = torch.nn.Linear(4, 4)
+    ledger = HostLedger()
+    off = Offloader(model, min_bytes=0, ledger=ledger)
+    off.hooks()  # the parameters' storages, to be skipped
+    kept = []
+    torch.vmap(lambda x: kept.append(off.pack(x) is x) or x.sum())(torch.randn(2, 8))
+    assert kept == [True] and ledger.current == 0
+    assert off.pack(model.weight.detach()) is not None and ledger.current == 0  # a parameter's storage: skipped
+    with pytest.raises(RuntimeError, match="storage query failed"):
+        off.pack(torch.randn(8).as_subclass(FailingStorage))
+

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import lowmembp
-from peers_common import FAMILIES, grads, loss_of, saved_total, train_steps
+from peers_common import FAMILIES, adapter_pair, grads, loss_of, saved_total, train_steps
 from tiny_models import build, logits
 
 GROUPS = 8  # the tiny models are 32 wide (48-56 in their MLPs): 8 groups of 4-7 features
@@ -17,19 +17,7 @@ GROUPS = 8  # the tiny models are 32 wide (48-56 in their MLPs): 8 groups of 4-7
 
 def _pair(name, **options):
     """(LoRA model, VeLoRA model, batch): same weights, same adapters, a non-zero B."""
-    model, inputs = build(name)
-    torch.manual_seed(3)
-    a = lowmembp.apply(copy.deepcopy(model), "lora", **options).train()
-    torch.manual_seed(3)
-    b = lowmembp.apply(model, "velora", num_groups=GROUPS, **options).train()
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(5)
-        for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
-            assert na == nb
-            if "lora_B" in na:
-                pa.normal_(0, 0.1, generator=g)
-                pb.copy_(pa)
-    return a, b, inputs()
+    return adapter_pair(name, "lora", "velora", options_b={"num_groups": GROUPS}, **options)
 
 
 def _error(ref, got):

@@ -169,3 +169,27 @@ def test_trains():
     model = lowmembp.apply(model, "chunked-ce", chunk=5).train()
     losses, moved = train_steps(model, batch, loss=lambda m, b: m(**b).loss, lr=1e-2)
     assert moved and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("spec, first, second, how", [
+    ("cce+chunked-ce", "cce", "chunked-ce", "chunk by chunk"),
+    ("chunked-ce+cce", "cce", "chunked-ce", "chunk by chunk"),
+    ("liger+chunked-ce", "liger", "chunked-ce", "fused linear cross-entropy"),
+    ("cce+liger", "liger", "cce", "fused linear cross-entropy")])
+def test_two_loss_methods_are_refused_by_name_and_reason(spec, first, second, how):
+    """Every method that computes the causal-LM loss itself excludes the others; the refusal names both and says
+    why (one loss per model), before any model is touched; the model keeps no trace of either."""
+    from lowmembp.methods.registry import parse
+
+    with pytest.raises(ValueError) as refusal:
+        parse(spec)
+    message = str(refusal.value)
+    assert message.startswith(f"'{first}' cannot be combined with '{second}': both compute the causal-LM loss")
+    assert how in message and "a model has one loss: choose one" in message and f"(in {spec!r})" in message
+    model = build("llama")[0]
+    with pytest.raises(ValueError, match="a model has one loss"):
+        lowmembp.apply(model, spec)
+    assert not getattr(model, "_lowmembp_methods", ())
+    model = lowmembp.apply(model, "chunked-ce")
+    with pytest.raises(ValueError, match="a model has one loss.*already carries 'chunked-ce'"):
+        lowmembp.apply(model, "cce")

@@ -72,3 +72,16 @@ def test_tables_and_figures_leave_invalid_rows_out_and_count_them(tmp_path):
     log = tmp_path / "fig.log"
     plots.main(runs_csv, "accuracy", tmp_path / "acc.png", log)
     assert (tmp_path / "acc.png").read_bytes()[:4] == b"\x89PNG" and "1 invalid left out" in log.read_text()
+
+
+def test_by_hand_a_damaged_record_exits_1_and_the_csv_is_written(tmp_path, capsys):
+    import aggregate
+
+    good = _record(_cell(tmp_path, "baseline"), "baseline", 0, 0.5)
+    out = tmp_path / "runs.csv"
+    assert aggregate.cli([str(out), str(good)]) == 0
+    bad = _record(_cell(tmp_path, "lowmembp", 1), "lowmembp", 1, 0.6)
+    bad.write_text("{")
+    assert aggregate.cli([str(out), str(good), str(bad)]) == 1
+    assert "1 of 2 record(s) could not be read" in capsys.readouterr().err
+    assert list(pd.read_csv(out)["status"]) == ["ok", "invalid"]

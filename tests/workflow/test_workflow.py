@@ -133,6 +133,13 @@ def test_crash_without_record_becomes_an_error_record(tmp_path):
     assert out.stat().st_mode & 0o777 == 0o644  # umask 022: readable by the group, as any file the user writes
 
 
+def test_a_job_that_exits_1_with_its_record_is_a_done_cell(tmp_path):
+    """The training job exits 1 for an oom / error cell after writing its record: the cell is done, the sweep goes
+    on, the record is the job's own."""
+    p, out = _run_cell(tmp_path, 'for last; do :; done; echo \'{"status": "oom"}\' > "$last"; exit 1')
+    assert p.returncode == 0 and out.read_text() == '{"status": "oom"}\n'
+
+
 def test_usage_error_and_interrupt_leave_no_record(tmp_path):
     p, out = _run_cell(tmp_path, "echo 'unknown method' >&2; exit 2")
     assert p.returncode == 2 and not out.exists()

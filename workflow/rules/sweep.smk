@@ -1,6 +1,7 @@
 # One training job per cell: python -m experiments.train ... --out <record>. The job writes its record atomically
-# and exits 0 for oom/error cells (the record says so), so the sweep goes on; run_cell.py records a crash that
-# left no record (a segfault, an import error) as status "error" too. Usage errors (exit 2) fail the job loudly.
+# (status ok/oom/error; exit 1 for oom/error) and run_cell.py counts a cell with a record as done, so the sweep goes
+# on; run_cell.py records a crash that left no record (a segfault, an import error) as status "error" too. Usage
+# errors (exit 2) fail the job loudly.
 # A SIGINT to Snakemake alone (not a terminal's Ctrl-C) reaches the running jobs too, instead of Snakemake waiting
 # for them to finish (workflow/interrupts.py).
 import interrupts  # noqa: E402  (workflow/, on the path from common.smk)

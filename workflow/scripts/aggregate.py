@@ -8,7 +8,8 @@ visible instead of crashing the tables or being dropped. (The pipeline sets such
 cells before it aggregates, see workflow/rules/common.smk; an ``invalid`` row means a record was damaged after that or
 aggregated by hand.) The CSV is written atomically (``lowmembp.atomic``).
 
-Run by Snakemake (rule aggregate), or by hand: ``python aggregate.py OUT.csv RECORD.json ...``.
+Run by Snakemake (rule aggregate), or by hand: ``python aggregate.py OUT.csv RECORD.json ...`` (exit 1 when a record
+could not be read, the CSV written all the same; 2 without an output and at least one record).
 """
 
 import logging
@@ -75,9 +76,22 @@ def main(out: str, paths: list[str]) -> pd.DataFrame:
     return df
 
 
+def cli(argv: list[str]) -> int:
+    """By hand: write runs.csv; exit 1 when a record could not be read (its row says why, the CSV is written)."""
+    df = main(argv[0], argv[1:])
+    bad = int((df["status"] == INVALID).sum())
+    if bad:
+        print(f"error: {bad} of {len(df)} record(s) could not be read: the rows with status {INVALID!r} in {argv[0]} "
+              f"say why", file=sys.stderr)
+        return 1
+    return 0
+
+
 if "snakemake" in globals():
     logging.basicConfig(filename=snakemake.log[0], level=logging.INFO, format="%(message)s")  # noqa: F821
     main(snakemake.output[0], list(snakemake.input.records))  # noqa: F821
 elif __name__ == "__main__":
+    import by_hand  # this folder: sys.path[0] of a script run by path
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    main(sys.argv[1], sys.argv[2:])
+    sys.exit(cli(by_hand.arguments("python aggregate.py OUT.csv RECORD.json ...", sys.argv[1:], 2, more=True)))

@@ -46,9 +46,20 @@ def capacity(models: dict, methods: list[str], gpus: list[str]):
                              "note": (r["largest_batch_how"] if gpu == gpus[0] else "") if ok else r["reason"],
                              "margin": p.sources["margin"]})
     df = pd.DataFrame(rows)
+    missing = not_estimated(df)
+    if df.empty or len(missing) == len(df.drop_duplicates(["model", "method"])):
+        raise RuntimeError("capacity: nothing could be estimated: " + ("; ".join(
+            f"{r.model} {r.method}: {r.note}" for r in missing.itertuples()) or "the planner returned no rows"))
+    for r in missing.itertuples():
+        logging.warning("capacity: %s %s not estimated: %s", r.model, r.method, r.note)
     order = {m: i for i, m in enumerate(methods)}
     return df.sort_values(["model", "method"], key=lambda c: c.map(order) if c.name == "method" else
                           c.map(list(models).index), kind="stable").reset_index(drop=True)
+
+
+def not_estimated(df):
+    """One row per (model, method) the planner could not estimate (no peak; ``note`` says why)."""
+    return df[df["peak_at_paper_batch_gib"].isna()].drop_duplicates(["model", "method"]) if len(df) else df
 
 
 def write(df, out_csv: str, out_md: str, out_png: str, gpus: list[str]) -> None:
@@ -60,13 +71,20 @@ def write(df, out_csv: str, out_md: str, out_png: str, gpus: list[str]) -> None:
         df.to_csv(fh, index=False)
     wide = df.pivot_table(index=["model", "method"], columns="gpu", values="largest_batch", aggfunc="first",
                           sort=False)[gpus].reset_index()
+    # every (model, method) once, in the table's order: pivot_table drops those without a number (not estimated)
+    wide = df.drop_duplicates(["model", "method"])[["model", "method"]].merge(wide, how="left")
     peak = df.drop_duplicates(["model", "method"]).set_index(["model", "method"])["peak_at_paper_batch_gib"]
     wide.insert(2, "peak GiB at the paper batch", [peak[(m, x)] for m, x in zip(wide["model"], wide["method"])])
     wide = wide.rename(columns={g: f"largest batch in {g}" for g in gpus})
+    missing = not_estimated(df)
+    if len(missing):  # the numbers as they would print, the gaps in words
+        wide = wide.apply(lambda col: col if col.name in ("model", "method") else col.map(
+            lambda v: "not estimated" if v != v else int(v) if float(v).is_integer() else v))
     text = ("# Largest batch that fits, per paper model and method (lowmembp.plan, fake tensors)\n\n"
             f"Margin: {df['margin'].iloc[0]}. Each largest batch is checked: it fits and the next does not.\n"
             "0 = no batch fits (parameters and optimizer state alone, or batch 1, exceed the GPU).\n\n"
-            + wide.to_markdown(index=False) + "\n")
+            + wide.to_markdown(index=False) + "\n"
+            + "".join(f"\nNot estimated: {r.model} {r.method}: {r.note}\n" for r in missing.itertuples()))
     atomic_write(out_md, text)
 
     models = list(dict.fromkeys(df["model"]))
@@ -105,5 +123,7 @@ if "snakemake" in globals():
     logging.basicConfig(filename=sm.log[0], level=logging.INFO, format="%(message)s")
     main(sm.output.csv, sm.output.md, sm.output.png, sm.params.models, sm.params.methods, sm.params.gpus)
 elif __name__ == "__main__":
+    import by_hand  # this folder: sys.path[0] of a script run by path
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    main(*sys.argv[1:4])
+    main(*by_hand.arguments("python capacity.py OUT.csv OUT.md OUT.png", sys.argv[1:], 3))

@@ -27,8 +27,11 @@ if "snakemake" in globals():
     sm = snakemake  # noqa: F821
     main(sm.input.runs, {"md": sm.output.md, "csv": sm.output.csv, "html": sm.output.html}, sm.output.png)
 elif __name__ == "__main__":
+    import by_hand  # this folder: sys.path[0] of a script run by path
+
+    runs_csv, outdir = by_hand.arguments("python headline.py RUNS.csv OUTDIR", sys.argv[1:], 2)
     plt.switch_backend("Agg")
-    out = Path(sys.argv[2])
+    out = Path(outdir)
     (out / "tables").mkdir(parents=True, exist_ok=True)
-    main(sys.argv[1], {ext: str(out / "tables" / f"headline.{ext}") for ext in tables.catalogue.TABLE_FORMATS},
+    main(runs_csv, {ext: str(out / "tables" / f"headline.{ext}") for ext in tables.catalogue.TABLE_FORMATS},
          str(out / "figures" / "headline.png"))

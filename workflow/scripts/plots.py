@@ -408,5 +408,7 @@ if "snakemake" in globals():
     plt.switch_backend("Agg")
     main(snakemake.input.runs, snakemake.wildcards.fig, snakemake.output[0], snakemake.log[0])  # noqa: F821
 elif __name__ == "__main__":
+    import by_hand  # this folder: sys.path[0] of a script run by path
+
     plt.switch_backend("Agg")
-    main(*sys.argv[1:4])
+    main(*by_hand.arguments("python plots.py RUNS.csv FIGURE_NAME OUT.png", sys.argv[1:], 3))

@@ -112,4 +112,6 @@ def main(runs_csv, out, log=None):
 if "snakemake" in globals():
     main(snakemake.input.runs, snakemake.output[0], snakemake.log[0])  # noqa: F821
 elif __name__ == "__main__":
-    main(*sys.argv[1:3])
+    import by_hand  # this folder: sys.path[0] of a script run by path
+
+    main(*by_hand.arguments("python plots_pareto.py RUNS.csv OUT.png", sys.argv[1:], 2))

@@ -247,5 +247,7 @@ if "snakemake" in globals():
     plt.switch_backend("Agg")
     main(snakemake.wildcards.rfig, snakemake.input[0], snakemake.output[0], snakemake.params.title)  # noqa: F821
 elif __name__ == "__main__":
+    import by_hand  # this folder: sys.path[0] of a script run by path
+
     plt.switch_backend("Agg")
-    main(*sys.argv[1:4])
+    main(*by_hand.arguments("python plots_repro.py NAME REPRO.csv OUT.png", sys.argv[1:], 3))

@@ -35,9 +35,29 @@ def _parse(kv: str):
     return k, {"true": True, "false": False}.get(v.lower(), v)
 
 
+def main(argv: list[str]) -> int:
+    """By hand: 0 when the table was written, 1 when the reproduction failed or produced no rows (nothing written),
+    2 for a bad command line."""
+    from experiments.repro import REPROS
+
+    bad = [a for a in argv[2:] if "=" not in a]
+    why = ("give NAME and OUT.csv" if len(argv) < 2 else f"unknown reproduction {argv[0]!r}" if argv[0] not in REPROS
+           else f"options are key=value, not {bad[0]!r}" if bad else None)
+    if why:
+        print(f"error: {why}\nusage: python repro.py NAME OUT.csv [key=value ...]; NAME one of {', '.join(REPROS)}",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        run(argv[0], argv[1], **dict(_parse(a) for a in argv[2:]))
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if "snakemake" in globals():
     logging.basicConfig(filename=snakemake.log[0], level=logging.INFO, format="%(message)s")  # noqa: F821
     run(snakemake.wildcards.name, snakemake.output[0], **dict(snakemake.params.options))  # noqa: F821
 elif __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    run(sys.argv[1], sys.argv[2], **dict(_parse(a) for a in sys.argv[3:]))
+    sys.exit(main(sys.argv[1:]))

@@ -2,7 +2,8 @@
 
     python run_cell.py --out RECORD --log LOG -- <experiments.train arguments>
 
-The training job writes its own record atomically and exits 0 for ``ok``, ``oom`` and ``error`` cells. If it dies
+The training job writes its own record atomically for ``ok``, ``oom`` and ``error`` cells (exit 0 for ``ok``, 1 for
+the others); a cell with a record is done, whatever the job's exit status, so the sweep goes on. If it dies
 without a record (a crash, an import error, killed for memory by the OS) this writes an ``error`` record itself,
 atomically (``experiments.record.error_record`` and ``write``), with the end of the log as the message, so the sweep
 goes on and the table shows the failure. It does not write a record when the job was stopped by a signal from the

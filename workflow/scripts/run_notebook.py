@@ -42,4 +42,6 @@ if "snakemake" in globals():
         sys.stderr = log
         execute(sm.input.nb, sm.params.results, sm.output[0])
 elif __name__ == "__main__":
-    execute(sys.argv[1], sys.argv[2], sys.argv[3])
+    import by_hand  # this folder: sys.path[0] of a script run by path
+
+    execute(*by_hand.arguments("python run_notebook.py NOTEBOOK.ipynb RESULTS_DIR OUT.ipynb", sys.argv[1:], 3))

@@ -33,4 +33,6 @@ def main(csv: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    import by_hand  # this folder: sys.path[0] of a script run by path
+
+    main(*by_hand.arguments("python table_html.py TABLE.csv OUT.html", sys.argv[1:], 2))

@@ -43,7 +43,7 @@ from table_html import page  # noqa: E402
 
 CLAIMS = HERE.parent / "resources" / "paper_claims.yaml"
 MiB = 2**20
-KEYS = ["task", "model", "method", "optimizer", "batch_size"]  # a cell: runs.csv before the optimizer was a column
+KEYS = ["task", "model", "method", "optimizer", "batch_size"]  # a cell (_complete: no optimizer column = adamw)
 DEFAULT_OPTIMIZER = "adamw"                                    # read as adamw (the records' own default)
 COMPARED = "compared_with"
 PERCENT_METRICS = {"accuracy"}  # metrics stored as fractions, shown in %
