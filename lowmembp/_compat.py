@@ -27,7 +27,9 @@ import types
 
 import torch
 
-__all__ = ["TorchDispatchMode",  # noqa: F822  (the first five: module __getattr__) "FakeTensorMode", "FakeTensor", "tree_flatten", "tree_leaves", "storage_key",
+# The first six names come from the module's __getattr__ (loaded on first use), hence F822.
+__all__ = ["TorchDispatchMode", "FakeTensorMode", "FakeTensor", "tree_flatten", "tree_leaves",  # noqa: F822
+           "storage_key",  # noqa: F822
            "current_graph_task_id", "fused_rms_norm", "is_non_overlapping_and_dense", "is_fake", "detect_fake_mode",
            "unset_fake_temporarily", "top_saved_tensors_hooks", "functorch_unwrap_grad_tracking",
            "lookup_backend", "list_backends", "is_optimized_module", "functorch_config", "reset_compiler",
