@@ -17,7 +17,13 @@ this method to ``compared_with`` (below 1: less memory, less time), ``*_ours/pap
 - headline (:func:`headline_table`, rule ``headline``): per method what it saves, what it costs in step time and
   what it changes in the metric, ours beside the papers'.
 
-Each table is written as Markdown (title, caption, notes), CSV and HTML (table_html.py) by the same call, atomically
+Each table is written as CSV (every column, for tools) and, for people, as Markdown and HTML (table_html.py) that read
+alone (table_layout.py): a title that says what and on which machine (the records' device and dtype; a reproduction:
+how its numbers were made), a machine line, parts of at most ten columns with units in the headers, and long notes,
+messages and the papers' sources as numbered footnotes. Step times measured on a CPU are labelled :data:`CPU_TIME`
+and never share a column with the papers' GPU throughput claims: those stand in a part of their own, beside the FLOP
+ratio of the row's setting (:func:`flop_ratio`, fake tensors) and a GPU column (:data:`NO_GPU` until
+benchmarks/gpu_run.py has written results/gpu/). All three files come from the same call, atomically
 (``lowmembp.atomic``), to the paths Snakemake gives (rule outputs); the titles come from workflow/catalogue.py. Rows of
 runs.csv with status ``invalid`` (a damaged record) are left out and counted in the table's note.
 
