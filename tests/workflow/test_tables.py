@@ -309,7 +309,7 @@ def test_reference_tables_read_alone_and_hold_the_csvs_figures(name):
     elif name == "speed":
         assert _md_numbers(found[0]["step p50 (ms)"]).tolist() == csv["step_ms_p50"].round(2).tolist()
         assert tables.CPU_TIME in text
-    elif name == "accuracy":
+    elif name in ("accuracy", "accuracy_short"):
         mean = found[0]["mean ± std"].str.split(" ± ").str[0]
         assert _md_numbers(mean).tolist() == csv["metric_mean"].round(2).tolist()
     elif name == "headline":
@@ -328,10 +328,13 @@ def test_reference_tables_read_alone_and_hold_the_csvs_figures(name):
         assert set(thr["GPU step-time ratio to LoRA (ours)"]) == {tables.NO_GPU}
     else:  # the generic layout: every numeric column of the CSV, rounded, in one of the parts
         shown = {c: t[c] for t in found for c in t.columns}
-        for c in csv.columns:
-            if pd.api.types.is_float_dtype(csv[c]) and c in shown:
-                assert np.allclose(_md_numbers(shown[c]), csv[c].map(lambda v, c=c: float(tables._fmt_value(c, v))
-                                                                      if pd.notna(v) else np.nan), equal_nan=True), c
+        unit = tables.REPRO_UNITS.get(name, "")
+        names = {c: table_layout.header(c, unit if pd.api.types.is_float_dtype(csv[c]) and "ratio" not in c else "")
+                 for c in csv.columns}
+        assert {names[c] for c in csv.columns if pd.api.types.is_float_dtype(csv[c])} <= set(shown)
+        for col in [c for c in csv.columns if pd.api.types.is_float_dtype(csv[c])]:
+            want = csv[col].map(lambda v, col=col: float(tables._fmt_value(col, v)) if pd.notna(v) else np.nan)
+            assert np.allclose(_md_numbers(shown[names[col]]), want, equal_nan=True), col
 
 
 def test_fig1_gpu_column_reads_the_gpu_run(tmp_path):
@@ -349,6 +352,14 @@ def test_fig1_gpu_column_reads_the_gpu_run(tmp_path):
     assert thr.loc["LoRA + checkpointing (every block)", "GPU step-time ratio to LoRA (ours)"] == "1.300"
     assert thr.loc["LoRA + Mesa (GELU and LayerNorm)", "GPU step-time ratio to LoRA (ours)"] == tables.NO_GPU
     assert tables.gpu_step_ratios(tmp_path / "none") == {}
+
+
+def test_headers_carry_units():
+    assert table_layout.header("peak_MiB_b8") == "peak b8 (MiB)"
+    assert table_layout.header("paper_share_%") == "paper share (%)"
+    assert table_layout.header("ours_saving_pct") == "ours saving (%)"
+    assert table_layout.header("real_base", "2·b·s·d B") == "real base (2·b·s·d B)"
+    assert table_layout.header("slope_vs_full_ft") == "slope vs full ft"
 
 
 def test_split_columns_keeps_keys_and_the_limit():

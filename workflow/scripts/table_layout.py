@@ -101,6 +101,19 @@ def long_text_columns(df: pd.DataFrame) -> list[str]:
     return out
 
 
+UNITS = {"MiB": "MiB", "MB": "MB", "GiB": "GiB", "KiB": "KiB", "ms": "ms", "%": "%", "pct": "%", "s": "s"}
+
+
+def header(col: str, unit: str = "") -> str:
+    """A CSV column's name as a header that carries its unit: ``peak_MiB_b8`` -> ``peak b8 (MiB)``,
+    ``paper_share_%`` -> ``paper share (%)``; ``unit`` for a number whose name has none (a table's own unit)."""
+    parts = str(col).split("_")
+    found = [p for p in parts if p in UNITS]
+    words = " ".join(p for p in parts if p not in UNITS)
+    u = UNITS[found[0]] if found else unit
+    return f"{words} ({u})" if u else words
+
+
 def split_columns(shown: pd.DataFrame, keys: list[str], max_columns: int = MAX_COLUMNS) -> list[Part]:
     """``shown`` as parts of at most ``max_columns`` columns, each repeating the ``keys`` columns."""
     rest = [c for c in shown.columns if c not in keys]

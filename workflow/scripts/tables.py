@@ -48,7 +48,7 @@ for _p in (HERE, HERE.parent, HERE.parents[1]):  # scripts, the catalogue, the l
 import catalogue  # noqa: E402
 from lowmembp.atomic import atomic_write  # noqa: E402
 from table_html import page  # noqa: E402
-from table_layout import Footnotes, Layout, Part, long_text_columns, markdown, split_columns  # noqa: E402
+from table_layout import Footnotes, Layout, Part, header, long_text_columns, markdown, split_columns  # noqa: E402
 
 CLAIMS = HERE.parent / "resources" / "paper_claims.yaml"
 MiB = 2**20
@@ -423,7 +423,7 @@ def _fmt_value(col: str, v) -> str:
         return "-"
     if (col.startswith("metric_") and not col.startswith("metric_ratio")) or col == "change_vs_compared":
         return f"{v:+.2f}" if "change" in col else f"{v:.2f}"  # accuracy in % and perplexity alike
-    if "%" in col or col.endswith("MiB") or col.endswith("MB") or col.endswith("_pct"):
+    if "%" in col or "MiB" in col.split("_") or col.endswith("MB") or col.endswith("_pct"):
         return f"{v:+.1f}" if "change" in col else f"{v:.1f}"
     if "_ms_" in col or col.endswith("_ms"):
         return f"{v:.2f}" if abs(v) < 100 else f"{v:.1f}"
@@ -819,9 +819,13 @@ def lowmembp_headline_layout(df: pd.DataFrame, notes: Footnotes) -> list[Part]:
     return [Part("", pd.DataFrame(rows))]
 
 
-def generic_layout(df: pd.DataFrame, notes: Footnotes) -> list[Part]:
+REPRO_UNITS = {"block_breakdown": "2·b·s·d B"}  # a reproduction's unit where its columns' names carry none
+
+
+def generic_layout(df: pd.DataFrame, notes: Footnotes, unit: str = "") -> list[Part]:
     """Any other reproduction: long text (notes, specs, sources) as footnotes marked on the row's first cell,
-    the rest rounded and split into parts of at most :data:`MAX_COLUMNS` columns (the text columns repeated)."""
+    the rest rounded, the headers with their units (:func:`table_layout.header`; ``unit`` for numbers whose name
+    has none) and split into parts of at most :data:`MAX_COLUMNS` columns (the text columns repeated)."""
     long = long_text_columns(df)
     shown = _fmt(df.drop(columns=long))
     if len(shown.columns):
@@ -829,7 +833,9 @@ def generic_layout(df: pd.DataFrame, notes: Footnotes) -> list[Part]:
         shown[first] = [f"{v}{notes.mark(*[str(r[c]) for c in long if pd.notna(r[c])])}"
                         for v, (_, r) in zip(shown[first], df.iterrows())]
     keys = [c for c in shown.columns[:3] if not pd.api.types.is_numeric_dtype(df[c])] or list(shown.columns[:1])
-    return split_columns(shown, keys)
+    names = {c: header(c, unit if pd.api.types.is_float_dtype(df[c]) and "ratio" not in c else "")
+             for c in shown.columns}
+    return split_columns(shown.rename(columns=names), [names[k] for k in keys])
 
 
 REPRO_LAYOUTS = {"fig1": fig1_layout, "lowmembp_headline": lowmembp_headline_layout}
@@ -858,7 +864,8 @@ def repro_table(name: str, repro_csv: str | Path, out: dict[str, str], title: st
             df.insert(df.columns.get_loc(o) + 1, "ratio", df[o] / df[p])
             caption = caption or f"`ratio` = {o} / {p}."
     fn = Footnotes()
-    parts = REPRO_LAYOUTS.get(name, generic_layout)(df, fn)
+    parts = (REPRO_LAYOUTS[name](df, fn) if name in REPRO_LAYOUTS
+             else generic_layout(df, fn, REPRO_UNITS.get(name, "")))
     import torch
 
     made = (f"From `python -m experiments.repro {repro.name}`; table made on {platform.machine()} "
