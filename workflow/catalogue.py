@@ -36,8 +36,8 @@ class Reproduction:
 RUN_TABLES = (
     Output("memory", "Memory per method: peak and activations in MiB, and as ratios to the compared method "
            "(ours beside the papers')", "tables.py"),
-    Output("speed", "Step time per method in ms (p50, p20–p80), ratio to the compared method with its spread "
-           "(ours beside the papers')", "tables.py"),
+    Output("speed", "Step time per method in ms (p50, p20–p80) and its ratio to the compared method, with its "
+           "spread (the papers' GPU throughput claims apart, beside the FLOP ratio)", "tables.py"),
     Output("accuracy", "Accuracy (%) / perplexity per method after training: mean and spread over seeds, change "
            "against the compared method", "tables.py"),
     Output("accuracy_short", "Metric of the short memory/speed cells (too few steps to learn: not an accuracy "

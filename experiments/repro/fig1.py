@@ -109,7 +109,9 @@ def fig1(small: bool = False, batch_size: int = 64, dtype: str = "fp16",
          settings: tuple[str, ...] = tuple(SETTINGS)) -> pd.DataFrame:
     """One row per (setting, method): paper MiB, ours MiB and ratio; the official code's choices emulated and
     measured (``official_code_MiB``, its ratio and saving) with each difference's measured share; saving vs LoRA
-    (paper, ours, official); saved-for-backward MiB. ``lora_qv`` (the default setting) first."""
+    (paper, ours, official); saved-for-backward MiB; the paper's throughput as a step-time ratio to LoRA
+    (``paper_step_time_ratio``, GPU) beside the FLOPs of our step and their ratio to LoRA's (``flop_ratio``:
+    hardware-independent, torch's formulas, pointwise work counted zero). ``lora_qv`` (the default setting) first."""
     from lowmembp.estimator.step import estimate, estimate_by_depth
 
     kw = dict(batch_size=2 if small else batch_size, dtype=dtype, rank=4)
@@ -119,10 +121,10 @@ def fig1(small: bool = False, batch_size: int = 64, dtype: str = "fp16",
     rows = []
     for setting in settings:
         targets, _, cited = SETTINGS[setting]
-        base_ours = base_official = None
+        base_ours = base_official = base_flops = None
         for method, (label, paper_mib, paper_tp) in PAPER.items():
             kws = dict(kw, targets=targets)
-            est = run("vit-b16", method, **kws)
+            est = run("vit-b16", method, **kws, flops=True)  # counting FLOPs leaves the bytes as they are
             ours = est["peak"]["bytes"] / MiB
             diffs = differences(method)
             alone = {d: _step(run, method, (d,), kws) for d in diffs}
@@ -132,6 +134,7 @@ def fig1(small: bool = False, batch_size: int = 64, dtype: str = "fp16",
             interaction = official - ours - sum(share.values())
             base_ours = ours if base_ours is None else base_ours
             base_official = official if base_official is None else base_official
+            base_flops = est["flops"] if base_flops is None else base_flops
             cats = est["peak"]["by_category"]
             where = _METHOD_CITES[method].format(setting=setting)
             note = [f"setting: {cited}" + (f"; {where}" if where else "")]
@@ -156,7 +159,8 @@ def fig1(small: bool = False, batch_size: int = 64, dtype: str = "fp16",
                 "saved_for_backward_MiB": est["saved"]["total"] / MiB,
                 "official_saved_for_backward_MiB": off["saved"]["total"] / MiB,
                 "params_MiB": cats["parameters"] / MiB, "activations_at_peak_MiB": cats["activations"] / MiB,
-                "paper_img_per_s": paper_tp, "note": "; ".join(note),
+                "paper_img_per_s": paper_tp, "paper_step_time_ratio": PAPER["lora"][2] / paper_tp,
+                "step_GFLOP": est["flops"] / 1e9, "flop_ratio": est["flops"] / base_flops, "note": "; ".join(note),
             })
             rows.append(row)
     df = pd.DataFrame(rows)

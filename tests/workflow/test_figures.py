@@ -174,3 +174,28 @@ def test_headline_figure_when_no_seed_of_a_compared_method_finished(runs):
     table = tables.headline_table(sub, tables.load_claims())
     t = texts(plots.headline_figure(sub, table))
     assert "no seed finished" in t
+
+
+def test_pareto_draws_the_new_peers_and_names_a_refused_one():
+    """The Pareto figure draws every finished method (the peers velora and tiled-mlp among them), names a method
+    whose cells did not finish (cce refused on a CPU) under its panel with the status, says on the x axis that a
+    CPU step time is one of the PyTorch reference ops, and names the machine in its title."""
+    import plots_pareto
+
+    rows = []
+    for i, (m, peak, t) in enumerate([("baseline", 10, 1.0), ("velora", 7, 1.2), ("tiled-mlp", 8, 1.5),
+                                      ("lora", 8, 0.9)]):
+        rows.append(dict(task="tweets-lm", model="llama-tiny", method=m, batch_size=8, seed=0, status="ok", steps=5,
+                         peak_bytes=peak * 2**20, step_time_p50=t / 100, device="cpu (x86_64, 1 threads)",
+                         dtype="fp32"))
+    rows.append(dict(rows[0], method="cce", status="error", peak_bytes=float("nan"), step_time_p50=float("nan")))
+    runs = pd.DataFrame(rows)
+    pts = plots_pareto.points(runs)
+    assert sorted(pts["method"]) == ["baseline", "lora", "tiled-mlp", "velora"]
+    assert list(plots_pareto.pareto_front(pts)["method"]) == ["lora", "velora"]  # lora: fastest; velora: smallest
+    t = texts(plots_pareto.pareto_figure(runs))
+    assert "velora" in t and "tiled-mlp" in t
+    assert "not drawn (no finished cell): cce (error)" in t
+    assert "CPU step time p50 (ms), PyTorch reference ops" in t and "(MiB)" in t
+    assert "cpu (x86_64, 1 threads)" in t
+    _no_column_names(t)

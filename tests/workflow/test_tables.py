@@ -4,6 +4,7 @@ time's spread and a flag where the ratio's spread contains 1, and the headline's
 Synthetic rows (a test input, not a result) with hand-computed expectations."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
 sys.path.insert(0, str(ROOT / "workflow"))
 
+import table_layout  # noqa: E402
 import tables  # noqa: E402
 
 MiB = 2**20
@@ -97,22 +99,26 @@ def test_headline_is_the_detail_tables_in_percent():
     shown = tables.headline_display(h.reset_index())
     row = shown[shown["method (compared with)"] == "lowmembp (vs baseline)"].iloc[0]
     assert row["peak memory saved: ours / paper"] == "25 % / 27 %"
-    assert "(within noise)" in row["step time (+ = slower): ours [p20–p80] / paper"]
+    assert "(within noise)" in row[f"{tables.CPU_TIME}: change (%) [p20 … p80]"]
+    assert not [c for c in shown.columns if "paper" in c and ("time" in c or "step" in c)]  # GPU claims stand apart
 
 
-def test_markdown_has_title_caption_units_and_sources(tmp_path):
+def test_markdown_has_title_caption_units_and_sources(tmp_path, monkeypatch):
+    monkeypatch.setattr(tables, "flop_ratio", lambda *a: 1.0)  # its own test below (slow: fake ViT-B/16 steps)
     runs_csv = tmp_path / "runs.csv"
     pd.concat([_runs(), _paper_runs()]).to_csv(runs_csv, index=False)
     out = {n: {e: str(tmp_path / f"{n}.{e}") for e in ("md", "csv", "html")} for n in tables.RUN_TABLES}
     tables.run_tables(runs_csv, out)
     for name in tables.RUN_TABLES:
         md = Path(out[name]["md"]).read_text().splitlines()
-        assert md[0].startswith("# ") and md[2] == tables.CAPTIONS[name]
-        assert "cpu (test); dtype fp32" in "\n".join(md)
-        assert tables.CAPTIONS[name] in Path(out[name]["html"]).read_text().replace("&#x27;", "'")
-    assert "peak_MiB" in Path(out["memory"]["md"]).read_text()
-    assert "step_ms_p50" in Path(out["speed"]["md"]).read_text()
-    assert "Sources of the paper values" in Path(out["memory"]["md"]).read_text()
+        assert md[0] == f"# {tables.TITLES[name]} — cpu (test), fp32"  # what, and on which machine
+        assert md[2] == "Machine: cpu (test), fp32." and md[4] == tables.CAPTIONS[name]
+        html = Path(out[name]["html"]).read_text().replace("&#x27;", "'")
+        assert tables.CAPTIONS[name] in html and "cpu (test), fp32" in html
+    assert "peak (MiB)" in Path(out["memory"]["md"]).read_text()
+    assert "step p50 (ms)" in Path(out["speed"]["md"]).read_text()
+    assert "Source of a paper value" not in Path(out["memory"]["md"]).read_text()
+    assert "Fig. 1: 2717 / 3827 MiB" in Path(out["memory"]["md"]).read_text()  # a footnote
 
 
 def test_block_breakdown_table_gives_its_unit(tmp_path):
@@ -190,3 +196,188 @@ def test_every_claim_names_its_setting_and_source():
                 assert e["models"] == "any" or not set(e["models"]) & {"vit-mnist", "minilm-l6", "llama-tiny"}
                 if method.startswith("lora+") and "vit-b16" in e["models"] and "Fig. 1" in e["source"]:
                     assert e.get("targets") == "qkv", (table, method)
+
+
+# --- tables that read alone: at most MAX_COLUMNS columns, a title with the machine, footnotes, the CSV's figures ---
+
+REFERENCE = ROOT / "results" / "reference"
+MD_TABLE = re.compile(r"((?:^\|.*\|\n)+)", flags=re.M)
+
+
+def md_tables(text: str) -> list[pd.DataFrame]:
+    """Every Markdown table of ``text`` as a frame of strings (header, the rule line dropped)."""
+    out = []
+    for block in MD_TABLE.findall(text):
+        rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in block.strip().splitlines()]
+        out.append(pd.DataFrame(rows[2:], columns=rows[0]))
+    return out
+
+
+def footnotes(text: str) -> dict[int, str]:
+    return {int(n): t for n, t in re.findall(r"^(\d+)\. (.+)$", text.split("\nNotes:\n", 1)[-1], flags=re.M)} \
+        if "\nNotes:\n" in text else {}
+
+
+def check_reads_alone(text: str, machine: str) -> None:
+    lines = text.splitlines()
+    assert lines[0].startswith("# ") and lines[0].endswith(f" — {machine}"), lines[0]
+    assert lines[2] == f"Machine: {machine}.", lines[2]
+    found = md_tables(text)
+    assert found, "no table"
+    for t in found:
+        assert len(t.columns) <= table_layout.MAX_COLUMNS, list(t.columns)
+        assert all(len(str(v)) <= 120 for v in t.to_numpy().ravel()), "a long note left in a cell"
+    notes = footnotes(text)
+    marks = {int(n) for m in re.findall(r"\[(\d+(?:, \d+)*)\]", text.split("\nNotes:\n")[0]) for n in m.split(", ")}
+    assert marks <= set(notes), f"markers without a footnote: {sorted(marks - set(notes))}"
+    assert sorted(notes) == list(range(1, len(notes) + 1))
+
+
+def _layouts(tmp_path, runs: pd.DataFrame) -> dict[str, str]:
+    runs_csv = tmp_path / "runs.csv"
+    runs.to_csv(runs_csv, index=False)
+    out = {n: {e: str(tmp_path / f"{n}.{e}") for e in ("md", "csv", "html")} for n in tables.RUN_TABLES}
+    tables.run_tables(runs_csv, out)
+    head = {e: str(tmp_path / f"headline.{e}") for e in ("md", "csv", "html")}
+    tables.headline(runs_csv, head)
+    return {n: Path(o["md"]).read_text() for n, o in {**out, "headline": head}.items()}
+
+
+def _with_refused_cce(runs: pd.DataFrame) -> pd.DataFrame:
+    """A cce cell refused on this machine (status error, its message) beside finished ones."""
+    base = runs[(runs["method"] == "baseline") & (runs["batch_size"] == 8)].iloc[0]
+    row = dict(base, method="cce", status="error", peak_bytes=np.nan, activation_bytes=np.nan, step_time_p20=np.nan,
+               step_time_p50=np.nan, step_time_p80=np.nan, metric_value=np.nan,
+               message="cce: cut-cross-entropy's kernels need CUDA; on the CPU use chunked-ce")
+    return pd.concat([runs, pd.DataFrame([row])], ignore_index=True)
+
+
+def test_every_run_table_reads_alone(tmp_path):
+    for name, text in _layouts(tmp_path, _with_refused_cce(_runs())).items():
+        check_reads_alone(text, "cpu (test), fp32")
+
+
+def test_a_refused_method_is_shown_with_its_reason(tmp_path):
+    text = _layouts(tmp_path, _with_refused_cce(_runs()))["headline"]
+    (shown,) = [t for t in md_tables(text) if "method (compared with)" in t.columns]
+    cell = [c for c in shown["method (compared with)"] if c.startswith("cce")]
+    assert len(cell) == 1 and cell[0].startswith("cce (vs baseline) — error [")
+    n = int(re.search(r"\[(\d+)\]", cell[0]).group(1))
+    assert "need CUDA; on the CPU use chunked-ce" in footnotes(text)[n]
+
+
+def test_cpu_step_times_stand_apart_from_the_papers_gpu_claims(tmp_path, monkeypatch):
+    """On a CPU the step-time column says so and holds ours only; a paper's throughput claim (a GPU figure) stands in
+    its own part beside the FLOP ratio of the row's setting and a GPU column that is empty until a GPU ran."""
+    monkeypatch.setattr(tables, "flop_ratio", lambda model, method, compared, *a: {"lowmembp": 1.0}.get(method, 1.5))
+    texts = _layouts(tmp_path, _paper_runs())
+    for name in ("headline", "speed"):
+        found = md_tables(texts[name])
+        cpu = [t for t in found if any(tables.CPU_TIME in c or "step p50 (ms)" in c for c in t.columns)]
+        assert cpu and all("paper" not in c for t in cpu for c in t.columns if "step" in c or "time" in c)
+        (claims,) = [t for t in found if "paper: step-time ratio (GPU)" in t.columns]
+        assert list(claims.columns)[2:] == ["paper: step-time ratio (GPU)", "FLOP ratio (fake tensors)",
+                                            "GPU step-time ratio (ours)"]
+        row = claims[claims["method (vs compared)"] == "lora+lowmembp (vs lora)"].iloc[0]
+        assert row["paper: step-time ratio (GPU)"].startswith("0.993 [")  # Fig. 1: 288 / 290 img/s
+        assert row["FLOP ratio (fake tensors)"] == "1.500" and row["GPU step-time ratio (ours)"] == tables.NO_GPU
+        assert texts[name].count(tables.CPU_TIME) >= 1
+    # stand-in models: no claim, no such part, a footnote that says where the claims are
+    stand_in = _layouts(tmp_path, _runs())["headline"]
+    assert not [t for t in md_tables(stand_in) if "paper: step-time ratio (GPU)" in t.columns]
+    assert "fig1 table (part: Throughput)" in stand_in
+
+
+def _md_numbers(col: pd.Series) -> pd.Series:
+    return pd.to_numeric(col.str.replace(r"\s*\[[\d, ]+\]$", "", regex=True).replace("-", np.nan))
+
+
+@pytest.mark.parametrize("name", ["memory", "speed", "accuracy", "headline", "fig1", "mesa_table",
+                                  "block_breakdown", "tokentune_memory", "accuracy_short"])
+def test_reference_tables_read_alone_and_hold_the_csvs_figures(name):
+    text = (REFERENCE / "tables" / f"{name}.md").read_text()
+    csv = pd.read_csv(REFERENCE / "tables" / f"{name}.csv")
+    runs = pd.read_csv(REFERENCE / "runs.csv")
+    repro = tables.catalogue.REPRO_BY_STEM.get(name)
+    check_reads_alone(text, tables.repro_machine(repro) if repro else tables.machine(runs))
+    found = md_tables(text)
+    if name == "memory":
+        peak, act = found
+        assert _md_numbers(peak["peak (MiB)"]).tolist() == csv["peak_MiB"].round(1).tolist()
+        assert _md_numbers(act["activations (MiB)"]).tolist() == csv["activation_MiB"].round(1).tolist()
+        assert np.allclose(_md_numbers(peak["peak ratio: ours"]), csv["peak_ratio_ours"].round(3), equal_nan=True)
+    elif name == "speed":
+        assert _md_numbers(found[0]["step p50 (ms)"]).tolist() == csv["step_ms_p50"].round(2).tolist()
+        assert tables.CPU_TIME in text
+    elif name in ("accuracy", "accuracy_short"):
+        mean = found[0]["mean ± std"].str.split(" ± ").str[0]
+        assert _md_numbers(mean).tolist() == csv["metric_mean"].round(2).tolist()
+    elif name == "headline":
+        saved = found[0]["peak memory saved: ours / paper"].str.split(" % / ").str[0]
+        assert _md_numbers(saved).tolist() == csv["peak_saved_%_ours"].round(0).tolist()
+        assert len(found[0]) == len(csv)
+    elif name == "fig1":
+        mem, diff, thr = found
+        assert _md_numbers(mem["ours (MiB)"]).tolist() == csv["ours_MiB"].round(1).tolist()
+        assert _md_numbers(mem["paper (MiB)"]).tolist() == csv["paper_MiB"].tolist()
+        assert _md_numbers(diff["unexplained: paper − emulated (MiB)"]).tolist() == \
+            csv["unexplained_MiB"].round(1).tolist()
+        qv = csv[csv["setting"].str.contains("default")]
+        assert _md_numbers(thr["FLOP ratio to LoRA (fake tensors)"]).tolist() == qv["flop_ratio"].round(3).tolist()
+        assert np.allclose(qv["paper_step_time_ratio"], 288 / qv["paper_img_per_s"])
+        assert set(thr["GPU step-time ratio to LoRA (ours)"]) == {tables.NO_GPU}
+    else:  # the generic layout: every numeric column of the CSV, rounded, in one of the parts
+        shown = {c: t[c] for t in found for c in t.columns}
+        unit = tables.REPRO_UNITS.get(name, "")
+        names = {c: table_layout.header(c, unit if pd.api.types.is_float_dtype(csv[c]) and "ratio" not in c else "")
+                 for c in csv.columns}
+        assert {names[c] for c in csv.columns if pd.api.types.is_float_dtype(csv[c])} <= set(shown)
+        for col in [c for c in csv.columns if pd.api.types.is_float_dtype(csv[c])]:
+            want = csv[col].map(lambda v, col=col: float(tables._fmt_value(col, v)) if pd.notna(v) else np.nan)
+            assert np.allclose(_md_numbers(shown[names[col]]), want, equal_nan=True), col
+
+
+def test_fig1_gpu_column_reads_the_gpu_run(tmp_path):
+    """The GPU column of Fig. 1's throughput part: results/gpu/fig1.csv's p50 step time over LoRA's, per setting."""
+    gpu = pd.DataFrame({"config": ["fig1-qkv"] * 3 + ["fig1-all"], "status": ["ok"] * 4,
+                        "method": ["lora", "lora+checkpointing", "lora+lowmembp", "lora"],
+                        "step_ms_p50": [100.0, 130.0, 101.0, 90.0]})
+    gpu.to_csv(tmp_path / "fig1.csv", index=False)
+    assert tables.gpu_step_ratios(tmp_path) == pytest.approx(
+        {("lora_qv", "lora"): 1.0, ("lora_qv", "lora+checkpointing"): 1.3, ("lora_qv", "lora+lowmembp"): 1.01,
+         ("lora_all", "lora"): 1.0})
+    df = pd.read_csv(REFERENCE / "repro" / "fig1.csv")
+    parts = tables.fig1_layout(df, table_layout.Footnotes(), tmp_path)
+    thr = parts[-1].table.set_index(parts[-1].table["method"].str.replace(r" \[\d+\]$", "", regex=True))
+    assert thr.loc["LoRA + checkpointing (every block)", "GPU step-time ratio to LoRA (ours)"] == "1.300"
+    assert thr.loc["LoRA + Mesa (GELU and LayerNorm)", "GPU step-time ratio to LoRA (ours)"] == tables.NO_GPU
+    assert tables.gpu_step_ratios(tmp_path / "none") == {}
+
+
+def test_headers_carry_units():
+    assert table_layout.header("peak_MiB_b8") == "peak b8 (MiB)"
+    assert table_layout.header("paper_share_%") == "paper share (%)"
+    assert table_layout.header("ours_saving_pct") == "ours saving (%)"
+    assert table_layout.header("real_base", "2·b·s·d B") == "real base (2·b·s·d B)"
+    assert table_layout.header("slope_vs_full_ft") == "slope vs full ft"
+
+
+def test_split_columns_keeps_keys_and_the_limit():
+    wide = pd.DataFrame([[f"v{i}" for i in range(23)]], columns=[f"c{i}" for i in range(23)])
+    parts = table_layout.split_columns(wide, ["c0", "c1"])
+    assert [len(p.table.columns) for p in parts] == [10, 10, 7]
+    assert all(list(p.table.columns[:2]) == ["c0", "c1"] for p in parts)
+    assert [c for p in parts for c in p.table.columns[2:]] == [f"c{i}" for i in range(2, 23)]
+    with pytest.raises(ValueError, match="wider than 10"):
+        table_layout.Layout("t", "m", "", [table_layout.Part("", wide)]).check()
+
+
+@pytest.mark.slow
+def test_flop_ratio_of_a_paper_setting_is_the_fig1_reproductions():
+    """The FLOP ratio beside a sweep row's paper claim (tables.flop_ratio) is the one the fig1 reproduction counts
+    for the same setting (ViT-B/16, LoRA r4 on qkv, batch 64, fp16): two code paths, one number."""
+    fig1 = pd.read_csv(REFERENCE / "repro" / "fig1.csv").set_index(["setting", "spec"])
+    want = fig1.loc[("lora_qv (default)", "lora+checkpointing"), "flop_ratio"]
+    got = tables.flop_ratio("vit-b16", "lora+checkpointing", "lora", 64, "fp16", "qkv", 4)
+    assert got == pytest.approx(want, rel=1e-9) and got > 1.2
+    assert np.isnan(tables.flop_ratio("vit-mnist", "lowmembp", "baseline", 8, "fp32"))  # a stand-in: no estimate

@@ -4,7 +4,10 @@ One panel per task / model. Each point is one method (or composition) at the bat
 measured together (the memory batch of the default sweep), mean over seeds: x the step time (p50, ms), y the peak
 device memory of one steady step (MiB). The Pareto front — the methods no other method beats on both — is the step
 line; a method off it is slower *and* bigger than one on it. Offloading methods also hold host memory: a hollow
-marker above the point shows device + host bytes. Only ``ok`` cells with both numbers are drawn.
+marker above the point shows device + host bytes. Only ``ok`` cells with both numbers are drawn; a method whose
+cells of that task did not finish (oom, error: e.g. a kernel refused on this device) is named under the panel with
+its status (:func:`not_drawn`), so a missing point is never silent. On a CPU the x axis says what the time is: CPU
+step time of the PyTorch reference ops (no GPU kernel runs there), not a GPU throughput.
 
 Run by Snakemake (rule pareto_figure, workflow/rules/pareto.smk) or by hand: ``python plots_pareto.py RUNS.csv
 OUT.png``.
@@ -43,6 +46,28 @@ def points(runs: pd.DataFrame) -> pd.DataFrame:
         columns=["method", "peak", "host", "time", "task", "model", "batch_size"])
 
 
+def not_drawn(runs: pd.DataFrame, drawn: pd.DataFrame) -> dict[tuple[str, str], list[str]]:
+    """(task, model) -> "method (status)" for each method with cells at the panel's batch size (all of the task's
+    cells where none finished) but no point drawn."""
+    out = {}
+    for (task, model), sub in runs.groupby(["task", "model"], sort=True):
+        panel = drawn[(drawn["task"] == task) & (drawn["model"] == model)]
+        if len(panel):
+            sub = sub[sub["batch_size"] == panel["batch_size"].iloc[0]]
+        missing = sub[~sub["method"].isin(set(panel["method"]))]
+        out[(task, model)] = [f"{m} ({'/'.join(sorted(set(g['status'].astype(str))))})"
+                              for m, g in missing.groupby("method", sort=True)]
+    return out
+
+
+def time_label(runs: pd.DataFrame) -> str:
+    """The x axis: a CPU's step time is the reference ops' (tables.CPU_TIME); a GPU's is named."""
+    devs = sorted(set(runs["device"].dropna().astype(str))) if "device" in runs else []
+    if not devs or all(d.lower().startswith("cpu") for d in devs):
+        return "CPU step time p50 (ms), PyTorch reference ops"
+    return f"step time p50 (ms) on {', '.join(devs)}"
+
+
 def pareto_front(df: pd.DataFrame) -> pd.DataFrame:
     """The rows no other row beats on both step time and peak memory (ties kept), sorted by step time."""
     keep = []
@@ -55,8 +80,16 @@ def pareto_front(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def pareto(runs: pd.DataFrame, out: Path) -> None:
+    fig = pareto_figure(runs)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def pareto_figure(runs: pd.DataFrame) -> plt.Figure:
+    """The figure: one panel per task / model (see the module's docstring)."""
     pts = points(runs)
     tasks = pts[["task", "model"]].drop_duplicates().values.tolist() or [["(no finished runs)", ""]]
+    missing = not_drawn(runs, pts)
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.4 * len(tasks), 4.6), squeeze=False)
     methods = sorted(pts["method"].unique()) if len(pts) else []
     cmap = plt.get_cmap("tab20")
@@ -80,7 +113,10 @@ def pareto(runs: pd.DataFrame, out: Path) -> None:
                 ax.scatter(r["time"] * 1e3, total, s=30, facecolor="none", edgecolor=colors[r["method"]], zorder=2)
                 ax.plot([r["time"] * 1e3] * 2, [r["peak"] / MiB, total], color=colors[r["method"]], lw=0.8,
                         ls=":", zorder=2)
-        ax.set_xlabel("step time p50 (ms)")
+        ax.set_xlabel(time_label(runs))
+        if missing.get((task, model)):
+            ax.text(0.0, -0.2, "not drawn (no finished cell): " + ", ".join(missing[(task, model)]),
+                    transform=ax.transAxes, fontsize=6.5, va="top", wrap=True)
         ax.set_ylabel("peak device memory (MiB)")
         ax.set_title(f"{task} / {model}, batch {int(sub['batch_size'].iloc[0])}", fontsize=9)
         ax.grid(alpha=0.3)
@@ -98,8 +134,7 @@ def pareto(runs: pd.DataFrame, out: Path) -> None:
                  f"marker: device + host (offloading)\n{devs or 'device unknown'}, {dtypes or 'dtype unknown'}; "
                  f"{steps}-step cells", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main(runs_csv, out, log=None):

@@ -1,7 +1,8 @@
 """A table -> a small standalone HTML page for the Snakemake report (numbers rounded, '-' for missing).
 
-tables.py writes each table's HTML in the same job as its Markdown and CSV (``page``), so the report never shows a
-stale table beside fresh ones. By hand: ``python table_html.py TABLE.csv OUT.html``.
+tables.py writes each table's HTML in the same job as its Markdown and CSV (:func:`page` of its
+:class:`table_layout.Layout`: title with the machine, caption, parts, numbered footnotes), so the report never shows a
+stale table beside fresh ones. By hand: ``python table_html.py TABLE.csv OUT.html`` (every column, rounded).
 """
 
 import html
@@ -14,12 +15,20 @@ STYLE = ("<style>body{font-family:sans-serif;font-size:13px}table{border-collaps
          "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}th{background:#eee}</style>")
 
 
-def page(formatted: pd.DataFrame, title: str, notes=()) -> str:
-    """The HTML page of an already formatted table (strings), with its title and note lines."""
-    body = formatted.to_html(index=False, border=0, escape=True)
-    paras = "".join(f"<p>{html.escape(n)}</p>" for n in notes if n)
-    return (f"<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>{STYLE}</head><body>"
-            f"<h3>{html.escape(title)}</h3>{paras}{body}</body></html>\n")
+def page(layout) -> str:
+    """The HTML page of a :class:`table_layout.Layout` (its tables already formatted as strings)."""
+    paras = "".join(f"<p>{html.escape(n)}</p>" for n in [f"Machine: {layout.machine}.", layout.caption,
+                                                          *layout.notes] if n)
+    body = ""
+    for part in layout.parts:
+        if part.heading:
+            body += f"<h4>{html.escape(part.heading)}</h4>"
+        body += part.table.to_html(index=False, border=0, escape=True)
+    notes = "".join(f"<li>{html.escape(t)}</li>" for t in layout.footnotes)
+    notes = f"<p>Notes:</p><ol>{notes}</ol>" if notes else ""
+    title = html.escape(layout.heading)
+    return (f"<html><head><meta charset='utf-8'><title>{title}</title>{STYLE}</head><body>"
+            f"<h3>{title}</h3>{paras}{body}{notes}</body></html>\n")
 
 
 def main(csv: str, out: str) -> None:
@@ -27,9 +36,11 @@ def main(csv: str, out: str) -> None:
     sys.path.insert(0, str(here))
     sys.path.insert(0, str(here.parents[1]))
     from lowmembp.atomic import atomic_write
+    from table_layout import Layout, Part
     from tables import _fmt
 
-    atomic_write(out, page(_fmt(pd.read_csv(csv)), Path(csv).stem))
+    atomic_write(out, page(Layout(Path(csv).stem, "not stated (a CSV shown as it is)", "",
+                                  [Part("", _fmt(pd.read_csv(csv)))])))
 
 
 if __name__ == "__main__":

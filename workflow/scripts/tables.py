@@ -17,7 +17,13 @@ this method to ``compared_with`` (below 1: less memory, less time), ``*_ours/pap
 - headline (:func:`headline_table`, rule ``headline``): per method what it saves, what it costs in step time and
   what it changes in the metric, ours beside the papers'.
 
-Each table is written as Markdown (title, caption, notes), CSV and HTML (table_html.py) by the same call, atomically
+Each table is written as CSV (every column, for tools) and, for people, as Markdown and HTML (table_html.py) that read
+alone (table_layout.py): a title that says what and on which machine (the records' device and dtype; a reproduction:
+how its numbers were made), a machine line, parts of at most ten columns with units in the headers, and long notes,
+messages and the papers' sources as numbered footnotes. Step times measured on a CPU are labelled :data:`CPU_TIME`
+and never share a column with the papers' GPU throughput claims: those stand in a part of their own, beside the FLOP
+ratio of the row's setting (:func:`flop_ratio`, fake tensors) and a GPU column (:data:`NO_GPU` until
+benchmarks/gpu_run.py has written results/gpu/). All three files come from the same call, atomically
 (``lowmembp.atomic``), to the paths Snakemake gives (rule outputs); the titles come from workflow/catalogue.py. Rows of
 runs.csv with status ``invalid`` (a damaged record) are left out and counted in the table's note.
 
@@ -26,7 +32,9 @@ Run by Snakemake (rules run_tables, repro_table, headline), or by hand:
 ``python tables.py headline RUNS.csv OUTDIR``.
 """
 
+import os
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +48,7 @@ for _p in (HERE, HERE.parent, HERE.parents[1]):  # scripts, the catalogue, the l
 import catalogue  # noqa: E402
 from lowmembp.atomic import atomic_write  # noqa: E402
 from table_html import page  # noqa: E402
+from table_layout import Footnotes, Layout, Part, header, long_text_columns, markdown, split_columns  # noqa: E402
 
 CLAIMS = HERE.parent / "resources" / "paper_claims.yaml"
 MiB = 2**20
@@ -197,6 +206,9 @@ def memory_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
     return df[cols]
 
 
+WITHIN_NOISE = "p20–p80 spread of the ratio contains 1"
+
+
 def speed_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
     runs = _complete(runs)
     df = per_cell(runs, "step_time_p50", "median")
@@ -212,7 +224,7 @@ def speed_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
     df["time_ratio_ours_p80/p20"] = with_reference(df, "step_time_p80", "step_time_p20")  # highest
     lo, hi = df["time_ratio_ours_p20/p80"], df["time_ratio_ours_p80/p20"]
     df["within_noise"] = np.where(lo.isna() | hi.isna(), "", np.where((lo <= 1) & (hi >= 1), "yes", "no"))
-    extra = pd.Series(np.where(df["within_noise"] == "yes", "p20–p80 spread of the ratio contains 1", ""))
+    extra = pd.Series(np.where(df["within_noise"] == "yes", WITHIN_NOISE, ""))
     df = _with_notes(df, runs, extra)
     cols = KEYS + ["status", "steps", COMPARED, "step_ms_p50", "step_ms_p20", "step_ms_p80", "samples_per_s",
                    "time_ratio_ours", "time_ratio_ours_p20/p80", "time_ratio_ours_p80/p20", "within_noise",
@@ -343,6 +355,7 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
             "metric_change_ours": a["change_vs_compared"] if a is not None else np.nan,
             "metric_change_paper": ((a["metric_ratio_paper"] - 1) * ref_mean) if a is not None else np.nan,
             "unit": a["unit"] if a is not None else "",
+            "status": m["status"], "notes": m["notes"],
             "sources": " | ".join(dict.fromkeys(x for x in [m["peak_source"], m["act_source"],
                                                            s["time_source"] if s is not None else "",
                                                            a["metric_source"] if a is not None else ""] if x)),
@@ -351,37 +364,40 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
             "activations_saved_%_ours", "activations_saved_%_paper", "step_time_change_%_ours",
             "step_time_change_%_p20/p80", "step_time_change_%_p80/p20", "within_noise", "step_time_change_%_paper",
             "accuracy_batch", "seeds", "metric", "unit", "metric_compared", "metric_method", "metric_change_ours",
-            "metric_change_paper", "sources"]
+            "metric_change_paper", "status", "notes", "sources"]
     return pd.DataFrame(rows, columns=cols)
 
 
 RUN_TABLES = {"memory": memory_table, "speed": speed_table, "accuracy": accuracy_table,
               "accuracy_short": accuracy_short_table}
 TITLES = {name: catalogue.RUN_TABLE[name].title for name in RUN_TABLES}
-RATIO_NOTE = ("`compared_with`: the method a ratio divides by (same task, model, optimizer, batch size). "
-              "`*_ratio_ours` = this "
-              "method / compared_with in our runs, `*_ratio_paper` the same ratio as published, `*_ours/paper` ours "
-              "over the paper's (1 = we reproduce it); "
-              "'-' = no number for this row's setting (a paper value is shown only beside "
-              "rows of the models and LoRA targets it was measured on; workflow/resources/paper_claims.yaml).")
+CPU_TIME = "CPU step time, PyTorch reference ops (this machine)"  # what a step time measured on a CPU is
+NO_GPU = "—, no GPU run yet"  # the GPU column until benchmarks/gpu_run.py has written results/gpu/
+GPU_RESULTS = HERE.parents[1] / "results" / "gpu"  # benchmarks/gpu_run.py --out (docs/gpu-run.md)
+RATIO_NOTE = ("Ratios divide by the compared method (vs …: lora+X against lora, every other method against "
+              "baseline; same task, model, optimizer and batch size); paper: the same ratio as published, ours / "
+              "paper = 1 where we reproduce it; '-' = no number for this row's setting (a paper value is shown only "
+              "beside rows of the models and LoRA targets it was measured on: workflow/resources/paper_claims.yaml).")
 CAPTIONS = {
-    "memory": "Peak device memory of one training step and the activation bytes saved for backward, in MiB "
-              "(mean over seeds), and as ratios to `compared_with` (below 1 = the method saves memory). " + RATIO_NOTE,
-    "speed": "Step time in ms (p50 over the timed steps after warm-up, median over seeds; p20 and p80 beside it) and "
-             "the ratio to `compared_with` (above 1 = slower), with its spread p20/p80 … p80/p20; `within_noise` = "
-             "yes when that spread contains 1 (the two cannot be told apart on this machine). " + RATIO_NOTE,
+    "memory": "Peak memory of one training step and the activation bytes saved for backward, in MiB (mean over "
+              "seeds), and as ratios to the compared method (below 1 = the method saves memory). " + RATIO_NOTE,
+    "speed": f"{CPU_TIME}: step time in ms (p50 over the timed steps after warm-up, median over seeds; p20–p80 "
+             "beside it) and the ratio to the compared method (above 1 = slower) with its spread p20/p80 … p80/p20; "
+             "within noise = yes when that spread contains 1 (the two cannot be told apart on this machine). "
+             "Not comparable with the papers' GPU throughput, which is shown apart, beside the FLOP ratio.",
     "accuracy": "Evaluation metric of the cells long enough to learn (per task the batch size with the most seeds, "
                 "then the longest training): accuracy in % (higher is better), perplexity per byte (lower is "
-                "better); mean, sample std, min and max over seeds; `change_vs_compared` = mean minus the compared "
-                "method's mean, in the metric's unit (points of % for accuracy). " + RATIO_NOTE,
+                "better); mean ± sample std and min … max over seeds; change = mean minus the compared method's, "
+                "in the metric's unit (points of % for accuracy). " + RATIO_NOTE,
     "accuracy_short": "The metric of the short cells (a few steps, run for memory and step time): too short to "
                       "learn, so near chance (10 % on mnist5k) — not an accuracy comparison; accuracy in %. The "
                       "comparison is the accuracy table.",
-    "headline": "Per method against `compared_with` (lora+X: lora; others: baseline): peak and activation memory "
-                "saved in % (at `memory_batch`, the largest batch where both ran), step time change in % (+ = "
-                "slower; p20/p80 … p80/p20 its spread, `within_noise` = yes when the spread contains 0) and the "
-                "metric change at `accuracy_batch` (points of % for accuracy, perplexity per byte for the LM; "
-                "paper: 0 where it claims no change); ours beside the paper's, '-' = the paper gives no number.",
+    "headline": "Per method against the method it is compared with (lora+X: lora; others: baseline): peak and "
+                "activation memory saved in % (at the memory batch, the largest batch where both ran), the "
+                f"{CPU_TIME} change in % (+ = slower; [p20 … p80] its spread) and the metric change at the accuracy "
+                "batch (points of % for accuracy, perplexity per byte for the LM; paper: 0 where it claims no "
+                "change); ours beside the paper's, '-' = the paper gives no number for this setting. The papers' "
+                "GPU throughput claims are never set against CPU step times: they stand apart, beside the FLOP ratio.",
 }
 
 
@@ -407,7 +423,7 @@ def _fmt_value(col: str, v) -> str:
         return "-"
     if (col.startswith("metric_") and not col.startswith("metric_ratio")) or col == "change_vs_compared":
         return f"{v:+.2f}" if "change" in col else f"{v:.2f}"  # accuracy in % and perplexity alike
-    if "%" in col or col.endswith("MiB"):
+    if "%" in col or "MiB" in col.split("_") or col.endswith("MB") or col.endswith("_pct"):
         return f"{v:+.1f}" if "change" in col else f"{v:.1f}"
     if "_ms_" in col or col.endswith("_ms"):
         return f"{v:.2f}" if abs(v) < 100 else f"{v:.1f}"
@@ -427,31 +443,182 @@ def _fmt(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def write(df: pd.DataFrame, md: Path, csv: Path, title: str, notes: list[str] = (), html: Path | None = None,
-          caption: str = "", shown: pd.DataFrame | None = None) -> None:
-    """One table as CSV, Markdown and (given ``html``) HTML, each written atomically: title, caption, notes, the
-    table, then the sources of the paper values. ``shown``: what Markdown and HTML show instead of ``df`` rounded
-    (the CSV always holds ``df``)."""
-    src_cols = [c for c in df.columns if c.endswith("source") or c == "sources"]
-    sources = sorted({part for c in src_cols for s in df[c].dropna().astype(str) for part in s.split(" | ") if part})
-    shown = _fmt(df.drop(columns=src_cols)) if shown is None else shown
+def write(df: pd.DataFrame, md: Path, csv: Path, layout: Layout, html: Path | None = None) -> None:
+    """One table as CSV (every column of ``df``, for tools), Markdown and (given ``html``) HTML (``layout``: what a
+    person reads), each written atomically."""
+    layout.check()
     atomic_write(csv, df.to_csv(index=False))
-    body = shown.to_markdown(index=False, disable_numparse=True) if len(df) else "(no rows)"
-    lines = [f"# {title}", "", *([caption, ""] if caption else []), *notes, "", body, ""]
-    if sources:
-        lines += ["Sources of the paper values:", "", *[f"- {s}" for s in sources], ""]
     if html is not None:
-        atomic_write(html, page(shown, title, [caption, *notes, *(["Sources of the paper values:"] if sources else []),
-                                               *sources]))
-    atomic_write(md, "\n".join(lines))
+        atomic_write(html, page(layout))
+    atomic_write(md, markdown(layout))
+
+
+def devices(runs: pd.DataFrame) -> list[str]:
+    return sorted(set(runs["device"].dropna().astype(str))) if "device" in runs else []
+
+
+def on_cpu(runs: pd.DataFrame) -> bool:
+    """Whether every measured cell ran on a CPU (its step times are then CPU measurements of the reference ops)."""
+    devs = devices(runs)
+    return not devs or all(d.lower().startswith("cpu") for d in devs)
+
+
+def machine(runs: pd.DataFrame) -> str:
+    """The title's machine: the records' device(s) and dtype(s)."""
+    dtypes = sorted(set(runs["dtype"].dropna().astype(str))) if "dtype" in runs else []
+    return f"{', '.join(devices(runs)) or 'device unknown'}, {', '.join(dtypes) or 'dtype unknown'}"
 
 
 def machine_note(runs: pd.DataFrame) -> list[str]:
-    devs = sorted(set(runs["device"].dropna().astype(str))) if "device" in runs else []
-    dtypes = sorted(set(runs["dtype"].dropna().astype(str))) if "dtype" in runs else []
+    """The cells behind the table and the software they ran with (the records' host, torch)."""
     counts = runs["status"].value_counts().to_dict() if len(runs) else {}
-    return [f"Measured on: {', '.join(devs) or 'unknown'}; dtype {', '.join(dtypes) or 'unknown'}. Cells: "
-            + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))]
+    host = ", ".join(sorted(set(runs["hostname"].dropna().astype(str)))) if "hostname" in runs else ""
+    torch_v = ", ".join(sorted(set(runs["torch"].dropna().astype(str)))) if "torch" in runs else ""
+    return [f"Cells: {', '.join(f'{v} {k}' for k, v in sorted(counts.items())) or 'none'}"
+            + (f"; host {host}" if host else "") + (f"; torch {torch_v}" if torch_v else "") + "."]
+
+
+def step_time_label(runs: pd.DataFrame) -> str:
+    return CPU_TIME if on_cpu(runs) else f"step time on {', '.join(devices(runs))}"
+
+
+def _num(v, fmt: str = ".3f", unit: str = "") -> str:
+    return "-" if v is None or pd.isna(v) else f"{v:{fmt}}{unit}"
+
+
+def _keys(d: dict, notes: Footnotes, batch: str = "batch_size") -> dict:
+    """The columns every run table starts with: task / model, the method (and its optimizer, status, notes as
+    footnotes) against the compared method, the batch size and steps."""
+    method = d["method"] + ("" if d.get("optimizer", DEFAULT_OPTIMIZER) == DEFAULT_OPTIMIZER
+                            else f", {d['optimizer']}")
+    vs = f" (vs {d[COMPARED]})" if d.get(COMPARED) else ""
+    status = str(d.get("status", "ok"))
+    flag = "" if status in ("ok", "nan", "") else f" — {status}"
+    mark = notes.mark(d.get("notes", "") if isinstance(d.get("notes", ""), str) else "")
+    steps = d.get("steps")
+    return {"task / model": f"{d['task']} / {d['model']}", "method (vs compared)": f"{method}{vs}{flag}{mark}",
+            "batch (steps)": f"{int(d[batch])}" + ("" if steps is None or pd.isna(steps) else f" ({int(steps)})")}
+
+
+def _paper(v, source, notes: Footnotes, fmt=".3f") -> str:
+    return "-" if pd.isna(v) else f"{v:{fmt}}{notes.mark(*str(source).split(' | '))}"
+
+
+def memory_layout(df: pd.DataFrame, runs: pd.DataFrame, notes: Footnotes) -> list[Part]:
+    peak, act = [], []
+    for d in df.to_dict("records"):
+        k = _keys(d, notes)
+        peak.append({**k, "peak (MiB)": _num(d["peak_MiB"], ".1f"), "peak ratio: ours": _num(d["peak_ratio_ours"]),
+                     "paper": _paper(d["peak_ratio_paper"], d["peak_source"], notes),
+                     "ours / paper": _num(d["peak_ratio_ours/paper"])})
+        act.append({**k, "activations (MiB)": _num(d["activation_MiB"], ".1f"),
+                    "activation ratio: ours": _num(d["act_ratio_ours"]),
+                    "paper": _paper(d["act_ratio_paper"], d["act_source"], notes),
+                    "ours / paper": _num(d["act_ratio_ours/paper"])})
+    return [Part("Peak memory of one training step", pd.DataFrame(peak)),
+            Part("Activations saved for backward", pd.DataFrame(act))]
+
+
+def flop_ratio(model: str, method: str, compared: str, batch_size: int, dtype: str | None, targets=None,
+               rank=None) -> float:
+    """FLOPs of one training step of ``method`` over ``compared``'s at a paper model's setting (fake tensors,
+    :func:`lowmembp.estimator.step.estimate_by_depth` with ``flops=True``): hardware-independent, pointwise work
+    counted zero (lowmembp.measurement.flops). NaN for a model the estimator does not know (a CPU stand-in)."""
+    return _flop_ratio(model, method, compared, int(batch_size), dtype if isinstance(dtype, str) else None,
+                       _targets_text(targets), None if rank is None or pd.isna(rank) else int(rank))
+
+
+@lru_cache(maxsize=None)
+def _flop_ratio(model, method, compared, batch_size, dtype, targets, rank) -> float:
+    from lowmembp.estimator.step import estimate_by_depth, paper_model_name
+
+    if paper_model_name(model) is None:
+        return np.nan
+    kw = dict(batch_size=batch_size, flops=True, **({"dtype": dtype} if dtype else {}))
+
+    def count(m):
+        lora = m.split("+")[0].split("@")[0] in ("lora", "lora-fa", "velora")
+        opts = {k: v for k, v in (("targets", targets), ("rank", rank)) if v and lora}
+        return estimate_by_depth(model, m, **kw, **opts)["flops"]
+
+    return count(method) / count(compared)
+
+
+def throughput_part(df: pd.DataFrame, runs: pd.DataFrame, notes: Footnotes, paper_col: str, source_col: str,
+                    as_ratio) -> list[Part]:
+    """The papers' GPU throughput claims for the rows of ``df`` that have one, each beside the FLOP ratio of that
+    row's setting and the GPU figure (ours on a GPU where these rows ran on one, else :data:`NO_GPU`); no part
+    (a footnote) when no row has a claim. ``as_ratio``: the table's step-time column as a ratio (change % -> ratio)."""
+    rows = []
+    claimed = df[df[paper_col].notna()] if paper_col in df else df.iloc[:0]
+    for d in claimed.to_dict("records"):
+        targets = d.get("opt_targets")
+        fr = flop_ratio(d["model"], d["method"], d[COMPARED], d.get("batch_size", d.get("memory_batch")),
+                        d.get("dtype"), targets, d.get("opt_rank")) if d.get(COMPARED) else np.nan
+        gpu = NO_GPU if on_cpu(runs) else _num(as_ratio(d), ".3f")
+        rows.append({"task / model": f"{d['task']} / {d['model']}",
+                     "method (vs compared)": f"{d['method']} (vs {d[COMPARED]})",
+                     "paper: step-time ratio (GPU)": _paper(as_ratio({"v": d[paper_col]}, "v"), d[source_col], notes),
+                     "FLOP ratio (fake tensors)": _num(fr), "GPU step-time ratio (ours)": gpu})
+    if not rows:
+        notes.number("No row here is at a setting for which a paper states a throughput, so no GPU claim stands "
+                     "beside these CPU figures; the papers' GPU throughput at their own settings, beside the FLOP "
+                     "ratio and a column for GPU figures, is in the fig1 table (part: Throughput).")
+        return []
+    return [Part("The papers' GPU throughput claims for these rows (not CPU figures)", pd.DataFrame(rows))]
+
+
+def speed_layout(df: pd.DataFrame, runs: pd.DataFrame, notes: Footnotes) -> list[Part]:
+    rows = []
+    for d in df.to_dict("records"):
+        d["notes"] = "; ".join(x for x in str(d["notes"]).split("; ") if x and x != WITHIN_NOISE)  # a column here
+        rows.append({**_keys(d, notes), "step p50 (ms)": _num(d["step_ms_p50"], ".2f"),
+                     "p20–p80 (ms)": (f"{d['step_ms_p20']:.2f}–{d['step_ms_p80']:.2f}"
+                                      if pd.notna(d["step_ms_p20"]) else "-"),
+                     "samples/s": _num(d["samples_per_s"], ".1f"),
+                     "step-time ratio to compared": _num(d["time_ratio_ours"]),
+                     "ratio spread p20/p80 … p80/p20": (f"{d['time_ratio_ours_p20/p80']:.3f} … "
+                                                        f"{d['time_ratio_ours_p80/p20']:.3f}"
+                                                        if pd.notna(d["time_ratio_ours_p20/p80"]) else "-"),
+                     "within noise": d["within_noise"] or "-"})
+    return [Part(step_time_label(runs), pd.DataFrame(rows)),
+            *throughput_part(df, runs, notes, "time_ratio_paper", "time_source",
+                             lambda d, c="time_ratio_ours": d[c])]
+
+
+def _mean_std(d: dict) -> str:
+    if pd.isna(d["metric_mean"]):
+        return "-"
+    return f"{d['metric_mean']:.2f}" + ("" if pd.isna(d.get("metric_std")) else f" ± {d['metric_std']:.2f}")
+
+
+def _metric_name(d: dict) -> str:
+    return "-" if not isinstance(d.get("metric"), str) else d["metric"] + (f" ({d['unit']})" if d["unit"] == "%"
+                                                                          else "")
+
+
+def accuracy_layout(df: pd.DataFrame, runs: pd.DataFrame, notes: Footnotes, short: bool = False) -> list[Part]:
+    rows = []
+    for d in df.to_dict("records"):
+        seeds = "" if pd.isna(d["seeds"]) else f", {int(d['seeds'])} seed{'s' if d['seeds'] != 1 else ''}"
+        row = {**_keys(d, notes), "metric": _metric_name(d), "before fine-tuning": _num(d["metric_before"], ".2f"),
+               "mean ± std": _mean_std(d),
+               "min … max": ("-" if pd.isna(d["metric_min"]) else f"{d['metric_min']:.2f} … {d['metric_max']:.2f}"),
+               "change vs compared": _num(d["change_vs_compared"], "+.2f")}
+        row["batch (steps)"] += seeds
+        if not short:
+            row.update({"ratio: ours": _num(d["metric_ratio_ours"]),
+                        "paper": _paper(d["metric_ratio_paper"], d["metric_source"], notes)})
+        rows.append(row)
+    table = pd.DataFrame(rows).rename(columns={"batch (steps)": "batch (steps, seeds)"})
+    return [Part("", table)]
+
+
+def run_layout(name: str, df: pd.DataFrame, runs: pd.DataFrame, notes: list[str] = ()) -> Layout:
+    fn = Footnotes()
+    parts = {"memory": memory_layout, "speed": speed_layout, "accuracy": accuracy_layout,
+             "accuracy_short": lambda d, r, n: accuracy_layout(d, r, n, short=True)}[name](df, runs, fn)
+    return Layout(TITLES[name], machine(runs), CAPTIONS[name], parts, fn.texts, list(notes))
 
 
 def run_tables(runs_csv: str | Path, outputs: dict[str, dict[str, str]]) -> None:
@@ -460,16 +627,16 @@ def run_tables(runs_csv: str | Path, outputs: dict[str, dict[str, str]]) -> None
     claims = load_claims()
     for name, out in outputs.items():
         df = RUN_TABLES[name](runs, claims)
-        write(df, out["md"], out["csv"], TITLES[name], machine_note(runs) + invalid_note(invalid), out.get("html"),
-              CAPTIONS[name])
+        write(df, out["md"], out["csv"], run_layout(name, df, runs, machine_note(runs) + invalid_note(invalid)),
+              out.get("html"))
 
 
 def headline(runs_csv: str | Path, out: dict[str, str]) -> pd.DataFrame:
     """The headline table (rule headline) to ``out`` = {"md", "csv", "html"}; returns it."""
     runs, invalid = read_runs(runs_csv)
     df = headline_table(runs, load_claims())
-    write(df, out["md"], out["csv"], catalogue.HEADLINE.title, machine_note(runs) + invalid_note(invalid),
-          out.get("html"), CAPTIONS["headline"], headline_display(df))
+    write(df, out["md"], out["csv"], headline_layout(df, runs, machine_note(runs) + invalid_note(invalid)),
+          out.get("html"))
     return df
 
 
@@ -483,8 +650,11 @@ def _change(v, unit) -> str:
     return f"{v:+.1f} pt" if unit == "%" else f"{v:+.2f}"
 
 
-def headline_display(df: pd.DataFrame) -> pd.DataFrame:
-    """The headline table as a person reads it: one phrase per cell, ours / paper."""
+def headline_display(df: pd.DataFrame, notes: Footnotes | None = None, time_label: str = CPU_TIME) -> pd.DataFrame:
+    """The headline table as a person reads it: one phrase per cell, ours / paper; step time ours only (the
+    papers' GPU throughput claims stand apart: :func:`headline_layout`). A method whose cells did not finish says
+    so, its message a footnote (``notes``)."""
+    notes = notes if notes is not None else Footnotes()
     rows = []
     for d in df.to_dict("records"):
         unit = d["unit"]
@@ -494,23 +664,38 @@ def headline_display(df: pd.DataFrame) -> pd.DataFrame:
         noise = " (within noise)" if d["within_noise"] == "yes" else ""
         spread = ("" if pd.isna(d["step_time_change_%_p20/p80"]) else
                   f" [{d['step_time_change_%_p20/p80']:+.0f} … {d['step_time_change_%_p80/p20']:+.0f}]")
+        status = str(d.get("status", "ok"))
+        flag = "" if status in ("ok", "nan", "") else f" — {status}"
+        msg = d.get("notes", "")
         rows.append({
             "task / model": f"{d['task']} / {d['model']}",
             "method (compared with)": (f"{d['method']}"
                                        + ("" if d["optimizer"] == DEFAULT_OPTIMIZER else f", {d['optimizer']}")
-                                       + f" (vs {d[COMPARED]})"),
+                                       + f" (vs {d[COMPARED]}){flag}"
+                                       + notes.mark(msg if isinstance(msg, str) else "")),
             "peak memory saved: ours / paper": f"{_pct(d['peak_saved_%_ours'])} / {_pct(d['peak_saved_%_paper'])}",
             "activations saved: ours / paper": (f"{_pct(d['activations_saved_%_ours'])} / "
                                                 f"{_pct(d['activations_saved_%_paper'])}"),
-            "step time (+ = slower): ours [p20–p80] / paper": (f"{_pct(d['step_time_change_%_ours'], True)}{spread}"
-                                                               f"{noise} / "
-                                                               f"{_pct(d['step_time_change_%_paper'], True)}"),
+            f"{time_label}: change (%) [p20 … p80]": f"{_pct(d['step_time_change_%_ours'], True)}{spread}{noise}",
             "metric change: ours / paper": (f"{_change(d['metric_change_ours'], unit)} / "
                                             f"{_change(d['metric_change_paper'], unit)}"),
             "metric (compared → method)": (f"{d['metric']} {before}" if d["metric"] else "-"),
             "batch (memory, metric)": f"{d['memory_batch']}, " + _batch_seeds(d["accuracy_batch"], d["seeds"]),
         })
     return pd.DataFrame(rows)
+
+
+def headline_layout(df: pd.DataFrame, runs: pd.DataFrame, notes: list[str] = ()) -> Layout:
+    fn = Footnotes()
+    shown = headline_display(df, fn, step_time_label(runs))
+    for s in sorted({p for v in df["sources"].dropna() for p in str(v).split(" | ") if p}):
+        fn.number(f"Source of a paper value: {s}")
+    claims = df.rename(columns={"memory_batch": "batch_size"}).assign(
+        dtype=runs["dtype"].dropna().iloc[0] if "dtype" in runs and runs["dtype"].notna().any() else None)
+    thr = throughput_part(claims, runs, fn, "step_time_change_%_paper", "sources",
+                          lambda d, c="step_time_change_%_ours": 1 + d[c] / 100)
+    parts = [Part("What each method saves and costs", shown), *thr]
+    return Layout(catalogue.HEADLINE.title, machine(runs), CAPTIONS["headline"], parts, fn.texts, list(notes))
 
 
 def _batch_seeds(batch, seeds) -> str:
@@ -524,12 +709,13 @@ def _batch_seeds(batch, seeds) -> str:
 
 REPRO_CAPTIONS = {
     "block_breakdown": "Unit: activation bytes of one block in 16-bit units of b·s·d (batch × sequence length × "
-                       "width; 1 unit = 2·b·s·d bytes), by op kind; `paper_*` the paper's idealised accounting, "
-                       "`real_*` the real timm / transformers code measured on fake tensors.",
+                       "width; 1 unit = 2·b·s·d bytes), by op kind; paper: the paper's idealised accounting, real: "
+                       "the real timm / transformers code measured on fake tensors.",
     "fig1": "Peak memory in MiB (paper: CUDA allocator on a GPU; ours: estimated on fake tensors on the CPU); "
-            "`ratio` = ours / paper; `official_code_MiB`: the same step measured with the official code's choices "
-            "emulated (its LoraFunction, lomem's fp32 MS-LN output), `diff_*_MiB` each choice's measured share, "
-            "`unexplained_MiB` = paper − official.",
+            "official emulated: the same step measured with the official code's choices emulated (its "
+            "LoraFunction, lomem's fp32 MS-LN output), each choice's measured share in the second part; the "
+            "paper's GPU throughput in the third, beside the FLOP ratio (hardware-independent) and a column for GPU "
+            "figures.",
     "mesa_table": "Training memory in MB as the Mesa README gives it, ours estimated on fake tensors; `ratio` = "
                   "ours / paper.",
     "tokentune_memory": "Peak memory of a training step in MiB per batch size (fake tensors on the CPU).",
@@ -542,7 +728,122 @@ REPRO_CAPTIONS = {
                        "activation_memory_budget; inductor's partitioner, per saved tensor); `saving_%` against the "
                        "eager baseline; `step_ms` median CPU forward + backward time, `step_vs_eager` / the eager "
                        "baseline's (a shared CPU: indicative); `timed_KiB` the timed model's own count.",
+    "lowmembp_headline": "Peak of one training step without / with LowMemoryBP at the paper's settings (fake "
+                         "tensors); saving in %, the paper's beside ours and ours / paper; official run: the same "
+                         "step as the official QLoRA run holds memory (LLaMA rows); band: the paper's stated "
+                         "'20–30 %'.",
 }
+
+
+def gpu_step_ratios(gpu_dir: Path = GPU_RESULTS) -> dict[tuple[str, str], float]:
+    """(setting, method) -> GPU step time / LoRA's from benchmarks/gpu_run.py's ``fig1.csv`` (``fig1-qkv`` ->
+    lora_qv, ``fig1-all`` -> lora_all; p50 step ms); empty until a GPU run's results are there."""
+    path = Path(gpu_dir) / "fig1.csv"
+    if not path.is_file():
+        return {}
+    g = pd.read_csv(path)
+    g = g[(g["status"] == "ok") & g["step_ms_p50"].notna()]
+    out = {}
+    for config, sub in g.groupby("config"):
+        setting = {"fig1-qkv": "lora_qv", "fig1-all": "lora_all"}.get(config, config)
+        ms = sub.set_index("method")["step_ms_p50"].astype(float)
+        if "lora" in ms:
+            out.update({(setting, m): v / ms["lora"] for m, v in ms.items()})
+    return out
+
+
+def fig1_layout(df: pd.DataFrame, notes: Footnotes, gpu_dir: Path = GPU_RESULTS) -> list[Part]:
+    """Fig. 1 as three tables: peak memory (paper, ours, the official code emulated), where ours and the official
+    code differ (measured MiB), and throughput (the paper's GPU claim beside the FLOP ratio and the GPU run)."""
+    mem, diff, thr = [], [], []
+    gpu = gpu_step_ratios(gpu_dir)
+    for d in df.to_dict("records"):
+        setting = str(d["setting"])
+        key = {"setting": setting, "method": d["method"] + notes.mark(d.get("note", ""))}
+        mem.append({**key, "paper (MiB)": _num(d["paper_MiB"], ".0f") + notes.mark(d.get("paper_source", "")),
+                    "ours (MiB)": _num(d["ours_MiB"], ".1f"), "ours / paper": _num(d["ratio"]),
+                    "official emulated (MiB)": _num(d["official_code_MiB"], ".1f"),
+                    "emulated / paper": _num(d["official_ratio"]),
+                    "saved vs LoRA, paper / ours / emulated (%)": (f"{d['paper_saving_%']:.1f} / "
+                                                                   f"{d['ours_saving_%']:.1f} / "
+                                                                   f"{d['official_saving_%']:.1f}")})
+        diff.append({**key, "their LoraFunction (MiB)": _num(d["diff_lora_function_MiB"], "+.1f"),
+                     "fp32 MS-LN output (MiB)": _num(d["diff_msln_fp32_MiB"], "+.1f"),
+                     "both beyond their sum (MiB)": _num(d["diff_interaction_MiB"], "+.1f"),
+                     "unexplained: paper − emulated (MiB)": _num(d["unexplained_MiB"], "+.1f"),
+                     "saved for backward: ours / emulated (MiB)": (f"{d['saved_for_backward_MiB']:.1f} / "
+                                                                   f"{d['official_saved_for_backward_MiB']:.1f}"),
+                     "parameters (MiB)": _num(d["params_MiB"], ".1f"),
+                     "activations at peak (MiB)": _num(d["activations_at_peak_MiB"], ".1f")})
+        if "(default)" in setting:  # the paper's throughput is its own setting's (lora_qv)
+            plain = setting.split(" ")[0]
+            g = gpu.get((plain, d["spec"]))
+            thr.append({**key, "paper (GPU, img/s)": _num(d["paper_img_per_s"], ".0f"),
+                        "paper: step-time ratio to LoRA (GPU)": _num(d.get("paper_step_time_ratio", np.nan)),
+                        "FLOP ratio to LoRA (fake tensors)": _num(d.get("flop_ratio", np.nan)),
+                        "training step (GFLOP)": _num(d.get("step_GFLOP", np.nan), ".0f"),
+                        "GPU step-time ratio to LoRA (ours)": NO_GPU if g is None else f"{g:.3f}"})
+    thr_note = notes.mark(
+        "Throughput: the paper's is images over the epoch's wall time on one GPU, data loading included; "
+        "its step-time ratio = LoRA's img/s / the method's. The FLOP ratio counts one training step "
+        "(forward, backward with any recomputation, optimizer) with torch's formulas on the real model code "
+        "on fake tensors; pointwise work (activations, norms, quantisation) counts zero, so it is a "
+        "compute-bound estimate, not a time. The GPU column is read from results/gpu/fig1.csv "
+        "(benchmarks/gpu_run.py, docs/gpu-run.md): p50 step time / LoRA's, the setting lora_qv. No CPU "
+        "step time is set against the paper's GPU figures.")
+    parts = [Part("Peak memory", pd.DataFrame(mem)),
+             Part("Where ours and the official code differ: each difference measured alone", pd.DataFrame(diff))]
+    if thr:
+        parts.append(Part("Throughput: the paper's GPU claim, the FLOP ratio and GPU figures" + thr_note,
+                          pd.DataFrame(thr)))
+    return parts
+
+
+def lowmembp_headline_layout(df: pd.DataFrame, notes: Footnotes) -> list[Part]:
+    rows = []
+    for d in df.to_dict("records"):
+        paper, ours = d["paper_saving_pct"], d["ours_saving_pct"]
+        off = d.get("official_run_saving_pct")
+        rows.append({"model (setting)": d["model"] + notes.mark(d.get("note", ""), d.get("spec", "")),
+                     "paper saving (%)": _num(paper, ".1f") + notes.mark(d.get("paper_source", "")),
+                     "ours saving (%)": _num(ours, ".1f"),
+                     "ours / paper": _num(ours / paper if pd.notna(paper) and paper else np.nan),
+                     "without (MiB)": _num(d["baseline_MiB"], ".0f"), "with LowMemoryBP (MiB)": _num(d["lowmembp_MiB"],
+                                                                                                   ".0f"),
+                     "official run saving (%)": _num(off, ".1f"),
+                     "official run without / with (MiB)": ("-" if pd.isna(d.get("official_run_baseline_MiB"))
+                                                           else f"{d['official_run_baseline_MiB']:.0f} / "
+                                                                f"{d['official_run_lowmembp_MiB']:.0f}"),
+                     f"in the paper's {d['band_low_pct']:.0f}–{d['band_high_pct']:.0f} % band": (
+                         "yes" if str(d["in_band"]) == "True" else "no")})
+    return [Part("", pd.DataFrame(rows))]
+
+
+REPRO_UNITS = {"block_breakdown": "2·b·s·d B"}  # a reproduction's unit where its columns' names carry none
+
+
+def generic_layout(df: pd.DataFrame, notes: Footnotes, unit: str = "") -> list[Part]:
+    """Any other reproduction: long text (notes, specs, sources) as footnotes marked on the row's first cell,
+    the rest rounded, the headers with their units (:func:`table_layout.header`; ``unit`` for numbers whose name
+    has none) and split into parts of at most :data:`MAX_COLUMNS` columns (the text columns repeated)."""
+    long = long_text_columns(df)
+    shown = _fmt(df.drop(columns=long))
+    if len(shown.columns):
+        first = shown.columns[0]
+        shown[first] = [f"{v}{notes.mark(*[str(r[c]) for c in long if pd.notna(r[c])])}"
+                        for v, (_, r) in zip(shown[first], df.iterrows())]
+    keys = [c for c in shown.columns[:3] if not pd.api.types.is_numeric_dtype(df[c])] or list(shown.columns[:1])
+    names = {c: header(c, unit if pd.api.types.is_float_dtype(df[c]) and "ratio" not in c else "")
+             for c in shown.columns}
+    return split_columns(shown.rename(columns=names), [names[k] for k in keys])
+
+
+REPRO_LAYOUTS = {"fig1": fig1_layout, "lowmembp_headline": lowmembp_headline_layout}
+
+
+def repro_machine(repro) -> str:
+    """The title's machine of a reproduction: how its numbers were made (fake tensors need no device)."""
+    return repro.how if repro is not None else "not stated"
 
 
 def repro_table(name: str, repro_csv: str | Path, out: dict[str, str], title: str | None = None) -> None:
@@ -550,8 +851,10 @@ def repro_table(name: str, repro_csv: str | Path, out: dict[str, str], title: st
 
     A table without a ``ratio`` column gets one (ours / paper) from its first numeric ``paper...`` / ``ours...``
     pair."""
+    import platform
+
     df = pd.read_csv(repro_csv)
-    repro = catalogue.REPRO_BY_STEM[name]
+    repro = catalogue.REPRO_BY_STEM.get(name)
     caption = REPRO_CAPTIONS.get(name, "")
     if "ratio" not in df.columns:
         num = [c for c in df.columns if pd.api.types.is_numeric_dtype(df[c])]
@@ -560,9 +863,16 @@ def repro_table(name: str, repro_csv: str | Path, out: dict[str, str], title: st
         if p and o:
             df.insert(df.columns.get_loc(o) + 1, "ratio", df[o] / df[p])
             caption = caption or f"`ratio` = {o} / {p}."
-    write(df, out["md"], out["csv"], title or name.replace("_", " "),
-          [f"From `python -m experiments.repro {repro.name}` ({repro.how})."], out.get("html"),
-          caption)
+    fn = Footnotes()
+    parts = (REPRO_LAYOUTS[name](df, fn) if name in REPRO_LAYOUTS
+             else generic_layout(df, fn, REPRO_UNITS.get(name, "")))
+    import torch
+
+    made = (f"From `python -m experiments.repro {repro.name}`; table made on {platform.machine()} "
+            f"({os.cpu_count()} cores), torch {torch.__version__}." if repro else "")
+    write(df, out["md"], out["csv"], Layout(title or (repro.title if repro else name.replace("_", " ")),
+                                            repro_machine(repro), caption, parts, fn.texts, [made] if made else []),
+          out.get("html"))
 
 
 def _in(outdir: str, stem: str) -> dict[str, str]:
