@@ -542,7 +542,14 @@ REPRO_CAPTIONS = {
                        "activation_memory_budget; inductor's partitioner, per saved tensor); `saving_%` against the "
                        "eager baseline; `step_ms` median CPU forward + backward time, `step_vs_eager` / the eager "
                        "baseline's (a shared CPU: indicative); `timed_KiB` the timed model's own count.",
+    "grad_fidelity": "One training step of real weights on a real batch, CPU. `cos_*`: cosine of the whole gradient "
+                     "(every tensor the method trains) with its exact reference's; `rel_err_*`: ||g - g_exact|| / "
+                     "||g_exact|| (0 = bit-identical); `worst_depth`: the depth (embed, block index, head) with the "
+                     "largest fp32 relative error, `worst_rel_err` that error. Per-depth values: the CSV and the "
+                     "figure.",
 }
+# Reproductions whose rows are data for the figure: the table shows a summary, (values, formatted) from the rows.
+REPRO_TABLE_VIEWS = {"grad_fidelity": "experiments.repro.grad_fidelity:table_view"}
 
 
 def repro_table(name: str, repro_csv: str | Path, out: dict[str, str], title: str | None = None) -> None:
@@ -553,6 +560,11 @@ def repro_table(name: str, repro_csv: str | Path, out: dict[str, str], title: st
     df = pd.read_csv(repro_csv)
     repro = catalogue.REPRO_BY_STEM[name]
     caption = REPRO_CAPTIONS.get(name, "")
+    shown = None
+    if name in REPRO_TABLE_VIEWS:
+        import importlib
+        module, fn = REPRO_TABLE_VIEWS[name].split(":")
+        df, shown = getattr(importlib.import_module(module), fn)(df)
     if "ratio" not in df.columns:
         num = [c for c in df.columns if pd.api.types.is_numeric_dtype(df[c])]
         p = next((c for c in num if c.startswith("paper")), None)
@@ -562,7 +574,7 @@ def repro_table(name: str, repro_csv: str | Path, out: dict[str, str], title: st
             caption = caption or f"`ratio` = {o} / {p}."
     write(df, out["md"], out["csv"], title or name.replace("_", " "),
           [f"From `python -m experiments.repro {repro.name}` ({repro.how})."], out.get("html"),
-          caption)
+          caption, shown)
 
 
 def _in(outdir: str, stem: str) -> dict[str, str]:
