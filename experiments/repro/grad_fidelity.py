@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import subprocess
 import sys
@@ -197,18 +198,30 @@ def measure_case(case: Case, cache_dir: Path, small: bool = False, dtypes=DTYPES
     return rows
 
 
+ALL, BLOCKS = "all", "blocks"  # the whole gradient; every block's tensors as one vector (embeddings and head apart)
+
+
+def position(depth: str, n_blocks: int) -> int:
+    """Where ``depth`` goes on the figure's x axis: embeddings 0, block i at i + 1, the head at ``n_blocks`` + 1;
+    the summaries ``all`` -1 and ``blocks`` -2."""
+    from lowmembp.measurement.fidelity import EMBED, HEAD
+    return {ALL: -1, BLOCKS: -2, EMBED: 0, HEAD: n_blocks + 1}.get(depth) if not depth.isdigit() else int(depth) + 1
+
+
 def compare(base, loss, batches: list, case: Case, dtypes=DTYPES, comparisons=COMPARISONS) -> list[dict]:
     """Every (method, reference) of ``comparisons`` on copies of ``base``: ``loss(model, batch)``, the last of
     ``batches`` measured, the others warm-up forwards. Rows per dtype, method and depth (``all``: the whole
-    gradient); in a dtype other than fp32 (when fp32 is measured too) also :data:`YARDSTICK`."""
+    gradient; ``blocks``: the blocks' tensors together); in a dtype other than fp32 (when fp32 is measured too)
+    also :data:`YARDSTICK`."""
     import torch
 
-    from lowmembp.measurement.fidelity import depth_labels, gradient_fidelity, gradients_of, summarize_fidelity
+    from lowmembp.measurement.fidelity import (EMBED, HEAD, block_index, depth_labels, gradient_fidelity, gradients_of,
+                                               summarize_fidelity)
 
     *warm, batch = batches
     comparisons = [(m, r) for m, r in comparisons if case.causal or "chunked-ce" not in m]
     wanted = {x for pair in comparisons for x in pair} | {"baseline"}
-    rows, fp32_baseline = [], None
+    rows, fp32_baseline, n_blocks = [], None, None
     for dtype in dtypes:
         amp = {"fp32": None, "bf16": torch.bfloat16}[dtype]
         grads = {}
@@ -221,6 +234,7 @@ def compare(base, loss, batches: list, case: Case, dtypes=DTYPES, comparisons=CO
                     loss(model, b)
             grads[method] = gradients_of(model, loss, batch, autocast_dtype=amp, seed=0)
             del model
+        n_blocks = 1 + max(i for i in map(block_index, grads["baseline"]) if i is not None)
         pairs = list(comparisons)
         if dtype != "fp32" and fp32_baseline is not None:
             pairs.append((YARDSTICK, "baseline (fp32)"))
@@ -230,11 +244,13 @@ def compare(base, loss, batches: list, case: Case, dtypes=DTYPES, comparisons=CO
             names = [n for n in ref if n in got]
             per_tensor = gradient_fidelity(ref, got, names=names)
             labels = depth_labels(names)
-            order = list(dict.fromkeys(labels.values()))
+            in_blocks = {n: BLOCKS if labels[n] not in (EMBED, HEAD) else labels[n] for n in names}
             common = dict(model=case.model, dtype=dtype, method=method, compared_with=ref_name, kind=KIND[method])
-            for r in summarize_fidelity(per_tensor) + summarize_fidelity(per_tensor, labels):
-                depth = r["group"]
-                rows.append({**common, "depth": depth, "position": -1 if depth == "all" else order.index(depth),
+            summaries = (summarize_fidelity(per_tensor)
+                         + [r for r in summarize_fidelity(per_tensor, in_blocks) if r["group"] == BLOCKS]
+                         + summarize_fidelity(per_tensor, labels))
+            for r in summaries:
+                rows.append({**common, "depth": r["group"], "position": position(r["group"], n_blocks),
                              "tensors": r["tensors"], "cosine": r["cosine"], "rel_error": r["rel_error"],
                              "ref_norm": r["ref_norm"]})
         if dtype == "fp32":
@@ -262,32 +278,30 @@ def grad_fidelity(small: bool = False, cache_dir: str | os.PathLike = "results/b
 
 
 def table_view(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The table the pipeline shows from the rows: one row per model and method, the whole gradient's cosine and
-    relative error in fp32 and bf16, and the depth where the fp32 relative error is largest. Returns (values,
-    the same formatted for Markdown)."""
-    whole = df[df["depth"] == "all"]
-    per_depth = df[df["depth"] != "all"]
+    """The table the pipeline shows from the rows: one row per model and method with the whole gradient's cosine and
+    relative error (fp32; the relative error in bf16 too), the blocks' alone (fp32: without the embeddings and the
+    head, whose exact or large gradients can hide the blocks'), and the depth where the fp32 relative error is
+    largest. Returns (values, the same formatted for Markdown)."""
     out = []
-    for (model, method), sub in whole.groupby(["model", "method"], sort=False):
-        row = {"model": model, "method": method, "compared_with": sub["compared_with"].iloc[0],
-               "kind": sub["kind"].iloc[0]}
-        for dtype in DTYPES:
-            hit = sub[sub["dtype"] == dtype]
-            row[f"cos_{dtype}"] = float(hit["cosine"].iloc[0]) if len(hit) else float("nan")
-            row[f"rel_err_{dtype}"] = float(hit["rel_error"].iloc[0]) if len(hit) else float("nan")
-        depths = per_depth[(per_depth["model"] == model) & (per_depth["method"] == method)]
-        depths = depths[depths["dtype"] == ("fp32" if (depths["dtype"] == "fp32").any() else DTYPES[-1])]
+    for (model, method), sub in df.groupby(["model", "method"], sort=False):
+        def pick(depth, dtype, col):
+            hit = sub[(sub["depth"] == depth) & (sub["dtype"] == dtype)]
+            return float(hit[col].iloc[0]) if len(hit) else float("nan")
+        dtype = "fp32" if (sub["dtype"] == "fp32").any() else DTYPES[-1]
+        depths = sub[(sub["dtype"] == dtype) & ~sub["depth"].isin([ALL, BLOCKS])]
         worst = depths.loc[depths["rel_error"].idxmax()] if len(depths) else None
-        row["worst_depth"] = "-" if worst is None else str(worst["depth"])
-        row["worst_rel_err"] = float("nan") if worst is None else float(worst["rel_error"])
-        out.append(row)
+        out.append({"model": model, "method": method, "compared_with": sub["compared_with"].iloc[0],
+                    "cos_fp32": pick(ALL, "fp32", "cosine"), "rel_err_fp32": pick(ALL, "fp32", "rel_error"),
+                    "rel_err_bf16": pick(ALL, "bf16", "rel_error"),
+                    "blocks_cos_fp32": pick(BLOCKS, "fp32", "cosine"),
+                    "blocks_rel_err_fp32": pick(BLOCKS, "fp32", "rel_error"),
+                    "worst_depth": "-" if worst is None or worst["rel_error"] == 0 else str(worst["depth"]),
+                    "worst_rel_err": float("nan") if worst is None else float(worst["rel_error"])})
     values = pd.DataFrame(out)
 
     def fmt(col, v):
-        if pd.isna(v):
-            return "-"
         if isinstance(v, float):
-            return f"{v:.4f}" if col.startswith("cos") else f"{v:.2g}"
+            return "-" if math.isnan(v) else f"{v:.4f}" if "cos" in col else f"{v:.2g}"
         return str(v)
     shown = values.copy()
     for c in shown.columns:

@@ -55,13 +55,20 @@ def test_exact_controls_are_exact_and_approximations_are_not(vit_rows):
 
 
 def test_depth_rows_cover_the_model(vit_rows):
-    low = vit_rows[(vit_rows["method"] == "lowmembp") & (vit_rows["dtype"] == "fp32")]
-    assert list(low["depth"]) == ["all", "embed", "0", "1", "head"]
-    assert list(low["position"]) == [-1, 0, 1, 2, 3]
-    assert low["tensors"].iloc[0] == low["tensors"].iloc[1:].sum()
+    low = vit_rows[(vit_rows["method"] == "lowmembp") & (vit_rows["dtype"] == "fp32")].set_index("depth")
+    assert list(low.index) == ["all", "blocks", "embed", "0", "1", "head"]
+    assert list(low["position"]) == [-1, -2, 0, 1, 2, 3]
+    depths = low.loc[["embed", "0", "1", "head"]]
+    assert low.loc["all", "tensors"] == depths["tensors"].sum()
     # the whole gradient's squared error is the sum of the depths': rel_all² ‖g‖² = Σ rel_d² ‖g_d‖²
-    parts = (low["rel_error"].iloc[1:] ** 2 * low["ref_norm"].iloc[1:] ** 2).sum()
-    assert math.sqrt(parts) / low["ref_norm"].iloc[0] == pytest.approx(low["rel_error"].iloc[0], rel=1e-9)
+    def err(rows):
+        return math.sqrt((rows["rel_error"] ** 2 * rows["ref_norm"] ** 2).sum())
+    assert err(depths) / low.loc["all", "ref_norm"] == pytest.approx(low.loc["all", "rel_error"], rel=1e-9)
+    assert err(depths.loc[["0", "1"]]) / low.loc["blocks", "ref_norm"] == pytest.approx(
+        low.loc["blocks", "rel_error"], rel=1e-9)
+    # LoRA models train nothing in the embeddings: their blocks still sit at the same positions
+    velora = vit_rows[(vit_rows["method"] == "velora") & (vit_rows["dtype"] == "fp32")].set_index("depth")
+    assert velora.loc["0", "position"] == 1 and velora.loc["head", "position"] == 3 and "embed" not in velora.index
 
 
 def test_adapters_are_the_same_in_every_lora_model():
@@ -80,16 +87,21 @@ def test_adapters_are_the_same_in_every_lora_model():
 def test_table_view_one_row_per_model_and_method():
     rows = []
     for dtype, scale in (("fp32", 1.0), ("bf16", 2.0)):
-        for depth, pos, rel in (("all", -1, 0.1), ("embed", 0, 0.05), ("0", 1, 0.3), ("head", 2, 0.0)):
+        for depth, pos, rel in (("all", -1, 0.1), ("blocks", -2, 0.2), ("embed", 0, 0.05), ("0", 1, 0.3),
+                                ("head", 2, 0.0)):
             rows.append(dict(model="m", dtype=dtype, method="x", compared_with="baseline", kind="approximate",
                              depth=depth, position=pos, tensors=1, cosine=1 - rel * scale / 10,
                              rel_error=rel * scale, ref_norm=1.0))
     values, shown = gf.table_view(pd.DataFrame(rows))
     assert len(values) == 1 and len(values.columns) <= 10
     row = values.iloc[0]
-    assert row["rel_err_fp32"] == 0.1 and row["rel_err_bf16"] == 0.2 and row["cos_bf16"] == pytest.approx(0.98)
+    assert row["rel_err_fp32"] == 0.1 and row["rel_err_bf16"] == 0.2 and row["cos_fp32"] == pytest.approx(0.99)
+    assert row["blocks_rel_err_fp32"] == 0.2 and row["blocks_cos_fp32"] == pytest.approx(0.98)
     assert row["worst_depth"] == "0" and row["worst_rel_err"] == 0.3
     assert shown.iloc[0]["cos_fp32"] == "0.9900" and shown.iloc[0]["rel_err_fp32"] == "0.1"
+    exact = pd.DataFrame([{**r, "rel_error": 0.0, "cosine": 1.0} for r in rows if r["dtype"] == "fp32"])
+    values, shown = gf.table_view(exact)
+    assert values.iloc[0]["worst_depth"] == "-" and shown.iloc[0]["rel_err_bf16"] == "-"
 
 
 @pytest.mark.slow
