@@ -119,3 +119,28 @@ def test_real_weights_small(tmp_path):
     assert (exact["rel_error"] < 1e-4).all(), exact[["model", "method", "rel_error"]]
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
         "grad-fidelity-llama-tiny-small.safetensors", "grad-fidelity-vit-mnist-small.safetensors"]
+
+
+def test_reference_figure_and_table_read_alone():
+    """The committed reference rows make the figure (one panel per model and dtype, units and machine in the text,
+    every method in the legend) and the table (one row per model and method, no summary rows on the x axis)."""
+    import sys
+    from pathlib import Path
+
+    import matplotlib
+    matplotlib.use("Agg")
+    root = Path(__file__).resolve().parents[2]
+    sys.path[:0] = [str(root / "workflow" / "scripts"), str(root / "workflow")]
+    import plots_repro
+
+    df = pd.read_csv(root / "results" / "reference" / "repro" / "grad-fidelity.csv")
+    fig = plots_repro.figure("grad_fidelity", df)
+    text = "\n".join([fig._suptitle.get_text()] + [t for ax in fig.axes for t in
+                                                    (ax.get_title(), ax.get_ylabel(), ax.get_xlabel())]
+                     + [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+                     + [t.get_text() for ax in fig.axes for t in ax.get_xticklabels()])
+    assert "relative gradient error" in text and "CPU" in text and "bf16" in text and "fp32" in text
+    assert set(df["method"]) <= set(text.split("\n")) and "blocks" not in text.split("\n")
+    assert len(fig.axes) == df["model"].nunique() * df["dtype"].nunique()
+    values, shown = gf.table_view(df)
+    assert len(values) == df.groupby(["model", "method"]).ngroups and shown.shape == values.shape

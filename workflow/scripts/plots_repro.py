@@ -217,7 +217,7 @@ FIDELITY_FLOOR = 1e-8  # relative errors below this (exact to the last bit: 0) a
 def grad_fidelity(df: pd.DataFrame, fig) -> None:
     """Per model (columns) and dtype (rows): relative error ||g - g_exact|| / ||g_exact|| against depth, one line per
     method (approximate: solid; exact controls: dashed; bf16 autocast against fp32: dotted black), log scale."""
-    df = df[df["depth"] != "all"]
+    df = df[~df["depth"].isin(["all", "blocks"])]  # the summaries: the table's
     models, dtypes = list(dict.fromkeys(df["model"])), list(dict.fromkeys(df["dtype"]))
     methods = list(dict.fromkeys(df["method"]))
     colours = {m: f"C{i % 10}" for i, m in enumerate(m for m in methods if not _exact(df, m))}

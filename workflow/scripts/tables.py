@@ -544,9 +544,9 @@ REPRO_CAPTIONS = {
                        "baseline's (a shared CPU: indicative); `timed_KiB` the timed model's own count.",
     "grad_fidelity": "One training step of real weights on a real batch, CPU. `cos_*`: cosine of the whole gradient "
                      "(every tensor the method trains) with its exact reference's; `rel_err_*`: ||g - g_exact|| / "
-                     "||g_exact|| (0 = bit-identical); `worst_depth`: the depth (embed, block index, head) with the "
-                     "largest fp32 relative error, `worst_rel_err` that error. Per-depth values: the CSV and the "
-                     "figure.",
+                     "||g_exact|| (0 = bit-identical); `blocks_*`: the transformer blocks' tensors alone (no "
+                     "embeddings, no head); `worst_depth`: the depth (embed, block index, head) with the largest fp32 "
+                     "relative error, `worst_rel_err` that error. Per-depth values: the CSV and the figure.",
 }
 # Reproductions whose rows are data for the figure: the table shows a summary, (values, formatted) from the rows.
 REPRO_TABLE_VIEWS = {"grad_fidelity": "experiments.repro.grad_fidelity:table_view"}
