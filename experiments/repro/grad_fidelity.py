@@ -5,7 +5,8 @@
 For each model, batch and dtype (fp32; bf16 autocast), every method's gradient is compared with the gradient of its
 exact reference on the same weights and the same batch (:mod:`lowmembp.measurement.fidelity`): the cosine and the
 relative error ‖g_method − g_exact‖ / ‖g_exact‖, per depth (embeddings, each block, the head: all the parameter
-tensors of that depth as one vector) and for the whole gradient (``depth`` ``all``).
+tensors of that depth as one vector), for every block's tensors together (``depth`` ``blocks``) and for the whole
+gradient (``depth`` ``all``). The pipeline's table (:func:`table_view`) shows one row per model and method.
 
 Models (the pipeline's three offline tasks, real data):
 
