@@ -87,6 +87,10 @@ REPRODUCTIONS = (
                  "torch.compile's memory budget vs LowMemoryBP: saved-for-backward KiB and CPU step time against "
                  "the budget, eager dashed (small ViT / BERT / LLaMA)",
                  how="real tensors on the CPU, eager and torch.compile (inductor's partitioner)"),
+    Reproduction("grad-fidelity", "grad_fidelity",
+                 "Gradient fidelity: each method's gradient against exact backprop's, same weights and batch, per "
+                 "depth (MiniLM-L6, tiny LLaMA, ViT; fp32, bf16 autocast; CPU)",
+                 how="one real training step of real weights on real batches, CPU"),
 )
 REPRO_SCRIPT = "repro.py"  # reproduction -> repro/<name>.csv
 REPRO_TABLE_SCRIPT = "tables.py"

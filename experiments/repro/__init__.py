@@ -13,7 +13,9 @@ against gradient checkpointing: peak and CPU step time at growing batch sizes), 
 accuracy against k, beside full fine-tuning and LoRA, on a synthetic task trained on the CPU), ``compiled-saving``
 (every method's saved-for-backward bytes eager vs ``torch.compile``d on small ViT / BERT / LLaMA: how much of each
 saving survives compilation; small real models on the CPU), ``compiled-budget`` (baseline, lowmembp and
-lora+lowmembp at torch.compile memory budgets below 1: saved bytes and CPU step time, eager beside). The
+lora+lowmembp at torch.compile memory budgets below 1: saved bytes and CPU step time, eager beside),
+``grad-fidelity`` (each approximate method's gradient against exact backprop's: cosine and relative error per layer
+on MiniLM, the tiny LLaMA base and a trained ViT, fp32 and bf16, exact methods as controls). The
 paper-scale ones run the real timm / transformers code on fake tensors (:mod:`lowmembp.estimator.step`): no GPU,
 nothing large allocated.
 Every table puts the paper's value (where there is one), ours and their ratio side by side, and a ``note`` says why
@@ -30,6 +32,7 @@ from experiments.repro.block_breakdown import block_breakdown
 from experiments.repro.compiled_budget import compiled_budget
 from experiments.repro.compiled_saving import compiled_saving
 from experiments.repro.fig1 import fig1
+from experiments.repro.grad_fidelity import grad_fidelity
 from experiments.repro.headline import headline
 from experiments.repro.mesa_attribution import mesa_attribution
 from experiments.repro.mesa_table import mesa_table
@@ -44,7 +47,8 @@ REPROS: dict[str, Callable[..., pd.DataFrame]] = {
     "block-breakdown": block_breakdown, "fig1": fig1, "mesa-table": mesa_table,
     "tokentune-memory": tokentune_memory, "stacked": stacked, "headline": headline,
     "mesa-attribution": mesa_attribution, "tokentune-vs-ckpt": tokentune_vs_ckpt,
-    "tokentune-k": tokentune_k, "compiled-saving": compiled_saving, "compiled-budget": compiled_budget}
+    "tokentune-k": tokentune_k, "compiled-saving": compiled_saving, "compiled-budget": compiled_budget,
+    "grad-fidelity": grad_fidelity}
 
 
 def run(name: str, **kwargs) -> pd.DataFrame:

@@ -5,7 +5,9 @@
 - :mod:`~lowmembp.measurement.peak`: a whole step's peak by category (parameters, gradients, optimizer state,
   activations, temporaries), from a storage tracker, the CUDA allocator or the compiled CPU allocator;
 - :mod:`~lowmembp.measurement.timing`: step time (warm-up, percentiles, interleaved comparisons);
-- :mod:`~lowmembp.measurement.flops`: a step's FLOPs by torch's own formulas.
+- :mod:`~lowmembp.measurement.flops`: a step's FLOPs by torch's own formulas;
+- :mod:`~lowmembp.measurement.fidelity`: a method's gradient against exact backprop's (cosine, relative error) per
+  parameter tensor and per block depth.
 
 May import: torch, :mod:`lowmembp._compat`, :mod:`lowmembp.methods` (to recognise a compiled model). Never the
 estimator or the planner, which build on it. Import the submodules directly

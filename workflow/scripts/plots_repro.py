@@ -8,6 +8,9 @@
 - compiled_saving: per model family, each method's saving (%) eager beside compiled, the share kept on top.
 - compiled_budget: per model family, saved-for-backward KiB and step time against torch.compile's memory budget, one
   line per method, eager dashed.
+- grad_fidelity: per model (columns) and dtype (rows), each method's relative gradient error against its exact
+  reference at each depth (embeddings, blocks, head), log scale; exact controls dashed, bf16 autocast's own rounding
+  dotted.
 Any other table with a numeric ``paper...`` and ``ours...`` column gets the side-by-side bars.
 
 Run by Snakemake (rule repro_figure) or by hand: ``python plots_repro.py NAME REPRO.csv OUT.png``.
@@ -208,6 +211,49 @@ def compiled_budget(df: pd.DataFrame, fig) -> None:
     axes[0, 0].legend(fontsize=7, loc="lower right")  # the lines rise to the right: that corner is empty
 
 
+FIDELITY_FLOOR = 1e-8  # relative errors below this (exact to the last bit: 0) are drawn on the floor
+
+
+def grad_fidelity(df: pd.DataFrame, fig) -> None:
+    """Per model (columns) and dtype (rows): relative error ||g - g_exact|| / ||g_exact|| against depth, one line per
+    method (approximate: solid; exact controls: dashed; bf16 autocast against fp32: dotted black), log scale."""
+    df = df[~df["depth"].isin(["all", "blocks"])]  # the summaries: the table's
+    models, dtypes = list(dict.fromkeys(df["model"])), list(dict.fromkeys(df["dtype"]))
+    methods = list(dict.fromkeys(df["method"]))
+    colours = {m: f"C{i % 10}" for i, m in enumerate(m for m in methods if not _exact(df, m))}
+    axes = fig.subplots(len(dtypes), len(models), squeeze=False, sharey=True)
+    for i, dtype in enumerate(dtypes):
+        for j, model in enumerate(models):
+            ax = axes[i, j]
+            sub = df[(df["model"] == model) & (df["dtype"] == dtype)]
+            ticks = sub.drop_duplicates("position").sort_values("position")
+            for method in methods:
+                line = sub[sub["method"] == method].sort_values("position")
+                if not len(line):
+                    continue
+                kind = line["kind"].iloc[0]
+                style = (dict(ls=":", color="k", lw=1.5) if kind == "rounding" else
+                         dict(ls="--", color="0.55", lw=0.9, marker=".") if kind == "exact" else
+                         dict(ls="-", color=colours[method], marker="o", ms=3))
+                ax.plot(line["position"], line["rel_error"].clip(lower=FIDELITY_FLOOR), label=method, **style)
+            ax.set_yscale("log")
+            ax.set_xticks(ticks["position"], [str(d) for d in ticks["depth"]], fontsize=8)
+            ax.set_title(f"{model}, {dtype}", fontsize=10)
+            ax.grid(alpha=0.3)
+            if i == len(dtypes) - 1:
+                ax.set_xlabel("depth (embeddings, block index, head)")
+        axes[i, 0].set_ylabel(f"relative gradient error ({dtypes[i]})\n(floor {FIDELITY_FLOOR:g} = exact)")
+    seen: dict = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    fig.legend(list(seen.values()), list(seen), fontsize=7, loc="lower center", ncol=min(7, len(seen)))
+
+
+def _exact(df: pd.DataFrame, method: str) -> bool:
+    return bool((df.loc[df["method"] == method, "kind"] != "approximate").all())
+
+
 def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
     """The figure of reproduction ``name`` (a table stem) from its rows."""
     if name == "block_breakdown":
@@ -219,6 +265,9 @@ def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
     elif name == "compiled_budget" and "memory_budget" in df.columns:
         fig = plt.figure(figsize=(4.2 * df["family"].nunique(), 6.4))
         compiled_budget(df, fig)
+    elif name == "grad_fidelity" and "rel_error" in df.columns:
+        fig = plt.figure(figsize=(4.4 * df["model"].nunique(), 3.3 * df["dtype"].nunique() + 1.2))
+        grad_fidelity(df, fig)
     elif name == "stacked" and "peak_MiB" in df.columns:
         fig = plt.figure(figsize=(6.5 * df["model"].nunique(), 0.45 * df.groupby("model").size().max() + 1.8))
         stacked(df, fig)
@@ -232,7 +281,8 @@ def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
         else:
             side_by_side(df, ax, name)
     fig.suptitle(title or TITLES.get(name, name), fontsize=10)
-    fig.tight_layout(rect=(0, 0.06, 1, 1) if name == "block_breakdown" else None)
+    fig.tight_layout(rect=(0, 0.06, 1, 1) if name == "block_breakdown" else (0, 0.08, 1, 1)
+                     if name == "grad_fidelity" else None)
     return fig
 
 

@@ -732,7 +732,14 @@ REPRO_CAPTIONS = {
                          "tensors); saving in %, the paper's beside ours and ours / paper; official run: the same "
                          "step as the official QLoRA run holds memory (LLaMA rows); band: the paper's stated "
                          "'20–30 %'.",
+    "grad_fidelity": "One training step of real weights on a real batch, CPU. `cos_*`: cosine of the whole gradient "
+                     "(every tensor the method trains) with its exact reference's; `rel_err_*`: ||g - g_exact|| / "
+                     "||g_exact|| (0 = bit-identical); `blocks_*`: the transformer blocks' tensors alone (no "
+                     "embeddings, no head); `worst_depth`: the depth (embed, block index, head) with the largest fp32 "
+                     "relative error, `worst_rel_err` that error. Per-depth values: the CSV and the figure.",
 }
+# Reproductions whose rows are data for the figure: the table shows a summary, (values, formatted) from the rows.
+REPRO_TABLE_VIEWS = {"grad_fidelity": "experiments.repro.grad_fidelity:table_view"}
 
 
 def gpu_step_ratios(gpu_dir: Path = GPU_RESULTS) -> dict[tuple[str, str], float]:
@@ -856,6 +863,11 @@ def repro_table(name: str, repro_csv: str | Path, out: dict[str, str], title: st
     df = pd.read_csv(repro_csv)
     repro = catalogue.REPRO_BY_STEM.get(name)
     caption = REPRO_CAPTIONS.get(name, "")
+    shown = None
+    if name in REPRO_TABLE_VIEWS:
+        import importlib
+        module, fn = REPRO_TABLE_VIEWS[name].split(":")
+        df, shown = getattr(importlib.import_module(module), fn)(df)
     if "ratio" not in df.columns:
         num = [c for c in df.columns if pd.api.types.is_numeric_dtype(df[c])]
         p = next((c for c in num if c.startswith("paper")), None)
@@ -864,8 +876,13 @@ def repro_table(name: str, repro_csv: str | Path, out: dict[str, str], title: st
             df.insert(df.columns.get_loc(o) + 1, "ratio", df[o] / df[p])
             caption = caption or f"`ratio` = {o} / {p}."
     fn = Footnotes()
-    parts = (REPRO_LAYOUTS[name](df, fn) if name in REPRO_LAYOUTS
-             else generic_layout(df, fn, REPRO_UNITS.get(name, "")))
+    if shown is not None:  # a summary view of the rows (REPRO_TABLE_VIEWS); the comparison rides in the method cell
+        if "compared_with" in shown.columns:
+            shown = shown.assign(method=shown["method"] + " (vs " + shown.pop("compared_with") + ")")
+        parts = split_columns(shown, list(shown.columns[:2]))
+    else:
+        parts = (REPRO_LAYOUTS[name](df, fn) if name in REPRO_LAYOUTS
+                 else generic_layout(df, fn, REPRO_UNITS.get(name, "")))
     import torch
 
     made = (f"From `python -m experiments.repro {repro.name}`; table made on {platform.machine()} "
