@@ -25,6 +25,7 @@ Run by Snakemake (rule evidence_table) or by hand:
 """
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +37,7 @@ for _p in (HERE, HERE.parent, HERE.parents[1]):  # scripts, the catalogue, the l
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 import catalogue  # noqa: E402
+from make_reference import cpu_name  # noqa: E402
 from tables import PERCENT_METRICS, machine_note, reference_method, write  # noqa: E402
 
 LEVEL = 0.95
@@ -146,6 +148,9 @@ def evidence_table(runs: pd.DataFrame, margins: dict[str, float], level: float =
             change_mean=mean, change_sd=sd, ci_low=low, ci_high=high, margin=margin,
             verdict=verdict(low, high, margin, metric not in LOWER_IS_BETTER),
             equivalent_within=max(abs(low), abs(high)) if n >= 2 else np.nan))
+    from plots import _method_key  # the pipeline's order of methods (its figures and tables)
+
+    rows.sort(key=lambda r: (r["task"], r["model"], r["batch_size"], _method_key(r["method"])))
     cols = ["task", "model", "batch_size", "steps", "method", "compared_with", "metric", "unit", "seeds",
             "compared_mean", "method_mean", "change_mean", "change_sd", "ci_low", "ci_high", "margin", "verdict",
             "equivalent_within"]
@@ -200,8 +205,7 @@ def write_evidence(records, out: dict[str, str], margins: dict[str, float], comm
     df = evidence_table(runs, margins)
     title = catalogue.EVIDENCE_TABLE.title + (f" — {label}" if label else "")
     notes = ([f"**{label}**", ""] if label else []) + machine_note(runs) + [wall_note(runs)]
-    if command:
-        notes.append(f"Made by `{command}`.")
+    notes.append(f"Made on {cpu_name()}, {os.cpu_count()} logical cores" + (f", by `{command}`." if command else "."))
     counts = df["verdict"].value_counts()
     notes.append("Verdicts: " + ", ".join(f"{counts.get(v, 0)} {v}" for v in VERDICTS) + ".")
     write(df, out["md"], out["csv"], title, notes, out.get("html"), CAPTION, display(df))
