@@ -19,19 +19,17 @@ EVIDENCE_TABLE = cat.table_paths(R, cat.EVIDENCE_TABLE.name)
 EVIDENCE_FIGURE = cat.figure_path(R, cat.EVIDENCE_FIGURE.name)
 # in `rule all` (Snakefile)
 EVIDENCE_TARGETS = [*EVIDENCE_TABLE.values(), EVIDENCE_FIGURE] if EVIDENCE else []
+# the records of the cells of the sweeps `evidence:` names
+EVIDENCE_RECORDS = [RECORD.format(task=t, model=m, method=x, bs=b, seed=s)
+                    for (t, m, x, b, s), (name, _) in sorted(CELLS.items()) if name in EVIDENCE.get("sweeps", ())]
+EVIDENCE_REFERENCE = EVIDENCE.get("reference") or f"{R}/reference/evidence"
 EVIDENCE_COMMAND = " ".join(["snakemake --cores all"] + [f"--configfile {os.path.relpath(f, workflow.basedir)}"
                                                         for f in workflow.overwrite_configfiles])
 
 
-def evidence_records(wc=None):
-    """The records of the cells of the sweeps `evidence:` names."""
-    return [RECORD.format(task=t, model=m, method=x, bs=b, seed=s)
-            for (t, m, x, b, s), (name, _) in sorted(CELLS.items()) if name in EVIDENCE["sweeps"]]
-
-
 rule evidence_table:
     input:
-        records=evidence_records,
+        records=EVIDENCE_RECORDS,
     output:
         md=EVIDENCE_TABLE["md"],
         csv=EVIDENCE_TABLE["csv"],
@@ -51,7 +49,7 @@ rule evidence_table:
 
 rule evidence_figure:
     input:
-        records=evidence_records,
+        records=EVIDENCE_RECORDS,
     output:
         report(EVIDENCE_FIGURE, caption="../report/figure.rst", category="Evidence",
                labels={"figure": cat.EVIDENCE_FIGURE.name}),
@@ -72,8 +70,10 @@ rule evidence_reference:
         EVIDENCE_TABLE["csv"],
         EVIDENCE_FIGURE,
     output:
-        [f"{EVIDENCE.get('reference', R + '/reference/evidence')}/{Path(p).name}"
+        [f"{EVIDENCE_REFERENCE}/{Path(p).name}"
          for p in (EVIDENCE_TABLE["md"], EVIDENCE_TABLE["csv"], EVIDENCE_FIGURE)],
+    log:
+        f"{R}/logs/evidence/reference.log",
     run:
         from lowmembp.atomic import atomic_write
 
