@@ -169,3 +169,13 @@ def test_an_evidence_sweep_needs_two_seeds(tmp_path):
     path.write_text(yaml.safe_dump(cfg))
     p = _snakemake("-n", "--configfile", str(path), cwd=tmp_path, check=False)
     assert p.returncode != 0 and "fewer than 2 seeds" in p.stdout + p.stderr
+
+
+def test_cells_of_another_optimizer_are_paired_among_themselves():
+    runs = _runs()
+    other = runs.assign(optimizer="adamw8bit", metric_value=runs["metric_value"] * 0.5)
+    df = ev.evidence_table(pd.concat([runs, other]), {"accuracy": 1.0, "perplexity": 1.0})
+    assert len(df) == 2 * 5 and (df.groupby("optimizer").size() == 5).all()
+    lm = df.set_index(["optimizer", "method"]).loc[("adamw8bit", "lowmembp")]
+    assert lm.change_mean == pytest.approx(0.05) and lm.compared_mean == pytest.approx(45.2)  # halved accuracies
+    assert "lowmembp, adamw8bit (vs baseline)" in set(ev.display(df)["method (vs compared)"])

@@ -38,7 +38,7 @@ for _p in (HERE, HERE.parent, HERE.parents[1]):  # scripts, the catalogue, the l
         sys.path.insert(0, str(_p))
 import catalogue  # noqa: E402
 from make_reference import cpu_name  # noqa: E402
-from tables import PERCENT_METRICS, machine_note, reference_method, write  # noqa: E402
+from tables import DEFAULT_OPTIMIZER, PERCENT_METRICS, machine_note, reference_method, write  # noqa: E402
 
 LEVEL = 0.95
 UNITS = {"accuracy": "pt", "perplexity": "%"}  # the unit of a difference: points of %, or % of the compared value
@@ -103,13 +103,21 @@ def read_records(paths) -> tuple[pd.DataFrame, pd.DataFrame]:
     return runs, pd.DataFrame(curves, columns=cols)
 
 
+CELL = ["task", "model", "optimizer", "batch_size"]  # runs of one cell but for the method and the seed
+
+
+def _with_optimizer(runs: pd.DataFrame) -> pd.DataFrame:
+    """``runs`` with an optimizer on every row (rows without one: the records' default, as the tables read them)."""
+    opt = runs["optimizer"].fillna(DEFAULT_OPTIMIZER) if "optimizer" in runs else DEFAULT_OPTIMIZER
+    return runs.assign(optimizer=opt)
+
+
 def per_seed_differences(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per method (not baseline), compared method and seed that both finished: their metrics and the
     difference in the metric's unit (:data:`UNITS`)."""
-    ok = runs[runs["status"] == "ok"].copy()
-    keys = ["task", "model", "batch_size"]
+    ok = _with_optimizer(runs[runs["status"] == "ok"])
     out = []
-    for (task, model, bs), cell in ok.groupby(keys, sort=False):
+    for (task, model, opt, bs), cell in ok.groupby(CELL, sort=False):
         by = {m: g.set_index("seed")["metric_value"] for m, g in cell.groupby("method", sort=False)}
         name = cell["metric_name"].iloc[0]
         for method in by:
@@ -119,10 +127,9 @@ def per_seed_differences(runs: pd.DataFrame) -> pd.DataFrame:
             both = pd.concat([by[method].rename("method"), by[ref].rename("compared")], axis=1).dropna()
             for seed, (m, c) in both.iterrows():
                 diff = (m - c) * 100.0 if name in PERCENT_METRICS else (m / c - 1.0) * 100.0
-                out.append(dict(task=task, model=model, batch_size=bs, method=method, compared_with=ref,
+                out.append(dict(task=task, model=model, optimizer=opt, batch_size=bs, method=method, compared_with=ref,
                                 seed=seed, metric=name, compared_value=c, method_value=m, difference=diff))
-    cols = ["task", "model", "batch_size", "method", "compared_with", "seed", "metric", "compared_value",
-            "method_value", "difference"]
+    cols = [*CELL, "method", "compared_with", "seed", "metric", "compared_value", "method_value", "difference"]
     return pd.DataFrame(out, columns=cols)
 
 
@@ -131,17 +138,18 @@ def evidence_table(runs: pd.DataFrame, margins: dict[str, float], level: float =
     margin, the verdict and the smallest margin the interval fits. ``margins``: metric name -> margin in its unit."""
     diffs = per_seed_differences(runs)
     scale = {m: 100.0 if m in PERCENT_METRICS else 1.0 for m in diffs["metric"].unique()}
-    steps = runs[runs["status"] == "ok"].groupby(["task", "model", "batch_size", "method"])["steps"].max()
+    steps = _with_optimizer(runs[runs["status"] == "ok"]).groupby([*CELL, "method"])["steps"].max()
     rows = []
-    for (task, model, bs, method, ref, metric), g in diffs.groupby(
-            ["task", "model", "batch_size", "method", "compared_with", "metric"], sort=False):
+    for (task, model, opt, bs, method, ref, metric), g in diffs.groupby(
+            [*CELL, "method", "compared_with", "metric"], sort=False):
         if metric not in margins:
             raise ValueError(f"no equivalence margin for metric {metric!r}; config evidence: margins: has "
                              f"{', '.join(margins) or 'none'}")
         mean, sd, low, high, n = t_interval(g["difference"], level)
         margin = float(margins[metric])
         rows.append(dict(
-            task=task, model=model, batch_size=bs, steps=steps.get((task, model, bs, method), np.nan),
+            task=task, model=model, optimizer=opt, batch_size=bs,
+            steps=steps.get((task, model, opt, bs, method), np.nan),
             method=method, compared_with=ref, metric=metric, unit=UNITS.get(metric, "%"), seeds=n,
             compared_mean=g["compared_value"].mean() * scale[metric],
             method_mean=g["method_value"].mean() * scale[metric],
@@ -150,8 +158,8 @@ def evidence_table(runs: pd.DataFrame, margins: dict[str, float], level: float =
             equivalent_within=max(abs(low), abs(high)) if n >= 2 else np.nan))
     from plots import _method_key  # the pipeline's order of methods (its figures and tables)
 
-    rows.sort(key=lambda r: (r["task"], r["model"], r["batch_size"], _method_key(r["method"])))
-    cols = ["task", "model", "batch_size", "steps", "method", "compared_with", "metric", "unit", "seeds",
+    rows.sort(key=lambda r: (r["task"], r["model"], r["optimizer"], r["batch_size"], _method_key(r["method"])))
+    cols = [*CELL, "steps", "method", "compared_with", "metric", "unit", "seeds",
             "compared_mean", "method_mean", "change_mean", "change_sd", "ci_low", "ci_high", "margin", "verdict",
             "equivalent_within"]
     return pd.DataFrame(rows, columns=cols)
@@ -168,7 +176,9 @@ def display(df: pd.DataFrame) -> pd.DataFrame:
         ci = "-" if pd.isna(d["ci_low"]) else f"[{d['ci_low']:+.2f}, {d['ci_high']:+.2f}]"
         rows.append({
             "task / model (steps)": f"{d['task']} / {d['model']} ({'-' if pd.isna(d['steps']) else int(d['steps'])})",
-            "method (vs compared)": f"{d['method']} (vs {d['compared_with']})",
+            "method (vs compared)": (f"{d['method']}"
+                                     + ("" if d["optimizer"] == DEFAULT_OPTIMIZER else f", {d['optimizer']}")
+                                     + f" (vs {d['compared_with']})"),
             "seeds": str(d["seeds"]),
             f"{d['metric']}: compared → method": (f"{d['compared_mean']:.2f} → {d['method_mean']:.2f}"
                                                    f"{' ' + metric_unit if metric_unit else ''}"),
