@@ -3,6 +3,7 @@
     snakemake --cores all                                   # default CPU sweep (config/config.yaml)
     snakemake --report results/report.html                  # HTML report with the figures
     snakemake --configfile config/paper/vit-cifar.yaml --profile workflow/profiles/slurm   # a paper sweep on SLURM
+    snakemake --cores all --configfile config/evidence.yaml  # convergence with 5 seeds per method (about an hour)
 """
 from snakemake.utils import min_version, validate
 
@@ -29,6 +30,7 @@ include: "workflow/rules/tables.smk"
 include: "workflow/rules/plots.smk"
 include: "workflow/rules/pareto.smk"
 include: "workflow/rules/capacity.smk"
+include: "workflow/rules/evidence.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/notebooks.smk"
 include: "workflow/rules/reference.smk"
@@ -38,5 +40,6 @@ rule all:
     input:
         all_targets,
         CAPACITY_TARGETS,
+        EVIDENCE_TARGETS,
         HEADLINE_TARGETS,
     default_target: True

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--save-model", help="after training, write the model's weights here (safetensors, atomically)")
     a("--eval-limit", type=int, help="score at most N test examples (default: the task's)")
     a("--eval-batch-size", type=int, help="default: 2 × batch size")
+    a("--eval-every", type=int, help="also score the test split every N optimizer steps: the record's `curve` (the "
+                                     "learning curve; off by default)")
     a("--data-dir", help="root of downloaded data and weights for the paper tasks (default $LOWMEMBP_DATA_DIR "
                          "or ./data)")
     a("--download", action="store_true", default=None,
@@ -206,7 +208,8 @@ def _number(key: str, value, kind=float) -> float:
     return value
 
 
-POSITIVE_INTS = ("batch_size", "steps", "grad_accum", "max_len", "limit", "eval_limit", "eval_batch_size", "threads")
+POSITIVE_INTS = ("batch_size", "steps", "grad_accum", "max_len", "limit", "eval_limit", "eval_batch_size", "threads",
+                 "eval_every")
 NON_NEGATIVE_INTS = ("warmup_steps", "timing_warmup")
 POSITIVE_NUMBERS = ("lr", "lr_base", "epochs", "max_memory_mb")
 NON_NEGATIVE_NUMBERS = ("weight_decay", "warmup_epochs")

@@ -12,7 +12,8 @@ Sections: ``run`` (identity: task, model, method, optimizer, batch size, seq len
 ``task_facts`` (what the task reported: pool sizes, ...), ``base`` (the ``--init`` weights), measurements
 (``saved_bytes`` by kind, ``peak`` by category for the device and the host, ``step_time_s`` quantiles,
 ``throughput``), ``distributed`` (a torchrun run: mode, world size, every rank's peak), the result
-(``final_loss``, ``metric``, ``status`` ok/oom/error with its ``message``),
+(``final_loss``, ``metric``, ``status`` ok/oom/error with its ``message``), ``curve`` (the metric every N steps,
+with ``--eval-every N``; null otherwise),
 ``environment`` and ``notes`` (warnings of the run, e.g. a failed measurement).
 
 ``record.schema.json`` is generated from these dataclasses (:func:`json_schema`; ``python -m experiments.record``
@@ -41,6 +42,9 @@ REPO = Path(__file__).resolve().parent.parent
 Status = Literal["ok", "oom", "error"]
 Dtype = Literal["fp32", "bf16", "fp16"]
 Scalar = Union[int, float, str, bool, None]
+# A field added after records existed, written only when it has a value: the records without it keep their bytes and
+# the schema does not require it.
+OMITTED_WHEN_NONE = "omitted_when_none"
 
 
 class RecordError(ValueError):
@@ -157,6 +161,22 @@ class Metric:
 
 
 @dataclass
+class CurvePoint:
+    """The metric after ``step`` optimizer steps."""
+    step: int
+    metric: float
+    train_loss: float | None = None  # mean training loss of the steps since the point before
+
+
+@dataclass
+class Curve:
+    """The learning curve (``--eval-every N``): the metric on the test split every ``every`` optimizer steps and
+    after the last one (that point is the record's ``metric``)."""
+    every: int
+    points: list[CurvePoint] = field(default_factory=list)
+
+
+@dataclass
 class Environment:
     device: str
     torch: str | None = None
@@ -190,11 +210,17 @@ class Record:
     distributed: DataParallel | None = None
     final_loss: float | None = None
     metric: Metric | None = None
+    # only with --eval-every: absent from the other records (and from those written before it)
+    curve: Curve | None = field(default=None, metadata={OMITTED_WHEN_NONE: True})
     notes: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.metadata.get(OMITTED_WHEN_NONE) and d[f.name] is None:
+                del d[f.name]
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> "Record":
@@ -304,7 +330,7 @@ def _schema_of(tp) -> dict:
         fields = dataclasses.fields(tp)
         out = {"type": "object", "additionalProperties": False,
                "properties": {f.name: _schema_of(hints[f.name]) for f in fields},
-               "required": [f.name for f in fields]}
+               "required": [f.name for f in fields if not f.metadata.get(OMITTED_WHEN_NONE)]}
         if tp.__doc__ and not tp.__doc__.startswith(tp.__name__ + "("):
             out["description"] = " ".join(tp.__doc__.split())
         return out

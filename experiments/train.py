@@ -26,7 +26,10 @@ peak,
   on CPU torch's MemTracker);
 - every later step from ``--timing-warmup`` on: its wall time (CUDA synchronised), reported as p20/p50/p80;
   throughput = samples (tokens) of those steps / their total time;
-- final loss: mean training loss of the last min(10, steps) steps; metric on the task's fixed test split.
+- final loss: mean training loss of the last min(10, steps) steps; metric on the task's fixed test split;
+- with ``--eval-every N``: the metric also after every N-th step, the record's ``curve`` (the last point is the final
+  metric; scoring runs between steps, outside the timed steps, and draws no random numbers, so the run trains exactly
+  as without it).
 
 Determinism: the same cell, seed and ``--threads`` on the same machine gives the same record (loss and metric to
 the last digit on the CPU): the thread count is set (``torch.set_num_threads``), every generator is seeded from
@@ -246,6 +249,9 @@ def train(cfg, task, out: dict, ctx=None) -> None:
     probes = run.probes()
     timer = next(p for p in probes if isinstance(p, StepTimer))
     losses = []
+    every = getattr(cfg, "eval_every", None)
+    curve = {"every": every, "points": []} if every else None
+    since = 0  # losses[since:] are the steps after the last curve point
     bar = tqdm(range(run.steps), desc=f"{cfg.model}/{cfg.task}/{cfg.method}",
                disable=cfg.no_progress or not ctx.writes, file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
     try:
@@ -256,6 +262,11 @@ def train(cfg, task, out: dict, ctx=None) -> None:
             speed = timer.samples_per_s()
             bar.set_postfix(loss=f"{result.loss:.4f}", **({"samples_s": f"{speed:.1f}"} if speed else {}),
                             refresh=False)
+            if curve is not None and (step + 1) % every == 0 and step + 1 < run.steps:
+                curve["points"].append({"step": step + 1, "metric": run.evaluate(),
+                                        "train_loss": float(np.mean(losses[since:]))})
+                since = len(losses)
+                out["curve"] = curve  # a run that fails later still reports its curve so far
     finally:
         bar.close()
         for probe in probes:  # what was measured counts also when a later step fails
@@ -266,6 +277,10 @@ def train(cfg, task, out: dict, ctx=None) -> None:
     tail = losses[-10:]
     out["final_loss"] = float(np.mean(tail)) if tail else None
     out["metric"] = {"name": run.setup.metric, "value": run.evaluate(), "split": f"test ({len(run.setup.test)})"}
+    if curve is not None:
+        curve["points"].append({"step": run.steps, "metric": out["metric"]["value"],
+                                "train_loss": float(np.mean(losses[since:])) if losses[since:] else None})
+        out["curve"] = curve
     if cfg.save_model:
         run.save(cfg.save_model, out)
 

@@ -99,6 +99,12 @@ REPRO_FIGURE_SCRIPT = "plots_repro.py"
 # against the compared method, ours beside the papers'; tables/headline.{md,csv,html} and figures/headline.png.
 HEADLINE = Output("headline", "Headline: what each method saves in memory, costs in step time and changes in "
                   "accuracy, ours beside the papers'", "headline.py")
+# The convergence evidence (config `evidence:`, workflow/rules/evidence.smk; config/evidence.yaml): paired differences
+# over seeds against the compared method with 95 % intervals and a verdict, and the learning curves.
+EVIDENCE_TABLE = Output("evidence", "Convergence evidence: each method's change in the metric against the compared "
+                        "method, paired over seeds, 95 % interval and verdict", "evidence_table.py")
+EVIDENCE_FIGURE = Output("evidence_curves", "Learning curves: test metric against optimizer steps per method",
+                         "evidence_plots.py")
 TABLE_HTML_SCRIPT = "table_html.py"
 NOTEBOOKS = ("memory", "speed", "accuracy", "paper_comparison", "planner")  # notebooks/<name>.ipynb, executed per run
 

@@ -64,6 +64,23 @@ def test_round_trip_and_the_schema_agree():
     jsonschema.Draft202012Validator(R.schema()).validate(R.Record.from_dict({**d, "base": None}).to_dict())
 
 
+def test_a_curve_is_written_only_when_there_is_one():
+    d = full_record().to_dict()
+    assert "curve" not in d  # a run without --eval-every: the record's bytes as before the field existed
+    assert "curve" not in R.schema()["required"] and "run" in R.schema()["required"]
+    curve = R.Curve(every=2, points=[R.CurvePoint(step=2, metric=0.5, train_loss=1.5),
+                                     R.CurvePoint(step=3, metric=0.75)])
+    rec = dataclasses.replace(full_record(), curve=curve)
+    d = rec.to_dict()
+    assert d["curve"] == {"every": 2, "points": [{"step": 2, "metric": 0.5, "train_loss": 1.5},
+                                                 {"step": 3, "metric": 0.75, "train_loss": None}]}
+    jsonschema.Draft202012Validator(R.schema()).validate(d)
+    assert R.Record.from_dict(json.loads(json.dumps(d))) == rec
+    d["curve"]["points"][0]["metric"] = "high"
+    with pytest.raises(R.RecordError, match="curve/points/0/metric"):
+        R.Record.from_dict(d)
+
+
 @pytest.mark.parametrize("change, needle", [
     (lambda d: d["run"].pop("task"), "missing field 'task'"),
     (lambda d: d["run"].update(batch_size="4"), "run/batch_size: expected int"),

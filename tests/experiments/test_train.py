@@ -209,16 +209,20 @@ def test_paper_configs_parse_up_to_the_data_check(config, tmp_path):
     assert "Fetch" in str(err.value)
 
 
-def test_evidence_table_gaps_and_ratios():
-    from experiments.evidence import table
-
-    def rec(acc):
-        return {"status": "ok", "metric": {"value": acc}}
-    records = {("baseline", 0): rec(0.60), ("baseline", 1): rec(0.62), ("mesa", 0): rec(0.59), ("mesa", 1): rec(0.60)}
-    times = {"baseline": [1.0, 2.0, 1.0], "mesa": [1.5, 2.4, 1.3]}
-    rows = table(records, ["baseline", "mesa"], [0, 1], 16, times).splitlines()
-    assert rows[2].startswith("| baseline | 60.0 | 62.0 | 61.0 ± 1.4 | +0.0 | 1000 | 1.00 |")
-    assert rows[3] == "| mesa | 59.0 | 60.0 | 59.5 ± 0.7 | -1.5 | 1500 | 1.30 |"  # median of 1.5, 1.2, 1.3
+@pytest.mark.parametrize("task, method, extra", [("mnist5k", "baseline", []),
+                                                ("tweets-sentiment", "tokentune", ["--k", "4"])])
+def test_eval_every_records_a_curve_and_trains_the_same(task, method, extra, tmp_path):
+    argv = ["--task", task, "--method", method, "--batch-size", "4", *TINY, "--steps", "5", *extra]
+    assert run([*argv, "--out", tmp_path / "plain.json"]) == 0
+    assert run([*argv, "--eval-every", "2", "--out", tmp_path / "curve.json"]) == 0
+    plain, curved = record(tmp_path / "plain.json"), record(tmp_path / "curve.json")
+    assert "curve" not in plain
+    # scoring between steps changes nothing of the training: the same loss and metric to the last digit
+    assert (curved["final_loss"], curved["metric"]) == (plain["final_loss"], plain["metric"])
+    points = curved["curve"]["points"]
+    assert curved["curve"]["every"] == 2 and [p["step"] for p in points] == [2, 4, 5]
+    assert points[-1]["metric"] == plain["metric"]["value"]
+    assert all(0 <= p["metric"] <= 1 and p["train_loss"] > 0 for p in points)
 
 
 @pytest.mark.parametrize("method, extra, lr", [("baseline", [], 1e-4), ("lora+lowmembp", [], 3e-3),
