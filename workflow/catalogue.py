@@ -87,6 +87,11 @@ REPRODUCTIONS = (
                  "torch.compile's memory budget vs LowMemoryBP: saved-for-backward KiB and CPU step time against "
                  "the budget, eager dashed (small ViT / BERT / LLaMA)",
                  how="real tensors on the CPU, eager and torch.compile (inductor's partitioner)"),
+    Reproduction("estimator-error", "estimator_error",
+                 "The estimator's error: each method's fake-tensor estimate of a training step's peak beside the CPU "
+                 "allocator's peak of the same step (tiny ViT / BERT / LLaMA, fp32)",
+                 how="fake tensors (estimate) and real tensors with torch.profiler's allocator events (measured), "
+                     "on the CPU"),
 )
 REPRO_SCRIPT = "repro.py"  # reproduction -> repro/<name>.csv
 REPRO_TABLE_SCRIPT = "tables.py"

@@ -51,6 +51,7 @@ def plot_breakdown(p, path) -> None:
     import matplotlib.pyplot as plt
 
     from lowmembp.atomic import atomic_open
+    from lowmembp.plan.report import _size
     from lowmembp.plan.sources import GiB
 
     s, rows = p.settings, [r for r in p.rows if r["status"] == "ok"]
@@ -69,9 +70,9 @@ def plot_breakdown(p, path) -> None:
     ax.set_xlabel("peak memory of one training step (GiB)")
     seq = f", {s['seq_len']} tokens" if s.get("seq_len") else ""
     ax.set_title(f"Where the peak is: {s['model']}, batch {s['batch_size']}{seq}, "
-                 f"{s['gpu_memory_bytes'] / GiB:.0f} GiB GPU\n(fake-tensor estimate on the CPU; lowmembp.plan)",
+                 f"{_size(s['gpu_memory_bytes'])} GPU\n(fake-tensor estimates of one step on the CPU; lowmembp.plan)",
                  fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     fmt = str(path).rsplit(".", 1)[-1] if "." in str(path) else "png"
     with atomic_open(path, "wb") as f:

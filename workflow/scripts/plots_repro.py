@@ -208,6 +208,23 @@ def compiled_budget(df: pd.DataFrame, fig) -> None:
     axes[0, 0].legend(fontsize=7, loc="lower right")  # the lines rise to the right: that corner is empty
 
 
+def estimator_error(df: pd.DataFrame, ax) -> None:
+    """The estimator's error in % per method, one bar per model family (estimator_error's rows)."""
+    ok = df.dropna(subset=["error_%"])
+    methods = list(dict.fromkeys(ok["method"]))
+    families = list(dict.fromkeys(ok["family"]))
+    x = np.arange(len(methods))
+    w = 0.8 / max(len(families), 1)
+    for i, fam in enumerate(families):
+        sub = ok[ok["family"] == fam].set_index("method").reindex(methods)
+        ax.bar(x + (i - (len(families) - 1) / 2) * w, sub["error_%"], w, label=fam)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(x, methods, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("(estimate - CPU allocator peak) / allocator peak (%)")
+    ax.legend(fontsize=8, title="model family (tiny width, fp32)", title_fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
 def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
     """The figure of reproduction ``name`` (a table stem) from its rows."""
     if name == "block_breakdown":
@@ -229,6 +246,8 @@ def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
             tokentune_memory(df, ax)
         elif name == "tokentune_k" and "accuracy_%" in df.columns:
             tokentune_k(df, ax)
+        elif name == "estimator_error" and "error_%" in df.columns:
+            estimator_error(df, ax)
         else:
             side_by_side(df, ax, name)
     fig.suptitle(title or TITLES.get(name, name), fontsize=10)
