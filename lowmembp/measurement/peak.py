@@ -144,8 +144,8 @@ class StorageTracker(TorchDispatchMode):
 
     def saved_hooks(self):
         """``saved_tensors_hooks`` marking what autograd saves for backward (enter around the forward): those
-        storages are counted in :attr:`saved` while alive (still under their category, "activations"). An outer
-        pair of hooks in force (an accountant's) still runs: these call it."""
+        storages (made in the forward, or the batch) are counted in :attr:`saved` while alive (still under their
+        category). An outer pair of hooks in force (an accountant's) still runs: these call it."""
         from lowmembp._compat import top_saved_tensors_hooks
 
         outer = top_saved_tensors_hooks()
@@ -162,7 +162,7 @@ class StorageTracker(TorchDispatchMode):
     def _mark_saved(self, t) -> None:
         key = self._key(t) if isinstance(t, torch.Tensor) else None
         entry = self._live.get(key) if key is not None else None
-        if entry is not None and key not in self._saved_keys and entry[1] == "activations":
+        if entry is not None and key not in self._saved_keys and entry[1] in ("activations", "other"):
             self._saved_keys.add(key)
             self.saved += entry[0]
 
