@@ -183,6 +183,9 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
                             if runs_file else "no runs.csv found (run the pipeline, or pass runs=)"),
                "largest_batch": ("the batch line through two steps (or a search by steps where the op sequence "
                                  "changes with the batch), then checked by steps: it fits and the next batch does not")}
+    if "seq-len" in finds:
+        sources["largest_seq_len"] = ("a search by steps at the requested batch (lowmembp.plan.search."
+                                      "largest_fitting), checked: it fits and one token more does not")
     load = os.getloadavg() if hasattr(os, "getloadavg") else ()
     return Plan(settings, rows, skipped, sources, time.perf_counter() - t0, load)
 

@@ -7,9 +7,9 @@ them (a row's ``peak_phase`` and ``peak_breakdown``, the table's "peak at" colum
 From the peak tracker's split (:class:`lowmembp.measurement.peak.StorageTracker`, taken at the moment of the peak):
 weights = parameters and buffers; gradients = ``.grad`` alive; optimizer_states = the optimizer's state;
 saved_activations = storages autograd saved for backward still alive (a block's inputs kept by checkpointing, and
-the batch where an op saves it, included); temporaries = everything else alive on the device (forward values not saved, the backward's and the
-optimizer's temporaries, the batch). The five add up to the peak. host = bytes an offloading method keeps in host
-memory at that moment (not part of the device peak).
+the batch where an op saves it, included); temporaries = everything else alive on the device (forward values not
+saved, the backward's and the optimizer's temporaries, the batch). The five add up to the peak. host = bytes an
+offloading method keeps in host memory at that moment (not part of the device peak).
 """
 from __future__ import annotations
 

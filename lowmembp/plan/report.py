@@ -70,6 +70,7 @@ def text_table(p) -> str:
             f"  peak: {src['peak']}",
             f"  +margin: {src['margin']}",
             f"  max batch: {src['largest_batch']}",
+            *([f"  max seq len: {src['largest_seq_len']}"] if "largest_seq_len" in src else []),
             f"  FLOPs x: {src['flops']}, over the baseline's",
             f"  measured x: {src['measured']} (median over the (task, model, batch) groups; count in brackets)",
             f"  {LEGEND}",
