@@ -11,8 +11,10 @@ measurement runs the same procedure on real CPU tensors — the model built and 
 (:func:`lowmembp.measurement.peak.profiler_peak`: ``torch.profiler`` memory events, independent of the estimator's
 tracker). fp32: on a CPU with AMX, oneDNN's bf16 matmuls allocate reordered weight copies (kernel scratch that
 depends on the CPU), which fp32 avoids. ``error_%`` = (estimate - allocator) / allocator. A method that cannot run
-on a family (``chunked-ce``: causal LMs only) gets its reason in ``note``. The CUDA allocator's figures come from the
-GPU run (benchmarks/), not from here.
+on a family (``chunked-ce``: causal LMs only) gets its reason in ``note``. What the estimate cannot see: memory a CPU
+kernel allocates for itself inside one op (the convolution backward's im2col buffer of a ViT whose patch embedding
+trains, :mod:`lowmembp.measurement.peak`). The CUDA allocator's figures come from the GPU run (benchmarks/), not from
+here.
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ FAMILIES = {  # family -> (paper model, tiny width: overrides, blocks, batch, to
                                           "num_key_value_heads": 4, "vocab_size": 97}, layers=2, batch_size=2,
                                seq_len=11)),
 }
-# options that fit the tiny shapes (tokentune's default k exceeds 11-13 tokens; offload everything it may)
-TINY_OPTIONS = {"tokentune": {"k": 4}, "offload": {"min_bytes": 0}}
+# options that fit the tiny shapes (tokentune's default k exceeds 11-13 tokens, velora's 64 groups the 48-64 wide
+# inputs; offload everything it may)
+TINY_OPTIONS = {"tokentune": {"k": 4}, "velora": {"num_groups": 4}, "offload": {"min_bytes": 0}}
 KiB = 1024
 
 
