@@ -60,11 +60,14 @@ def largest_fitting(peak_of: Callable[[int], int], capacity: float, *, known: di
             raise RuntimeError(f"largest {unit}: no answer after {calls} estimates (known: {sorted(known)})")
         top = (hi - 1) if hi is not None else max_batch
         guess = _predict(known, capacity, first_slope)
-        if calls >= 4 or guess is None:  # the line does not converge: bisect the bracket
+        bisect = calls >= 4 or guess is None
+        if bisect:  # the line does not converge: bisect the bracket (or double past the largest that fits)
             guess = (lo + hi) // 2 if hi is not None else 2 * max(lo, 1)
         guess = min(max(guess, lo), top)
-        # one estimate on the prediction gives the line; after that, the answer and the batch after it
-        pair = (guess,) if len(known) == 1 and guess >= 1 and guess not in known else (guess, guess + 1)
+        # one estimate on the prediction gives the line; after that, the answer and the batch after it; a bisection
+        # halves the bracket with one estimate until the bracket is two wide
+        single = (len(known) == 1 or (bisect and (hi is None or hi - lo > 2))) and guess >= 1 and guess not in known
+        pair = (guess,) if single else (guess, guess + 1)
         new = [b for b in pair if b >= 1 and b not in known and (hi is None or b <= hi)]
         if not new:  # the prediction only names batches already estimated: split the bracket instead
             mid = (lo + hi) // 2 if hi is not None else 2 * max(lo, 1)

@@ -129,8 +129,9 @@ def _stacked_run(steps, b):
         tracker = EventTracker(step_flop_counter())
         tracker.track_external(steps.model, steps.opt, *batch.values())
         tracker.watch(steps.model)
+        tracker.watch_phases(steps.model, steps.last_block)   # as Steps.run: the phases and the saved tensors
         with tracker:
-            train_step(steps.spec, steps.model, batch, steps.opt, steps.dtype)
+            train_step(steps.spec, steps.model, batch, steps.opt, steps.dtype, around_forward=tracker.saved_hooks())
     return tracker
 
 

@@ -145,3 +145,38 @@ def test_find_seq_len_fits_and_one_token_more_does_not():
         assert peak(n) <= cap < peak(n + 1)
     with pytest.raises(ValueError, match="text model"):
         make_plan("vit_tiny_patch16_224", batch_size=2, find="seq-len", methods=["lora"])
+
+
+def test_the_search_finds_the_largest_length_of_a_quadratic_peak():
+    """The batch's search, parametrised: a peak growing with the square of the length (eager attention) gets its
+    exact answer, checked at the answer and one more."""
+    from lowmembp.plan.search import largest_fitting
+
+    def peak(n):
+        return 1000 + 3 * n + n * n // 4
+
+    want = max(n for n in range(1, 5000) if peak(n) <= 200_000)
+    known = {64: peak(64)}
+    got, how = largest_fitting(peak, 200_000, known=known, floor=1000, first_slope=3, unit="sequence length")
+    assert got == want and how == f"checked: {want} fits, {want + 1} does not"
+    assert largest_fitting(peak, 1002, known={64: peak(64)}, unit="sequence length") == (
+        0, "none: sequence length 1 does not fit (checked)")
+
+
+def test_cli_weights_find_and_plot(tmp_path, capsys):
+    import json
+
+    from lowmembp.plan.__main__ import main
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 56,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 61,
+        "max_position_embeddings": 64}))
+    args = ["--model", str(tmp_path), "--batch-size", "2", "--seq-len", "16", "--gpu-memory", "4MiB", "--methods",
+            "lora", "--jobs", "1", "--reserved", "0", "--margin", "0"]
+    assert main(args + ["--weights", "auto,nf4", "--find", "seq-len", "--plot", str(tmp_path / "p.png")]) == 0
+    out = capsys.readouterr().out
+    assert "max seq len" in out and "peak at" in out and "weights auto, nf4" in out and "nf4, adamw" in out
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    assert main(args + ["--find", "seq-length"]) == 2
+    assert "seq-len" in capsys.readouterr().err
