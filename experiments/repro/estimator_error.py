@@ -55,6 +55,21 @@ def allocator_peak(model_name: str, method: str, *, layers: int, batch_size: int
                          external=tuple(batch.values()))
 
 
+def machine() -> str:
+    """The CPU and torch the allocator's figures come from (they depend on the CPU's kernels)."""
+    import platform
+
+    import torch
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, torch {torch.__version__.split('+')[0]}"
+
+
 def methods() -> list[str]:
     """Every single method the planner plans (its combinations of one method)."""
     from lowmembp.plan.combos import combinations
@@ -69,7 +84,7 @@ def estimator_error(small: bool = False, families: tuple[str, ...] = tuple(FAMIL
 
     from lowmembp.estimator.step import estimate
 
-    rows = []
+    rows, where = [], machine()
     for family in families:
         model_name, kw = FAMILIES[family]
         for method in (["baseline", "lora", "checkpointing"] if small else methods()):
@@ -81,11 +96,11 @@ def estimator_error(small: bool = False, families: tuple[str, ...] = tuple(FAMIL
                     est = estimate(model_name, method, dtype="fp32", **kw, **opts)["peak"]["bytes"]
                     real = allocator_peak(model_name, method, dtype="fp32", **kw, **opts)
             except Exception as e:  # noqa: BLE001  a method that does not apply to this family: say why
-                row.update(note=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+                row.update(machine=where, note=f"not run: {str(e).splitlines()[0].split(' (')[0] if str(e) else e!r}")
                 rows.append(row)
                 continue
             row.update(estimate_KiB=est / KiB, cpu_allocator_KiB=real / KiB, **{"error_%": 100 * (est - real) / real},
-                       note="")
+                       machine=where, note="")
             rows.append(row)
-    cols = ["family", "model", "method", "estimate_KiB", "cpu_allocator_KiB", "error_%", "note"]
+    cols = ["family", "model", "method", "estimate_KiB", "cpu_allocator_KiB", "error_%", "machine", "note"]
     return pd.DataFrame(rows).reindex(columns=cols)
