@@ -14,6 +14,7 @@ Run by Snakemake (rule repro_figure) or by hand: ``python plots_repro.py NAME RE
 """
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -222,6 +223,8 @@ def estimator_error(df: pd.DataFrame, ax) -> None:
     ax.set_xticks(x, methods, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("(estimate - CPU allocator peak) / allocator peak (%)")
     ax.legend(fontsize=8, title="model family (tiny width, fp32)", title_fontsize=8)
+    if "machine" in ok.columns and len(ok):
+        ax.set_title(f"CPU allocator on {ok['machine'].iloc[0]}", fontsize=8)
     ax.grid(axis="y", alpha=0.3)
 
 
@@ -236,6 +239,9 @@ def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
     elif name == "compiled_budget" and "memory_budget" in df.columns:
         fig = plt.figure(figsize=(4.2 * df["family"].nunique(), 6.4))
         compiled_budget(df, fig)
+    elif name == "estimator_error" and "error_%" in df.columns:
+        fig, ax = plt.subplots(figsize=(10, 4.6))
+        estimator_error(df, ax)
     elif name == "stacked" and "peak_MiB" in df.columns:
         fig = plt.figure(figsize=(6.5 * df["model"].nunique(), 0.45 * df.groupby("model").size().max() + 1.8))
         stacked(df, fig)
@@ -246,11 +252,10 @@ def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
             tokentune_memory(df, ax)
         elif name == "tokentune_k" and "accuracy_%" in df.columns:
             tokentune_k(df, ax)
-        elif name == "estimator_error" and "error_%" in df.columns:
-            estimator_error(df, ax)
+
         else:
             side_by_side(df, ax, name)
-    fig.suptitle(title or TITLES.get(name, name), fontsize=10)
+    fig.suptitle(textwrap.fill(title or TITLES.get(name, name), 120), fontsize=10)  # long titles wrap
     fig.tight_layout(rect=(0, 0.06, 1, 1) if name == "block_breakdown" else None)
     return fig
 
