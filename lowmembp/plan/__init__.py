@@ -223,6 +223,7 @@ def evaluate(job: dict) -> dict:
     mg = job["margin"]
     row.update(peak_bytes=pk, need_bytes=int(pk * (1 + mg["fraction"]) + mg["reserved_bytes"]), fits=pk <= cap,
                peak_phase=first["peak"].get("phase"), peak_breakdown=breakdown(first["peak"]),
+               peak_breakdown_how="proportional" if first["peak"].get("split_from") else "measured",
                static_bytes=static, floor_bytes=floor, largest_batch=best, largest_batch_how=how,
                largest_batch_by_gpu=by_gpu,
                flops=first["flops"], batch_line=bool(lined and peaks.lines is not None),

@@ -21,11 +21,18 @@ PHASE_SHORT = {"forward": "fwd", "loss": "loss", "backward": "bwd", "optimizer":
 _LETTER = {"weights": "W", "gradients": "G", "optimizer_states": "O", "saved_activations": "S", "temporaries": "T"}
 LEGEND = ("peak at: the phase of the step the peak falls in (fwd: forward through the blocks; loss: head and loss "
           "after the last block; bwd: backward incl. recomputation; opt: optimizer step), then % of the peak held by "
-          "W weights, G gradients, O optimizer states, S activations saved for backward, T temporaries (>= 5 % shown)")
+          "W weights, G gradients, O optimizer states, S activations saved for backward, T temporaries (>= 5 % shown); "
+          "~: the 2- and 3-block builds peak in different phases, G/S/T split as the deeper build's")
 
 
 def breakdown(peak: dict) -> dict[str, int]:
-    """The peak's bytes by :data:`BREAKDOWN` category (module doc) from an estimate's ``"peak"`` dict."""
+    """The peak's bytes by :data:`BREAKDOWN` category (module doc) from an estimate's ``"peak"`` dict.
+
+    A peak extended by depth from builds whose peaks fall in different phases (``peak["split_from"]``: the deeper
+    build's peak) has only the bytes alive through the whole step (weights, optimizer states) extended; the rest of
+    its bytes is split as the deeper build's rest is (a proportional split, not a measured one)."""
+    if peak.get("split_from") is not None:
+        return _proportional(peak, breakdown(peak["split_from"]))
     c = peak["by_category"]
     saved = int(peak.get("saved_bytes") or 0)
     rest = sum(v for k, v in c.items() if k not in ("parameters", "gradients", "optimizer_state"))
@@ -35,12 +42,26 @@ def breakdown(peak: dict) -> dict[str, int]:
             "temporaries": int(rest - saved), "host": int(host)}
 
 
+def _proportional(peak: dict, shallow: dict[str, int]) -> dict[str, int]:
+    c = peak["by_category"]
+    out = {"weights": int(c.get("parameters", 0)), "optimizer_states": int(c.get("optimizer_state", 0))}
+    rest = int(peak["bytes"]) - out["weights"] - out["optimizer_states"]
+    moving = ("gradients", "saved_activations", "temporaries")
+    total = sum(shallow[k] for k in moving)
+    for k in moving[:-1]:
+        out[k] = rest * shallow[k] // total if total else 0
+    out["temporaries"] = rest - sum(out[k] for k in moving[:-1])
+    out["host"] = shallow["host"]
+    return {k: out[k] for k in BREAKDOWN}
+
+
 def compact(row: dict) -> str:
     """The table's "peak at" cell: the phase, then each category's share of the peak (``LEGEND``)."""
     parts, total = row.get("peak_breakdown") or {}, row.get("peak_bytes") or 0
     shares = [f"{_LETTER[k]}{round(100 * parts.get(k, 0) / total)}" for k in DEVICE_PARTS
               if total and parts.get(k, 0) >= 0.05 * total]
-    return " ".join([PHASE_SHORT.get(row.get("peak_phase"), "-")] + shares)
+    approx = "~" if row.get("peak_breakdown_how") == "proportional" else ""
+    return " ".join([PHASE_SHORT.get(row.get("peak_phase"), "-") + approx] + shares)
 
 
 def plot_breakdown(p, path) -> None:

@@ -86,4 +86,11 @@ class Peaks:
         if self.shallow is None:
             return per[None]
         a, b = self.shallow
-        return extend_by_depth(per[a], per[b], self.shallow, self.depth)
+        out = extend_by_depth(per[a], per[b], self.shallow, self.depth)
+        lo, hi = per[a]["peak"], per[b]["peak"]
+        if lo.get("phase") != hi.get("phase"):
+            # the peak falls at another moment of the step in the two builds: its split by category does not extend
+            # by depth (only the bytes alive through the whole step do); lowmembp.plan.breakdown uses the deeper
+            # build's split for the rest
+            out["peak"] = dict(out["peak"], split_from=hi)
+        return out

@@ -180,3 +180,31 @@ def test_cli_weights_find_and_plot(tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 10_000
     assert main(args + ["--find", "seq-length"]) == 2
     assert "seq-len" in capsys.readouterr().err
+
+
+def test_a_peak_extended_from_builds_peaking_in_different_phases_is_split_proportionally():
+    """LLaMA-7B with checkpointing peaks in the loss at 2 blocks and in the backward at 3 (the figures of those two
+    fake steps): the extended peak keeps the weights and optimizer states extended exactly, and splits the rest as
+    the 3-block build does, so the parts still add up to the peak and none is negative."""
+    lo = {"bytes": 12453446268, "phase": "loss", "saved_bytes": 1914863616, "how": "fake",
+          "by_category": {"parameters": 2667659776, "gradients": 0, "optimizer_state": 5335318612,
+                          "activations": 4450336808, "temporaries": 0, "other": 131072}}
+    hi = {"bytes": 15480767104, "phase": "backward", "saved_bytes": 134283264, "how": "fake",
+          "by_category": {"parameters": 3477193216, "gradients": 2323726336, "optimizer_state": 6954385528,
+                          "activations": 153108488, "temporaries": 2572222464, "other": 131072}}
+    from lowmembp.estimator.step import extend_by_depth
+    from lowmembp.plan.combination import Peaks
+
+    peaks = Peaks.__new__(Peaks)
+    peaks.shallow, peaks.depth = (2, 3), 32
+    out = peaks._combine({2: {"peak": lo, "flops": None}, 3: {"peak": hi, "flops": None}})["peak"]
+    assert out["bytes"] == extend_by_depth({"peak": lo}, {"peak": hi}, (2, 3), 32)["peak"]["bytes"]
+    parts = breakdown(out)
+    assert sum(parts[k] for k in DEVICE_PARTS) == out["bytes"] and min(parts.values()) >= 0
+    assert parts["weights"] == 3477193216 + 29 * (3477193216 - 2667659776)
+    hb = breakdown(hi)
+    rest = [hb["gradients"], hb["saved_activations"], hb["temporaries"]]
+    got = [parts["gradients"], parts["saved_activations"], parts["temporaries"]]
+    assert [round(g / sum(got), 6) for g in got] == [round(r / sum(rest), 6) for r in rest]
+    assert compact({"peak_phase": "backward", "peak_breakdown_how": "proportional", "peak_bytes": out["bytes"],
+                    "peak_breakdown": parts}).startswith("bwd~")
