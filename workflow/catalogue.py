@@ -91,6 +91,11 @@ REPRODUCTIONS = (
                  "Gradient fidelity: each method's gradient against exact backprop's, same weights and batch, per "
                  "depth (MiniLM-L6, tiny LLaMA, ViT; fp32, bf16 autocast; CPU)",
                  how="one real training step of real weights on real batches, CPU"),
+    Reproduction("estimator-error", "estimator_error",
+                 "The estimator's error: each method's fake-tensor estimate of a training step's peak beside the CPU "
+                 "allocator's peak of the same step (tiny ViT / BERT / LLaMA, fp32)",
+                 how="fake tensors (estimate) and real tensors with torch.profiler's allocator events (measured), "
+                     "on the CPU"),
 )
 REPRO_SCRIPT = "repro.py"  # reproduction -> repro/<name>.csv
 REPRO_TABLE_SCRIPT = "tables.py"

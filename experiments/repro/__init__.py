@@ -31,6 +31,7 @@ from experiments.repro._common import MiB, ratio, to_markdown
 from experiments.repro.block_breakdown import block_breakdown
 from experiments.repro.compiled_budget import compiled_budget
 from experiments.repro.compiled_saving import compiled_saving
+from experiments.repro.estimator_error import estimator_error
 from experiments.repro.fig1 import fig1
 from experiments.repro.grad_fidelity import grad_fidelity
 from experiments.repro.headline import headline
@@ -48,7 +49,7 @@ REPROS: dict[str, Callable[..., pd.DataFrame]] = {
     "tokentune-memory": tokentune_memory, "stacked": stacked, "headline": headline,
     "mesa-attribution": mesa_attribution, "tokentune-vs-ckpt": tokentune_vs_ckpt,
     "tokentune-k": tokentune_k, "compiled-saving": compiled_saving, "compiled-budget": compiled_budget,
-    "grad-fidelity": grad_fidelity}
+    "grad-fidelity": grad_fidelity, "estimator-error": estimator_error}
 
 
 def run(name: str, **kwargs) -> pd.DataFrame:

@@ -3,6 +3,8 @@
 - :mod:`~lowmembp.estimator.step`: the paper-model zoo (``MODELS``, ``ModelSpec``, ``build``), the fake step
   (``estimate``, ``estimate_by_depth``) and the bytes of weights stored otherwise (``fsdp_peak``,
   ``nf4_weight_bytes``);
+- :mod:`~lowmembp.estimator.weights`: the weights' precision (``WEIGHTS``, ``auto_weights``) and NF4 (QLoRA) bases
+  (``nf4_weight_bytes``, ``nf4_peak``);
 - :mod:`~lowmembp.estimator.fake_mode`: the fake-tensor mode the steps run under;
 - :mod:`~lowmembp.estimator.hf_config`: a transformers ``config.json`` on disk as a model to estimate.
 
@@ -19,16 +21,17 @@ import importlib
 _PUBLIC = ("DTYPES", "MODELS", "ModelSpec", "model_spec", "paper_model_name", "build", "block_names", "estimate",
            "estimate_by_depth", "extend_by_depth", "full_depth", "fsdp_peak", "nf4_weight_bytes", "prepare_model",
            "to_fake_cpu")
-__all__ = list(_PUBLIC)
+_WEIGHTS = ("WEIGHTS", "auto_weights", "frozen_base", "nf4_peak")
+__all__ = list(_PUBLIC + _WEIGHTS)
 
 
 def __getattr__(name: str):
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(f"{__name__}.step"), name)
+    if name in _PUBLIC or name in _WEIGHTS:
+        value = getattr(importlib.import_module(f"{__name__}.{'step' if name in _PUBLIC else 'weights'}"), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_PUBLIC))
+    return sorted(set(globals()) | set(__all__))

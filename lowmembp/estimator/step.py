@@ -41,6 +41,8 @@ from lowmembp.estimator.fake_mode import StepFakeMode
 from lowmembp.measurement.saved import SavedTensorAccountant
 from lowmembp.measurement.kinds import KINDS
 from lowmembp.measurement.peak import measure_step_peak, prime_optimizer
+from lowmembp.estimator.weights import (FROZEN_BASE_METHODS, WEIGHTS, nf4_peak, nf4_weight_bytes,  # noqa: F401
+                                        storage_dtype)
 
 __all__ = ["MODELS", "ModelSpec", "model_spec", "paper_model_name",
            "estimate", "estimate_by_depth", "full_depth", "build", "block_names", "DTYPES",
@@ -49,7 +51,7 @@ __all__ = ["MODELS", "ModelSpec", "model_spec", "paper_model_name",
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # peft wraps the model on the meta device, before to_empty (docs/design.md#fake-tensors)
-_PEFT_METHODS = ("lora", "lora-fa", "velora")
+_PEFT_METHODS = FROZEN_BASE_METHODS
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,8 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
     ``dtype`` under autocast, as the training job trains; ``"bf16"`` / ``"fp16"``: the model loaded in that dtype
     (``from_pretrained(torch_dtype=...)``), so frozen weights, gradients and AdamW state of trained weights take 2
     bytes an element — peft's LoRA / LoRA-FA adapters stay fp32, as peft makes them on a 16-bit base
-    (``autocast_adapter_dtype``).
+    (``autocast_adapter_dtype``); ``"nf4"``: QLoRA, the frozen base linears of a LoRA-family method in 4 bits, the
+    rest in bf16 (:func:`lowmembp.estimator.weights.nf4_peak`).
 
     ``optimizer``: a name of :data:`lowmembp.methods.optimizers.OPTIMIZERS`, its states as that optimizer holds
     them: ``"adamw"`` (fp32 states), ``"adamw8bit"`` (bitsandbytes' 8-bit states and their per-block absmax, run on
@@ -251,6 +254,10 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
                 _loss(spec, model_, batch)
             pk = None
     blocks = block_names(model_)
+    if pk is not None and weights == "nf4":
+        if world_size > 1:
+            raise ValueError("weights='nf4' with world_size > 1 is not modelled (FSDP2 of 4-bit weights)")
+        pk = nf4_peak(pk, model_)
     if pk is not None and world_size > 1:
         pk = fsdp_peak(pk, model_, opt, blocks, world_size)
     per_block = dict.fromkeys(KINDS, 0)
@@ -285,12 +292,11 @@ def prepare_model(spec: ModelSpec, method: str, mode, *, layers: int | None = No
     late = "+".join(n for n, p in zip(names, plain) if p not in _PEFT_METHODS + ("baseline",)) or None
     opts_early = {k: v for k, v in method_options.items() if early and k in options_of(early)}
     opts_late = {k: v for k, v in method_options.items() if k not in opts_early}
-    if weights not in DTYPES:
-        raise ValueError(f"weights must be one of {list(DTYPES)} (the parameters' dtype), got {weights!r}")
+    built = DTYPES[storage_dtype(weights)]
     model_ = build(spec, layers=layers, overrides=overrides, device="meta" if device == "fake" else "cpu",
                    attention=attention)
-    if DTYPES[weights] is not None:
-        model_ = model_.to(DTYPES[weights])
+    if built is not None:
+        model_ = model_.to(built)
     if early:
         model_ = lowmembp.apply(model_, early, **opts_early)
     with mode:
@@ -470,20 +476,6 @@ def extend_by_depth(lo: dict, hi: dict, shallow: tuple[int, int], depth: int) ->
     if out.get("peak") is not None:
         out["peak"]["how"] += f" (extrapolated to {depth} blocks from {a} and {b})"
     return out
-
-
-def nf4_weight_bytes(numel: int, *, blocksize: int = 64, double_quant: bool = True) -> int:
-    """Bytes bitsandbytes' ``Linear4bit`` (NF4) keeps for a weight of ``numel`` values: the packed 4-bit weight
-    (``numel / 2`` uint8) plus one absmax per ``blocksize`` values — fp32, or with ``double_quant`` 8-bit codes plus
-    one fp32 scale (and offset) per 256 absmax values. The bf16 dequantised weight of forward/backward is a temporary,
-    not counted here."""
-    if numel < 0 or blocksize < 1:
-        raise ValueError(f"nf4_weight_bytes: numel >= 0 and blocksize >= 1, got {numel}, {blocksize}")
-    packed = (numel + 1) // 2
-    blocks = -(-numel // blocksize)
-    if not double_quant:
-        return packed + 4 * blocks
-    return packed + blocks + 4 * -(-blocks // 256) + 4
 
 
 def _autocast(dtype: str):

@@ -51,9 +51,13 @@ from lowmembp._compat import TorchDispatchMode, current_graph_task_id, storage_k
 # FLOPs, so the trackers pass it straight through (here and lowmembp.plan.steps)
 from lowmembp.estimator.fake_mode import DEVICE_QUERY
 
-__all__ = ["StorageTracker", "measure_step_peak", "prime_optimizer", "profiler_peak", "note_host", "CATEGORIES"]
+__all__ = ["StorageTracker", "measure_step_peak", "prime_optimizer", "profiler_peak", "note_host", "CATEGORIES",
+           "PHASES"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
+# the phases of a step a peak can fall in (StorageTracker.peak_phase): the forward through the blocks, the head and
+# the loss after the last block, the backward (recomputation included), the optimizer's step
+PHASES = ("forward", "loss", "backward", "optimizer")
 _HOST = "host"  # not a category: host storages are kept out of the device total
 _ACTIVE: list["StorageTracker"] = []
 
@@ -79,6 +83,11 @@ class StorageTracker(TorchDispatchMode):
         self.host = 0             # live host bytes (see note_host), their peak, and their value at the device peak
         self.host_peak = 0
         self.host_at_peak = 0
+        self._fwd_phase = "forward"  # "loss" once the last block's forward returned (watch_phases)
+        self.peak_phase = None       # the phase the peak fell in (PHASES), after watch_phases
+        self.saved = 0               # live bytes of storages autograd saved for backward (saved_hooks), at the peak
+        self.peak_saved = 0
+        self._saved_keys: set[int] = set()
 
     # -- registration ---------------------------------------------------------------------------------------
     def track(self, t: torch.Tensor, category: str) -> None:
@@ -108,6 +117,54 @@ class StorageTracker(TorchDispatchMode):
             self.peak = self.total
             self.peak_by_category = dict(self.current)
             self.host_at_peak = self.host
+            self.peak_saved = self.saved
+            self.peak_phase = self.phase()
+
+    def phase(self) -> str:
+        """The phase of the step running now (:data:`PHASES`; "forward" and "loss" apart only after
+        :meth:`watch_phases`)."""
+        if self._in_opt:
+            return "optimizer"
+        if current_graph_task_id() != -1:
+            return "backward"
+        return self._fwd_phase
+
+    def watch_phases(self, model: nn.Module, last_block: nn.Module | None = None) -> None:
+        """Tell the forward from the loss: "forward" from the start of ``model``'s forward, "loss" once
+        ``last_block``'s forward has returned (the head and the loss; hooks removed on exit)."""
+        def start(*_):
+            self._fwd_phase = "forward"
+
+        def end(*_):
+            self._fwd_phase = "loss"
+
+        self._handles.append(model.register_forward_pre_hook(start))
+        if last_block is not None:
+            self._handles.append(last_block.register_forward_hook(end))
+
+    def saved_hooks(self):
+        """``saved_tensors_hooks`` marking what autograd saves for backward (enter around the forward): those
+        storages (made in the forward, or the batch) are counted in :attr:`saved` while alive (still under their
+        category). An outer pair of hooks in force (an accountant's) still runs: these call it."""
+        from lowmembp._compat import top_saved_tensors_hooks
+
+        outer = top_saved_tensors_hooks()
+
+        def pack(t):
+            self._mark_saved(t)
+            return outer[0](t) if outer is not None else t
+
+        def unpack(x):
+            return outer[1](x) if outer is not None else x
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _mark_saved(self, t) -> None:
+        key = self._key(t) if isinstance(t, torch.Tensor) else None
+        entry = self._live.get(key) if key is not None else None
+        if entry is not None and key not in self._saved_keys and entry[1] in ("activations", "other"):
+            self._saved_keys.add(key)
+            self.saved += entry[0]
 
     def to_host(self, t: torch.Tensor) -> None:
         """Move ``t``'s storage out of the device total into the host bytes (counted from now until it dies)."""
@@ -157,6 +214,9 @@ class StorageTracker(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
+        if key in self._saved_keys:
+            self._saved_keys.discard(key)
+            self.saved -= entry[0] if entry is not None else 0
         if entry is not None and entry[1] == _HOST:
             self.host -= entry[0]
         elif entry is not None:

@@ -34,17 +34,25 @@ import warnings
 from dataclasses import dataclass, field
 
 from lowmembp import _deprecated_call
-from lowmembp.estimator.step import DTYPES, ModelSpec, build, estimate, full_depth
+from lowmembp.estimator.step import ModelSpec, build, estimate, full_depth
+from lowmembp.estimator.weights import FROZEN_BASE_METHODS, WEIGHTS, auto_weights, frozen_base
 from lowmembp.methods.registry import parse
+from lowmembp.plan.breakdown import breakdown
 from lowmembp.plan.combination import Peaks
 from lowmembp.plan.combos import combinations, key_of, option_grid
 from lowmembp.plan.models import resolve_model
 from lowmembp.plan.pool import modules_needed, run_rows
 from lowmembp.plan.progress import Bar
-from lowmembp.plan.search import largest_batch
+from lowmembp.plan.search import largest_batch, largest_fitting
 from lowmembp.plan.sources import margin as margin_of, measured_ratios, parse_bytes
 
-__all__ = ["make_plan", "Plan", "evaluate"]
+__all__ = ["make_plan", "Plan", "evaluate", "WEIGHT_CHOICES", "AUTO_WEIGHTS"]
+
+FIND_CHOICES = ("batch", "seq-len")  # what a row searches for (make_plan's find=, --find)
+AUTO_WEIGHTS = "auto"
+WEIGHT_CHOICES = (AUTO_WEIGHTS,) + WEIGHTS  # what --weights takes (one, or several comma-separated)
+AUTO_WORDS = ("auto: a LoRA-family base in the compute dtype, trained weights as fp32 masters "
+              "(lowmembp.estimator.weights.auto_weights)")
 
 PEAK_SOURCE = ("fake-tensor step of lowmembp.estimator.step (exact tensor bytes: forward, backward, the optimizer's "
                "step with its state as that optimizer holds it), {depth}")
@@ -76,6 +84,11 @@ class Plan:
         from lowmembp.plan.report import write_csv
         write_csv(self, path)
 
+    def plot(self, path) -> None:
+        """One stacked bar per row: where its peak is and what it holds (:mod:`lowmembp.plan.breakdown`)."""
+        from lowmembp.plan.breakdown import plot_breakdown
+        plot_breakdown(self, path)
+
 
 def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24GiB", seq_len: int | None = None,
          dtype: str | None = None, world_size: int = 1, methods: list[str] | None = None,
@@ -84,8 +97,9 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
          reserved: int | str | None = None, margin_file=None, runs=None, jobs: int = 1,
          overrides: dict | None = None, num_classes: int | None = None, image_size: int | None = None,
          max_batch: int = 1 << 16, depth: str = "auto", combos: list[str] | None = None,
-         more_gpus: list[str | int] | None = None, weights: str = "fp32", progress=None,
-         start_method: str | None = None, optimizer: str | list[str] = "adamw") -> Plan:
+         more_gpus: list[str | int] | None = None, weights: str | list[str] = AUTO_WEIGHTS, progress=None,
+         start_method: str | None = None, optimizer: str | list[str] = "adamw",
+         find: str | list[str] = "batch", max_seq_len: int = 1 << 20) -> Plan:
     """Plan every valid method combination (see the module doc). ``methods``/``exclude``/``max_methods`` narrow the
     combinations; ``options``: sweeps, ``{"tokentune": {"k": [16, 256]}}``; ``margin``/``reserved``: the allocator
     fraction and the fixed reserve (default: ``results/gpu/margin.json`` if present, else rules of thumb);
@@ -93,12 +107,18 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
     (small test models); ``depth``: ``"auto"`` (extend 2- and 3-block builds) or ``"full"`` (estimate the whole
     model: slow at paper scale); ``combos``: exactly these combinations instead of every valid one;
     ``more_gpus``: other GPU sizes, each row then also has ``largest_batch_by_gpu`` (the same estimates reused);
-    ``weights``: the parameters' dtype (``"fp32"``, or ``"bf16"``/``"fp16"``: the model loaded in that dtype, see
-    :func:`lowmembp.estimator.step.estimate`);
+    ``weights``: how the parameters are stored, one of :data:`WEIGHT_CHOICES` or a list of them (every combination
+    planned with each; a row per pair): ``"auto"`` (default), each combination as people load it for that method
+    (:func:`lowmembp.estimator.weights.auto_weights`: a LoRA-family base in the compute dtype, trained weights as
+    fp32 masters under autocast); ``"fp32"``, ``"bf16"``/``"fp16"`` (the model loaded in that dtype), ``"nf4"``
+    (QLoRA: only with LoRA-family methods; see :func:`lowmembp.estimator.step.estimate`);
     ``optimizer``: a name of :data:`lowmembp.methods.optimizers.OPTIMIZERS` (``"adamw"``, ``"adamw8bit"``,
     ``"adamw-fused-backward"``), or a list of them: every combination planned with each (a row per pair);
     ``progress``: called with each finished row, or ``"bar"``: a progress bar on stderr
     (:class:`lowmembp.plan.progress.Bar`, shown when stderr is a terminal);
+    ``find``: what each row searches for, ``"batch"`` (the largest batch, always) and ``"seq-len"``: also the largest
+    sequence length that fits at ``batch_size`` (text models; by steps at each length tried, checked as the batch:
+    it fits and one token more does not; up to ``max_seq_len``, or the model's position table where it has one);
     ``start_method``: how the ``jobs`` worker processes start (:mod:`lowmembp.plan.pool`): None, a fork server (safe
     anywhere); ``"fork"``, ~4 s sooner, only in a process that has not run a backward pass (the command line)."""
     t0 = time.perf_counter()
@@ -109,8 +129,10 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
     extra = _world_size_kwargs(world_size)
     spec, where = resolve_model(model, seq_len=seq_len, num_classes=num_classes, image_size=image_size)
     dtype = dtype or spec.dtype
-    if weights not in DTYPES:
-        raise ValueError(f"weights must be one of {list(DTYPES)} (the parameters' dtype), got {weights!r}")
+    weights = _names(weights, WEIGHT_CHOICES, "weights", "the parameters' storage")
+    finds = _names(find, FIND_CHOICES, "find", "search")
+    if "seq-len" in finds and not spec.seq_len:
+        raise ValueError(f"find='seq-len' needs a text model (tokens per sequence); {spec.arch} has no sequence length")
     optimizers = _optimizers(optimizer)
     budget = parse_bytes(gpu_memory)
     mg = margin_of(margin, reserved, margin_file=margin_file)
@@ -129,12 +151,13 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
     more = {str(g): (parse_bytes(g) - mg["reserved_bytes"]) / (1 + mg["fraction"]) for g in more_gpus or []}
     common = dict(spec=spec, batch_size=batch_size, seq_len=spec.seq_len, dtype=dtype, overrides=overrides,
                   shallow=shallow, depth=blocks, capacity=capacity, weights=weights, margin=mg, max_batch=max_batch,
-                  extra=extra, more=more)
+                  extra=extra, more=more, find_seq_len=max_seq_len if "seq-len" in finds else None)
     grids = {c: option_grid(c, options) for c in combos}
-    singles = [dict(common, method=c, options=o, optimizer=z) for z in optimizers for c in combos if "+" not in c
-               for o in grids[c]]
-    multis = [dict(common, method=c, options=o, optimizer=z) for z in optimizers for c in combos if "+" in c
-              for o in grids[c]]
+    pairs = _weighted(combos, weights, dtype, skipped)
+    singles = [dict(common, method=c, options=o, optimizer=z, weights=w) for z in optimizers for c, w in pairs
+               if "+" not in c for o in grids[c]]
+    multis = [dict(common, method=c, options=o, optimizer=z, weights=w) for z in optimizers for c, w in pairs
+              if "+" in c for o in grids[c]]
     bar = Bar(len(singles) + len(multis)) if progress == "bar" else None
     try:
         rows, failed = run_rows(evaluate, singles, multis, jobs=jobs, start_method=start_method,
@@ -149,7 +172,9 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
     for i, r in enumerate(rows, 1):
         r["rank"] = i
     settings = {"model": spec.arch, "model_source": where, "family": spec.family, "batch_size": batch_size,
-                "seq_len": spec.seq_len, "dtype": dtype, "weights": weights, "optimizer": optimizers,
+                "seq_len": spec.seq_len, "dtype": dtype, "weights": weights,
+                "weights_source": AUTO_WORDS if AUTO_WEIGHTS in weights else "given", "optimizer": optimizers,
+                "find": finds,
                 "gpu_memory_bytes": budget,
                 "capacity_bytes": int(capacity), "world_size": world_size, "margin": mg, "combinations": len(rows),
                 "jobs": jobs}
@@ -158,6 +183,9 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
                             if runs_file else "no runs.csv found (run the pipeline, or pass runs=)"),
                "largest_batch": ("the batch line through two steps (or a search by steps where the op sequence "
                                  "changes with the batch), then checked by steps: it fits and the next batch does not")}
+    if "seq-len" in finds:
+        sources["largest_seq_len"] = ("a search by steps at the requested batch (lowmembp.plan.search."
+                                      "largest_fitting), checked: it fits and one token more does not")
     load = os.getloadavg() if hasattr(os, "getloadavg") else ()
     return Plan(settings, rows, skipped, sources, time.perf_counter() - t0, load)
 
@@ -166,15 +194,15 @@ def evaluate(job: dict) -> dict:
     """One row: one combination's peak at the requested batch, its largest batch, its FLOPs (module doc)."""
     t0, c0 = time.perf_counter(), time.process_time()
     method, opts, spec = job["method"], job["options"], job["spec"]
-    optimizer = job.get("optimizer", "adamw")
-    row = {"method": method, "options": dict(opts), "optimizer": optimizer, "label": _label(method, opts, optimizer),
-           "status": "ok", "reason": ""}
+    optimizer, weights = job.get("optimizer", "adamw"), job.get("weights", "fp32")
+    row = {"method": method, "options": dict(opts), "optimizer": optimizer, "weights": weights,
+           "label": _label(method, opts, optimizer), "status": "ok", "reason": ""}
     cap, bs = job["capacity"], job["batch_size"]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             peaks = Peaks(spec, method, shallow=job["shallow"], depth=job["depth"], seq_len=job["seq_len"],
-                          dtype=job["dtype"], overrides=job["overrides"], weights=job.get("weights", "fp32"),
+                          dtype=job["dtype"], overrides=job["overrides"], weights=weights,
                           optimizer=optimizer, **job["extra"], **opts)
             first = peaks.direct(bs, flops=True)
             pk, cats = first["peak"]["bytes"], first["peak"]["by_category"]
@@ -183,12 +211,19 @@ def evaluate(job: dict) -> dict:
             caps = {None: cap, **job.get("more", {})}
             lined = any(c >= floor for c in caps.values()) and peaks.fit_line(bs)
             best, how, by_gpu = _largest(peaks, caps, bs, pk, floor, static, job["max_batch"])
+            if job.get("find_seq_len"):
+                top = min(job["find_seq_len"], _position_table(peaks) or job["find_seq_len"])
+                row["largest_seq_len"], row["largest_seq_len_how"] = largest_fitting(
+                    lambda n: peaks.at_seq_len(bs, n)["bytes"], cap, known={job["seq_len"]: pk}, floor=floor,
+                    max_value=top, first_slope=(pk - static) / job["seq_len"], unit="sequence length")
     except Exception as e:  # a method that cannot run on this model / on fake tensors: say why, keep planning
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         row.update(status="skipped", reason=f"{type(e).__name__}: {msg}"[:300], seconds=time.perf_counter() - t0)
         return row
     mg = job["margin"]
     row.update(peak_bytes=pk, need_bytes=int(pk * (1 + mg["fraction"]) + mg["reserved_bytes"]), fits=pk <= cap,
+               peak_phase=first["peak"].get("phase"), peak_breakdown=breakdown(first["peak"]),
+               peak_breakdown_how="proportional" if first["peak"].get("split_from") else "measured",
                static_bytes=static, floor_bytes=floor, largest_batch=best, largest_batch_how=how,
                largest_batch_by_gpu=by_gpu,
                flops=first["flops"], batch_line=bool(lined and peaks.lines is not None),
@@ -228,6 +263,17 @@ def _checked(peaks: Peaks, best: int, cap: float, floor: int, max_batch: int) ->
             and all(line[b] is None or line[b]["bytes"] == v for b, v in checked.items()))
 
 
+def _position_table(peaks: Peaks) -> int | None:
+    """The longest sequence a text model's absolute position embeddings allow (BERT 512, RoBERTa 514 less its
+    padding offset), None for rotary (LLaMA) or no config."""
+    model = next(iter(peaks.steps.values())).model
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "position_embedding_type", None) != "absolute":
+        return None
+    offset = (cfg.pad_token_id + 1) if getattr(cfg, "model_type", "") == "roberta" else 0
+    return int(cfg.max_position_embeddings) - offset
+
+
 def _world_size_kwargs(world_size: int) -> dict:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -262,13 +308,36 @@ def _optimizers(optimizer) -> list[str]:
     """The optimizers to plan with, as a list of known names (one name or several); ValueError otherwise."""
     from lowmembp.methods.optimizers import OPTIMIZERS
 
-    names = [optimizer] if isinstance(optimizer, str) else list(optimizer or [])
+    return _names(optimizer, OPTIMIZERS, "optimizer", "optimizer")
+
+
+def _names(given, choices, what: str, noun: str) -> list[str]:
+    """``given`` (a name, "a,b", or a list) as a list of names of ``choices``, each once; ValueError otherwise."""
+    names = ([n.strip() for n in given.split(",") if n.strip()] if isinstance(given, str)
+             else [str(n) for n in given or []])
     if not names:
-        raise ValueError(f"optimizer: give one or more of {', '.join(OPTIMIZERS)}")
-    bad = [n for n in names if n not in OPTIMIZERS]
+        raise ValueError(f"{what}: give one or more of {', '.join(choices)}")
+    bad = [n for n in names if n not in choices]
     if bad:
-        raise ValueError(f"unknown optimizer(s) {', '.join(map(repr, bad))}; choose from {', '.join(OPTIMIZERS)}")
+        raise ValueError(f"unknown {noun}(s) {', '.join(map(repr, bad))} for {what}; choose from {', '.join(choices)}")
     return list(dict.fromkeys(names))
+
+
+def _weighted(combos: list[str], weights: list[str], dtype: str, skipped: dict) -> list[tuple[str, str]]:
+    """``(combination, weights)`` to plan: each asked-for weights per combination ("auto" resolved), each pair once;
+    NF4 only with a frozen base (QLoRA), the others noted in ``skipped``."""
+    pairs, left = [], 0
+    for c in combos:
+        for w in weights:
+            w = auto_weights(c, dtype) if w == AUTO_WEIGHTS else w
+            if w == "nf4" and not frozen_base(c):
+                left += 1
+            elif (c, w) not in pairs:
+                pairs.append((c, w))
+    if left:
+        skipped["nf4 weights"] = (f"NF4 is QLoRA's frozen base: planned only with {', '.join(FROZEN_BASE_METHODS)} "
+                                  f"({left} combinations without one left out at nf4)")
+    return pairs
 
 
 def _add_costs(rows: list[dict], measured: dict[str, list[dict]]) -> None:

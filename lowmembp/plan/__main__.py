@@ -25,12 +25,19 @@ def main(argv: list[str] | None = None, start_method: str | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (text models)")
     ap.add_argument("--image-size", type=int, default=None, help="image side in pixels (timm models)")
     ap.add_argument("--dtype", choices=list(DTYPES), default=None, help="autocast dtype (default: the model's)")
-    ap.add_argument("--weights", choices=list(DTYPES), default="fp32",
-                    help="the dtype the weights are stored in: fp32 (default: fp32 weights under autocast, as the "
-                         "training job) or bf16/fp16 (the model loaded in that dtype; LoRA adapters stay fp32)")
+    ap.add_argument("--weights", default="auto",
+                    help="how the weights are stored: auto (default: a LoRA-family base in the compute dtype, trained "
+                         "weights as fp32 masters under autocast), fp32, bf16, fp16 (the model loaded in that dtype), "
+                         "nf4 (QLoRA's 4-bit base, LoRA-family methods only), or several comma-separated: each "
+                         "combination planned with each")
     ap.add_argument("--optimizer", default="adamw",
                     help="adamw (default), adamw8bit, adamw-fused-backward, or several comma-separated: each "
                          "combination planned with each (lowmembp.methods.optimizers)")
+    ap.add_argument("--find", default="batch", metavar="batch|seq-len",
+                    help="seq-len: also the largest sequence length that fits at --batch-size for each row, found by "
+                         "steps and checked (the largest batch is always searched)")
+    ap.add_argument("--plot", default=None, metavar="FILE",
+                    help="also write a figure: one stacked bar per row, the peak's GiB by category (PNG/PDF/SVG)")
     ap.add_argument("--world-size", type=int, default=1,
                     help="GPUs sharing the model (FSDP2: one rank's peak, the batch per GPU; "
                          "lowmembp.estimator.step.fsdp_peak)")
@@ -65,14 +72,16 @@ def main(argv: list[str] | None = None, start_method: str | None = None) -> int:
                  world_size=a.world_size, methods=names(a.methods), exclude=names(a.exclude),
                  max_methods=a.max_methods, options=parse_option_sweeps(a.option), margin=a.margin,
                  reserved=a.reserved, runs=a.runs, jobs=a.jobs, image_size=a.image_size,
-                 more_gpus=names(a.also_gpu), weights=a.weights, progress=_progress if a.progress else "bar",
-                 start_method=start_method, optimizer=names(a.optimizer))
+                 more_gpus=names(a.also_gpu), weights=names(a.weights), progress=_progress if a.progress else "bar",
+                 start_method=start_method, optimizer=names(a.optimizer), find=names(a.find))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(p.to_json() if a.json else p.table())
     if a.csv:
         p.to_csv(a.csv)
+    if a.plot and any(r["status"] == "ok" for r in p.rows):
+        p.plot(a.plot)
     if not any(r["status"] == "ok" for r in p.rows):
         reasons = sorted({f"{r['label']}: {r.get('reason') or r['status']}" for r in p.rows})
         print("error: nothing could be estimated:\n  " + "\n  ".join(reasons or ["no combination was run"]),

@@ -30,6 +30,7 @@ class Peaks:
                                world_size=world_size, optimizer=optimizer, **method_options) for d in layers}
         self.runs: dict[int, dict] = {}      # batch -> {depth: StepRun}
         self.lines: dict | None = None       # depth -> BatchLine, once fitted
+        self.by_seq_len: dict[tuple, dict] = {}  # (batch, seq_len) -> {depth: StepRun}
         self.steps_run = 0
 
     # -- steps ----------------------------------------------------------------------------------------------
@@ -69,6 +70,15 @@ class Peaks:
         got = self.from_line(batch_size)
         return got if got is not None else self.direct(batch_size)["peak"]
 
+    def at_seq_len(self, batch_size: int, seq_len: int) -> dict:
+        """The peak at ``batch_size`` and ``seq_len`` tokens, from steps (one per depth) of the same models."""
+        key = (batch_size, seq_len)
+        if key not in self.by_seq_len:
+            self.by_seq_len[key] = {d: s.run(batch_size, seq_len=seq_len) for d, s in self.steps.items()}
+            self.steps_run += len(self.steps)
+        runs = self.by_seq_len[key]
+        return self._combine({d: {"peak": self.steps[d].shard(r.peak), "flops": None} for d, r in runs.items()})["peak"]
+
     def drop_line(self) -> None:
         self.lines = None
 
@@ -76,4 +86,11 @@ class Peaks:
         if self.shallow is None:
             return per[None]
         a, b = self.shallow
-        return extend_by_depth(per[a], per[b], self.shallow, self.depth)
+        out = extend_by_depth(per[a], per[b], self.shallow, self.depth)
+        lo, hi = per[a]["peak"], per[b]["peak"]
+        if lo.get("phase") != hi.get("phase"):
+            # the peak falls at another moment of the step in the two builds: its split by category does not extend
+            # by depth (only the bytes alive through the whole step do); lowmembp.plan.breakdown uses the deeper
+            # build's split for the rest
+            out["peak"] = dict(out["peak"], split_from=hi)
+        return out

@@ -4,12 +4,14 @@ from __future__ import annotations
 import csv
 import json
 
+from lowmembp.plan.breakdown import BREAKDOWN, LEGEND, compact
 from lowmembp.plan.sources import GiB
 
 __all__ = ["text_table", "verdict", "to_json", "write_csv", "CSV_COLUMNS"]
 
-CSV_COLUMNS = ["rank", "label", "method", "optimizer", "status", "peak_bytes", "need_bytes", "fits", "largest_batch",
-               "largest_batch_how", "largest_batch_by_gpu", "flops", "flops_ratio", "measured_ratio",
+CSV_COLUMNS = ["rank", "label", "method", "optimizer", "weights", "status", "peak_bytes", "need_bytes", "fits",
+               "largest_batch", "largest_batch_how", "largest_batch_by_gpu", "largest_seq_len", "peak_phase",
+               *(f"peak_{k}_bytes" for k in BREAKDOWN), "flops", "flops_ratio", "measured_ratio",
                "measured_where", "batch_line", "estimates", "seconds", "cpu_seconds", "reason"]
 
 
@@ -29,24 +31,27 @@ def text_table(p) -> str:
     s = p.settings
     head = (f"What fits: {s['model_source']}, batch {s['batch_size']}, "
             + (f"{s['seq_len']} tokens, " if s.get("seq_len") else "") + f"{s['dtype']} autocast, "
-            f"{s.get('weights', 'fp32')} weights, {', '.join(_as_list(s.get('optimizer', 'adamw')))}, "
+            f"weights {', '.join(_as_list(s.get('weights', 'fp32')))}, "
+            f"{', '.join(_as_list(s.get('optimizer', 'adamw')))}, "
             f"{_size(s['gpu_memory_bytes'])} GPU (tensors up to {_size(s['capacity_bytes'])} after the margin), "
             f"{s['world_size']} GPU")
     more = next((list(r.get("largest_batch_by_gpu", {})) for r in p.rows if r["status"] == "ok"), [])
-    cols = ["#", "method", "optimizer", "peak GiB", "+margin", "fits", "max batch"] + [f"@{g}" for g in more] + \
-        ["FLOPs x", "measured x"]
+    seq = "seq-len" in s.get("find", ())
+    cols = ["#", "method", "weights, optimizer", "peak GiB", "+margin", "fits", "max batch"] + \
+        [f"@{g}" for g in more] + (["max seq len"] if seq else []) + ["FLOPs x", "measured x", "peak at"]
     body = []
     for r in p.rows:
         if r["status"] != "ok":
             continue
         meas = "-" if r.get("measured_ratio") is None else f"{r['measured_ratio']:.2f} ({len(r['measured'])})"
         best = str(r["largest_batch"]) + ("+" if r["largest_batch_how"].startswith("at least") else "")
-        body.append([str(r["rank"]), _label_only(r), r.get("optimizer", "adamw"), _gib(r["peak_bytes"]),
-                     _gib(r["need_bytes"]),
+        body.append([str(r["rank"]), _label_only(r), f"{r.get('weights', 'fp32')}, {r.get('optimizer', 'adamw')}",
+                     _gib(r["peak_bytes"]), _gib(r["need_bytes"]),
                      "yes" if r["fits"] else "no", best] + [str(r["largest_batch_by_gpu"][g]) for g in more]
-                    + [_x(r.get("flops_ratio")), meas])
+                    + ([_most(r.get("largest_seq_len"), r.get("largest_seq_len_how", ""))] if seq else [])
+                    + [_x(r.get("flops_ratio")), meas, compact(r)])
     widths = [max(len(c), *(len(row[i]) for row in body)) if body else len(c) for i, c in enumerate(cols)]
-    right = {i for i, c in enumerate(cols) if c not in ("method", "optimizer", "fits")}
+    right = {i for i, c in enumerate(cols) if c not in ("method", "weights, optimizer", "fits", "peak at")}
 
     def line(cells):
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -65,8 +70,11 @@ def text_table(p) -> str:
             f"  peak: {src['peak']}",
             f"  +margin: {src['margin']}",
             f"  max batch: {src['largest_batch']}",
+            *([f"  max seq len: {src['largest_seq_len']}"] if "largest_seq_len" in src else []),
             f"  FLOPs x: {src['flops']}, over the baseline's",
             f"  measured x: {src['measured']} (median over the (task, model, batch) groups; count in brackets)",
+            f"  {LEGEND}",
+            f"  weights: {s.get('weights_source', 'given')}",
             f"{len(body)} combinations in {p.elapsed_s:.1f} s ({s['jobs']} job(s)"
             + (f", load average {p.load[0]:.2f}" if p.load else "")
             + f"; the rows took {sum(r.get('cpu_seconds', 0) for r in p.rows):.1f} CPU s)"]
@@ -81,29 +89,40 @@ def verdict(p) -> str:
         return "Nothing could be estimated (see below)."
     cap, bs = s["capacity_bytes"], s["batch_size"]
     fit = [r for r in ok if r["fits"]]
+    weights = _as_list(s.get("weights", "fp32"))
+    said = "auto weights" if weights == ["auto"] else f"weights {', '.join(weights)}"
     if fit:  # rows are ranked: fitting ones first, by FLOP ratio
         most = max(fit, key=lambda r: r["largest_batch"])
-        return (f"{len(fit)} of {len(ok)} combinations fit batch {bs}; the least compute: {fit[0]['label']} "
-                f"(FLOPs {_x(fit[0].get('flops_ratio'))}x); the largest batch: {most['label']} "
+        return (f"{len(fit)} of {len(ok)} combinations fit batch {bs} ({said}); the least compute: {_name(fit[0])} "
+                f"(FLOPs {_x(fit[0].get('flops_ratio'))}x); the largest batch: {_name(most)} "
                 f"({most['largest_batch']}{'+' if most['largest_batch_how'].startswith('at least') else ''}).")
     smaller = [r for r in ok if r["largest_batch"] > 0]
     if smaller:
         most = max(smaller, key=lambda r: r["largest_batch"])
-        return (f"No combination fits batch {bs}; {len(smaller)} fit a smaller batch, the largest "
-                f"{most['largest_batch']} with {most['label']}.")
+        return (f"No combination fits batch {bs} ({said}); {len(smaller)} fit a smaller batch, the largest "
+                f"{most['largest_batch']} with {_name(most)}.")
     low = min(ok, key=lambda r: (r["floor_bytes"], len(r["label"])))  # a tie: the plainest combination
-    hint = (" The weights are fp32: --weights bf16 plans the model loaded in bf16 (half their bytes)."
-            if s.get("weights", "fp32") == "fp32" else "")
+    hint = ("" if "nf4" in weights else
+            " --weights nf4 plans the LoRA-family combinations with QLoRA's 4-bit base (a quarter of bf16's bytes).")
     if _as_list(s.get("optimizer", "adamw")) == ["adamw"]:
         hint += (" The optimizer is AdamW with fp32 states: --optimizer adamw,adamw8bit,adamw-fused-backward plans "
                  "8-bit states and the step inside the backward too.")
     if low["floor_bytes"] > cap:
-        return (f"Nothing fits at any batch: the smallest weights + optimizer state ({low['label']}: "
+        return (f"Nothing fits at any batch ({said}): the smallest weights + optimizer state ({_name(low)}: "
                 f"{_size(low['floor_bytes'])}) already exceed the {_size(cap)} the tensors may use.{hint}")
     least = min(ok, key=lambda r: r["peak_bytes"])
-    return (f"Nothing fits, not even batch 1: the weights and optimizer state would ({low['label']}: "
+    return (f"Nothing fits, not even batch 1 ({said}): the weights and optimizer state would ({_name(low)}: "
             f"{_size(low['floor_bytes'])} of {_size(cap)}), the activations do not; the least memory at batch {bs}: "
-            f"{least['label']} ({_size(least['peak_bytes'])}).{hint}")
+            f"{_name(least)} ({_size(least['peak_bytes'])}).{hint}")
+
+
+def _most(n, how: str) -> str:
+    return "-" if n is None else f"{n}{'+' if how.startswith('at least') else ''}"
+
+
+def _name(r: dict) -> str:
+    """A row as the verdict names it: its label and the weights it was planned with."""
+    return f"{r['label']} with {r.get('weights', 'fp32')} weights"
 
 
 def _as_list(v) -> list[str]:
@@ -130,6 +149,7 @@ def write_csv(p, path) -> None:
         w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         w.writeheader()
         for r in p.rows:
-            w.writerow(dict(r, largest_batch_by_gpu=json.dumps(r.get("largest_batch_by_gpu", {})),
+            parts = {f"peak_{k}_bytes": v for k, v in (r.get("peak_breakdown") or {}).items()}
+            w.writerow(dict(r, **parts, largest_batch_by_gpu=json.dumps(r.get("largest_batch_by_gpu", {})),
                             measured_where="; ".join(f"{m['where']} {m['ratio']:.2f}"
                                                        for m in r.get("measured", []))))

@@ -35,7 +35,8 @@ import contextlib
 
 import torch
 from lowmembp.estimator.step import (ModelSpec, _batch, block_names, fsdp_peak, make_optimizer, prepare_model,
-                               train_step)
+                                     train_step)
+from lowmembp.estimator.weights import nf4_peak
 from lowmembp.estimator.fake_mode import DEVICE_QUERY, StepFakeMode, answer_device
 from lowmembp.measurement.peak import CATEGORIES, StorageTracker, prime_optimizer
 
@@ -88,7 +89,7 @@ class EventTracker(StorageTracker):
 
     def __init__(self, flops=None):
         super().__init__()
-        self.events: list[tuple] = []   # (total, (bytes per category in CATEGORIES order))
+        self.events: list[tuple] = []   # (total, (bytes per category in CATEGORIES order), saved bytes, phase)
         self.flops = flops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -121,7 +122,7 @@ class EventTracker(StorageTracker):
         before = len(self._live)
         super()._count(st, key, category)
         if len(self._live) > before and category in self.current:
-            self.events.append((self.total, tuple(self.current[c] for c in CATEGORIES)))
+            self.events.append((self.total, tuple(self.current[c] for c in CATEGORIES), self.saved, self.phase()))
 
 
 class StepRun:
@@ -139,6 +140,9 @@ class Steps:
                  overrides: dict | None = None, world_size: int = 1, seed: int = 0, weights: str = "fp32",
                  optimizer: str = "adamw", **method_options):
         self.spec, self.seq_len, self.dtype, self.world_size = spec, seq_len or spec.seq_len, dtype, world_size
+        if weights == "nf4" and world_size > 1:
+            raise ValueError("weights='nf4' with world_size > 1 is not modelled (FSDP2 of 4-bit weights)")
+        self.weights = weights
         self.vocab = (overrides or {}).get("vocab_size")
         torch.manual_seed(seed)
         self.mode = RecordingFakeMode(allow_non_fake_inputs=True)
@@ -148,10 +152,12 @@ class Steps:
         with self.mode:
             prime_optimizer(self.opt)
         self.blocks = block_names(self.model)
+        self.last_block = self.model.get_submodule(self.blocks[-1]) if self.blocks else None
 
-    def run(self, batch_size: int, flops: bool = False) -> StepRun:
+    def run(self, batch_size: int, flops: bool = False, seq_len: int | None = None) -> StepRun:
+        """One step at ``batch_size`` (and ``seq_len`` tokens: the built model's own length when None)."""
         with self.mode:
-            batch = _batch(self.spec, self.model, batch_size, self.seq_len, self.vocab)
+            batch = _batch(self.spec, self.model, batch_size, seq_len or self.seq_len, self.vocab)
             counter = None
             if flops:
                 from lowmembp.measurement.flops import step_flop_counter
@@ -159,13 +165,18 @@ class Steps:
             tracker = EventTracker(counter)
             tracker.track_external(self.model, self.opt, *batch.values())  # as measure_step_peak registers them
             tracker.watch(self.model)
+            tracker.watch_phases(self.model, self.last_block)
             with tracker.recording(self.mode):
-                train_step(self.spec, self.model, batch, self.opt, self.dtype)
-        peak = _peak_dict(tracker.peak, dict(tracker.peak_by_category), tracker)
+                train_step(self.spec, self.model, batch, self.opt, self.dtype, around_forward=tracker.saved_hooks())
+        peak = _peak_dict(tracker.peak, dict(tracker.peak_by_category), tracker, tracker.peak_saved,
+                          tracker.peak_phase)
         return StepRun(batch_size, peak, counter.get_total_flops() if counter is not None else None, tracker.events)
 
     def shard(self, peak: dict) -> dict:
-        """``peak`` as one rank's under FSDP2 when ``world_size > 1`` (estimate's :func:`fsdp_peak`), else itself."""
+        """``peak`` with the weights as stored (NF4: :func:`lowmembp.estimator.weights.nf4_peak`) and as one rank's
+        under FSDP2 when ``world_size > 1`` (estimate's :func:`fsdp_peak`), else itself."""
+        if self.weights == "nf4":
+            peak = nf4_peak(peak, self.model)
         if self.world_size > 1:
             return fsdp_peak(peak, self.model, self.opt, self.blocks, self.world_size)
         return peak
@@ -186,31 +197,35 @@ class BatchLine:
             return None
         b1, b2 = self.a.batch_size, self.b.batch_size
         d = b2 - b1
-        best, best_cats = 0, None
-        for (t1, c1), (t2, c2) in zip(self.a.events, self.b.events):
+        best, best_at = 0, None
+        for (t1, *e1), (t2, *e2) in zip(self.a.events, self.b.events):
             num = (t2 - t1) * (batch_size - b1)
             if num % d:
                 return None
             total = t1 + num // d
             if total > best:
-                best, best_cats = total, (c1, c2)
-        if best_cats is None:
-            return {"bytes": 0, "how": _HOW, "by_category": dict.fromkeys(CATEGORIES, 0)}
-        c1, c2 = best_cats
+                best, best_at = total, (e1, e2)
+        if best_at is None:
+            return {"bytes": 0, "how": _HOW, "by_category": dict.fromkeys(CATEGORIES, 0), "saved_bytes": 0,
+                    "phase": None}
+        (c1, s1, phase), (c2, s2, _) = best_at
         cats = {}
-        for name, x, y in zip(CATEGORIES, c1, c2):
+        for name, x, y in list(zip(CATEGORIES, c1, c2)) + [("saved", s1, s2)]:
             num = (y - x) * (batch_size - b1)
             if num % d:
                 return None
             cats[name] = x + num // d
-        return {"bytes": int(best), "how": _HOW, "by_category": cats}
+        saved = cats.pop("saved")
+        return {"bytes": int(best), "how": _HOW, "by_category": cats, "saved_bytes": saved, "phase": phase}
 
 
 _HOW = "fake-tensor storage tracker (exact bytes)"  # measure_step_peak's words for a fake step
 
 
-def _peak_dict(total: int, by_category: dict, tracker: StorageTracker) -> dict:
-    out = {"bytes": int(total), "how": _HOW, "by_category": {k: int(v) for k, v in by_category.items()}}
+def _peak_dict(total: int, by_category: dict, tracker: StorageTracker, saved: int = 0,
+               phase: str | None = None) -> dict:
+    out = {"bytes": int(total), "how": _HOW, "by_category": {k: int(v) for k, v in by_category.items()},
+           "saved_bytes": int(saved), "phase": phase}
     if tracker.host_peak:
         out["host"] = {"bytes": int(tracker.host_peak), "by_category": {"activations": int(tracker.host_peak)},
                        "at_device_peak": int(tracker.host_at_peak),

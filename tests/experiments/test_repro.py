@@ -11,7 +11,8 @@ from experiments.repro.block_breakdown import theory
 def test_registry_names():
     assert set(REPROS) == {"block-breakdown", "fig1", "mesa-table", "tokentune-memory", "stacked", "headline",
                            "mesa-attribution", "tokentune-vs-ckpt",
-                           "tokentune-k", "compiled-saving", "compiled-budget", "grad-fidelity"}
+                           "tokentune-k", "compiled-saving", "compiled-budget", "grad-fidelity",
+                           "estimator-error"}
     with pytest.raises(ValueError, match="unknown reproduction"):
         run("fig2")
 

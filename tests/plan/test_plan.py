@@ -103,8 +103,11 @@ def test_config_json_on_disk(tiny_config):
     spec = hf_spec(tiny_config, seq_len=16)
     assert spec.kwargs["head"] == "causal-lm" and "transformers config" in p.settings["model_source"]
     assert {r["method"] for r in p.rows} == {"baseline", "lora"}
+    # auto weights: LoRA's frozen base in the compute dtype, the baseline's trained weights as fp32 masters
+    assert {r["method"]: r["weights"] for r in p.rows} == {"baseline": "fp32", "lora": "bf16"}
     for r in p.rows:
-        assert r["peak_bytes"] == estimate(spec, r["method"], batch_size=2, dtype="bf16")["peak"]["bytes"]
+        assert r["peak_bytes"] == estimate(spec, r["method"], batch_size=2, dtype="bf16",
+                                           weights=r["weights"])["peak"]["bytes"]
     with pytest.raises(FileNotFoundError, match="config.json"):
         hf_spec(tiny_config / "nowhere")
 
@@ -182,12 +185,12 @@ def test_cli_prints_table_json_and_csv(tiny_config, tmp_path, capsys):
     assert main(args + ["--weights", "bf16", "--json"]) == 0  # the model loaded in bf16: estimate's weights=
     doc = json.loads(capsys.readouterr().out)
     spec = hf_spec(tiny_config, seq_len=16)
-    assert doc["settings"]["weights"] == "bf16"
+    assert doc["settings"]["weights"] == ["bf16"]
     for r in doc["rows"]:
         assert r["peak_bytes"] == estimate(spec, r["method"], batch_size=2, dtype="bf16",
                                            weights="bf16")["peak"]["bytes"]
-    with pytest.raises(SystemExit):  # argparse: not a dtype
-        main(args + ["--weights", "fp8"])
+    assert main(args + ["--weights", "fp8"]) == 2  # not a storage: a usage error naming the choices
+    assert "auto, fp32, bf16, fp16, nf4" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["vit", "bert", "llama"])
@@ -265,22 +268,27 @@ def test_progress_bar_on_a_terminal(monkeypatch):
     assert "plan" in out and "2/2" in out and "lora+checkpointing" in out
 
 
-def _row(label, fits, best, peak, floor, flops=1.0):
+def _row(label, fits, best, peak, floor, flops=1.0, weights="bf16"):
     return {"label": label, "status": "ok", "fits": fits, "largest_batch": best, "peak_bytes": peak,
-            "floor_bytes": floor, "flops_ratio": flops, "largest_batch_how": f"checked: {best} fits"}
+            "floor_bytes": floor, "flops_ratio": flops, "largest_batch_how": f"checked: {best} fits",
+            "weights": weights}
 
 
 @pytest.mark.parametrize("rows,weights,words", [
     ([_row("lora+checkpointing", True, 6, 17 * 2**30, 13 * 2**30, 1.02), _row("lora+tokentune", True, 9, 15 * 2**30,
-      13 * 2**30, 0.4), _row("lora", False, 0, 65 * 2**30, 13 * 2**30, 0.69)], "bf16",
-     ["2 of 3 combinations fit batch 4", "the least compute: lora+checkpointing (FLOPs 1.02x)",
-      "the largest batch: lora+tokentune (9)"]),
+      13 * 2**30, 0.4), _row("lora", False, 0, 65 * 2**30, 13 * 2**30, 0.69)], "auto",
+     ["2 of 3 combinations fit batch 4 (auto weights)",
+      "the least compute: lora+checkpointing with bf16 weights (FLOPs 1.02x)",
+      "the largest batch: lora+tokentune with bf16 weights (9)"]),
     ([_row("lora", False, 2, 25 * 2**30, 13 * 2**30)], "bf16",
-     ["No combination fits batch 4; 1 fit a smaller batch, the largest 2 with lora"]),
-    ([_row("lora", False, 0, 90 * 2**30, 25 * 2**30), _row("baseline", False, 0, 146 * 2**30, 100 * 2**30)], "fp32",
-     ["Nothing fits at any batch", "(lora: 25.0 GiB) already exceed the 20.0 GiB", "--weights bf16"]),
-    ([_row("lora", False, 0, 117 * 2**30, 12 * 2**30)], "bf16",
-     ["Nothing fits, not even batch 1", "(lora: 12.0 GiB of 20.0 GiB)", "at batch 4: lora (117.0 GiB)"]),
+     ["No combination fits batch 4 (weights bf16); 1 fit a smaller batch, the largest 2 with lora with bf16 weights"]),
+    ([_row("lora", False, 0, 90 * 2**30, 25 * 2**30, weights="fp32"),
+      _row("baseline", False, 0, 146 * 2**30, 100 * 2**30, weights="fp32")], "fp32",
+     ["Nothing fits at any batch (weights fp32)", "(lora with fp32 weights: 25.0 GiB) already exceed the 20.0 GiB",
+      "--weights nf4"]),
+    ([_row("lora", False, 0, 117 * 2**30, 12 * 2**30, weights="nf4")], ["bf16", "nf4"],
+     ["Nothing fits, not even batch 1 (weights bf16, nf4)", "(lora with nf4 weights: 12.0 GiB of 20.0 GiB)",
+      "at batch 4: lora with nf4 weights (117.0 GiB)"]),
 ])
 def test_verdict_says_what_fits_or_why_nothing_does(rows, weights, words):
     from lowmembp.plan import Plan
@@ -290,7 +298,7 @@ def test_verdict_says_what_fits_or_why_nothing_does(rows, weights, words):
     got = verdict(p)
     for w in words:
         assert w in got, got
-    assert ("--weights bf16" in got) == (weights == "fp32" and not any(r["largest_batch"] for r in rows))
+    assert ("--weights nf4" in got) == ("nf4" not in weights and not any(r["largest_batch"] for r in rows))
 
 
 def test_the_fork_server_imports_what_the_workers_need_once():

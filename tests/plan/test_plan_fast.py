@@ -93,8 +93,8 @@ def test_plan_largest_batch_by_estimate_with_and_without_a_line():
     for r in rows.values():  # the planner's peaks are estimate_by_depth's (its 2- and 3-block builds extended)
         b, opts = r["largest_batch"], r["options"]
 
-        def peak(n):
-            return _peak(r["method"], n, by_depth=True, **opts)["bytes"]
+        def peak(n):  # with the weights auto chose for the row (LoRA's base in bf16)
+            return _peak(r["method"], n, by_depth=True, weights=r["weights"], **opts)["bytes"]
 
         assert r["peak_bytes"] == peak(3)
         assert r["largest_batch_how"] == f"checked: {b} fits, {b + 1} does not"
@@ -129,8 +129,9 @@ def _stacked_run(steps, b):
         tracker = EventTracker(step_flop_counter())
         tracker.track_external(steps.model, steps.opt, *batch.values())
         tracker.watch(steps.model)
+        tracker.watch_phases(steps.model, steps.last_block)   # as Steps.run: the phases and the saved tensors
         with tracker:
-            train_step(steps.spec, steps.model, batch, steps.opt, steps.dtype)
+            train_step(steps.spec, steps.model, batch, steps.opt, steps.dtype, around_forward=tracker.saved_hooks())
     return tracker
 
 

@@ -3,10 +3,15 @@
 # it off, as config/tiny.yaml does). BERT-large (TokenTune's model) and LLaMA-7B: 349 s on one core at load
 # average ~10 (ViT-B/16 would add 333 s there).
 
+import importlib.util as _imp
+
+# the defaults are the script's (workflow/scripts/capacity.py DEFAULTS), read from it by path
+_spec = _imp.spec_from_file_location("capacity_script", str(Path(workflow.basedir) / "workflow/scripts/capacity.py"))
+_capacity_script = _imp.module_from_spec(_spec)
+_spec.loader.exec_module(_capacity_script)
 CAPACITY = config.setdefault("capacity", {})
-CAPACITY.setdefault("models", {"bert-large": {}, "llama-7b": {"seq_len": 512}})
-CAPACITY.setdefault("methods", ["baseline", "lora", "checkpointing", "tokentune", "lora+tokentune"])
-CAPACITY.setdefault("gpus", ["24GiB", "40GiB", "80GiB"])
+for _key, _value in _capacity_script.DEFAULTS.items():
+    CAPACITY.setdefault(_key, _value)
 
 
 # in `rule all` (Snakefile)

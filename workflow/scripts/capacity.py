@@ -14,7 +14,7 @@ import time
 
 from lowmembp.atomic import atomic_open, atomic_write
 
-DEFAULTS = {
+DEFAULTS = {  # also the rule's (workflow/rules/capacity.smk reads them from here)
     "models": {"bert-large": {}, "llama-7b": {"seq_len": 512}},
     "methods": ["baseline", "lora", "checkpointing", "tokentune", "lora+tokentune"],
     "gpus": ["24GiB", "40GiB", "80GiB"],
@@ -40,7 +40,8 @@ def capacity(models: dict, methods: list[str], gpus: list[str]):
                 ok = r["status"] == "ok"
                 best = (r["largest_batch"] if gpu == gpus[0] else r["largest_batch_by_gpu"][gpu]) if ok else None
                 rows.append({"model": model, "method": r["method"], "seq_len": p.settings["seq_len"],
-                             "dtype": p.settings["dtype"], "gpu": gpu, "largest_batch": best,
+                             "dtype": p.settings["dtype"], "weights": r.get("weights"), "gpu": gpu,
+                             "largest_batch": best,
                              "paper_batch": spec.batch_size, "peak_at_paper_batch_gib":
                                  round(r["peak_bytes"] / 2**30, 2) if ok else None,
                              "note": (r["largest_batch_how"] if gpu == gpus[0] else "") if ok else r["reason"],
@@ -75,6 +76,8 @@ def write(df, out_csv: str, out_md: str, out_png: str, gpus: list[str]) -> None:
     wide = df.drop_duplicates(["model", "method"])[["model", "method"]].merge(wide, how="left")
     peak = df.drop_duplicates(["model", "method"]).set_index(["model", "method"])["peak_at_paper_batch_gib"]
     wide.insert(2, "peak GiB at the paper batch", [peak[(m, x)] for m, x in zip(wide["model"], wide["method"])])
+    weights = df.drop_duplicates(["model", "method"]).set_index(["model", "method"])["weights"]
+    wide.insert(2, "weights", [weights[(m, x)] for m, x in zip(wide["model"], wide["method"])])
     wide = wide.rename(columns={g: f"largest batch in {g}" for g in gpus})
     missing = not_estimated(df)
     if len(missing):  # the numbers as they would print, the gaps in words
@@ -82,6 +85,8 @@ def write(df, out_csv: str, out_md: str, out_png: str, gpus: list[str]) -> None:
             lambda v: "not estimated" if v != v else int(v) if float(v).is_integer() else v))
     text = ("# Largest batch that fits, per paper model and method (lowmembp.plan, fake tensors)\n\n"
             f"Margin: {df['margin'].iloc[0]}. Each largest batch is checked: it fits and the next does not.\n"
+            "Weights as loaded for each method (the planner's auto: a LoRA-family base in the compute dtype, trained "
+            "weights as fp32 masters under autocast).\n"
             "0 = no batch fits (parameters and optimizer state alone, or batch 1, exceed the GPU).\n\n"
             + wide.to_markdown(index=False) + "\n"
             + "".join(f"\nNot estimated: {r.model} {r.method}: {r.note}\n" for r in missing.itertuples()))

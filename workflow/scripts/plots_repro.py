@@ -17,6 +17,7 @@ Run by Snakemake (rule repro_figure) or by hand: ``python plots_repro.py NAME RE
 """
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -254,6 +255,25 @@ def _exact(df: pd.DataFrame, method: str) -> bool:
     return bool((df.loc[df["method"] == method, "kind"] != "approximate").all())
 
 
+def estimator_error(df: pd.DataFrame, ax) -> None:
+    """The estimator's error in % per method, one bar per model family (estimator_error's rows)."""
+    ok = df.dropna(subset=["error_%"])
+    methods = list(dict.fromkeys(ok["method"]))
+    families = list(dict.fromkeys(ok["family"]))
+    x = np.arange(len(methods))
+    w = 0.8 / max(len(families), 1)
+    for i, fam in enumerate(families):
+        sub = ok[ok["family"] == fam].set_index("method").reindex(methods)
+        ax.bar(x + (i - (len(families) - 1) / 2) * w, sub["error_%"], w, label=fam)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(x, methods, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("(estimate - CPU allocator peak) / allocator peak (%)")
+    ax.legend(fontsize=8, title="model family (tiny width, fp32)", title_fontsize=8)
+    if "machine" in ok.columns and len(ok):
+        ax.set_title(f"CPU allocator on {ok['machine'].iloc[0]}", fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
 def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
     """The figure of reproduction ``name`` (a table stem) from its rows."""
     if name == "block_breakdown":
@@ -268,6 +288,9 @@ def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
     elif name == "grad_fidelity" and "rel_error" in df.columns:
         fig = plt.figure(figsize=(4.4 * df["model"].nunique(), 3.3 * df["dtype"].nunique() + 1.2))
         grad_fidelity(df, fig)
+    elif name == "estimator_error" and "error_%" in df.columns:
+        fig, ax = plt.subplots(figsize=(10, 4.6))
+        estimator_error(df, ax)
     elif name == "stacked" and "peak_MiB" in df.columns:
         fig = plt.figure(figsize=(6.5 * df["model"].nunique(), 0.45 * df.groupby("model").size().max() + 1.8))
         stacked(df, fig)
@@ -280,7 +303,7 @@ def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
             tokentune_k(df, ax)
         else:
             side_by_side(df, ax, name)
-    fig.suptitle(title or TITLES.get(name, name), fontsize=10)
+    fig.suptitle(textwrap.fill(title or TITLES.get(name, name), 120), fontsize=10)  # long titles wrap
     fig.tight_layout(rect=(0, 0.06, 1, 1) if name == "block_breakdown" else (0, 0.08, 1, 1)
                      if name == "grad_fidelity" else None)
     return fig
