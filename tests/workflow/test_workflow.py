@@ -42,8 +42,9 @@ def planned_jobs(output: str) -> dict[str, int]:
 def expected_cells(cfg: dict) -> set:
     cells = set()
     for sw in cfg["sweeps"].values():
-        for tm, m, b, s in itertools.product(sw["tasks"], sw["methods"], sw["batch_sizes"], sw.get("seeds", [0])):
-            cells.add((tm["task"], tm["model"], m, b, s))
+        for tm, m, b, s, o in itertools.product(sw["tasks"], sw["methods"], sw["batch_sizes"], sw.get("seeds", [0]),
+                                                sw.get("optimizers", ["adamw"])):
+            cells.add((tm["task"], tm["model"], m, b, s, o))
     return cells
 
 
