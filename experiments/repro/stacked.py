@@ -60,7 +60,7 @@ ROWS = (
     ("+ optimizer step in the backward", f"{_EXACT}+offload", "adamw-fused-backward"),
     ("8-bit AdamW in place of the fused step", f"{_EXACT}+offload", "adamw8bit"),
     ("LoRA in place of full fine-tuning", f"lora+{_EXACT}+offload", "adamw8bit"),
-    ("QLoRA: the base in NF4", f"lora{QLORA}+{_EXACT}+offload", "adamw8bit"),
+    ("+ NF4 base (QLoRA)", f"lora{QLORA}+{_EXACT}+offload", "adamw8bit"),
     ("+ LowMemoryBP", f"lora{QLORA}+lowmembp+{_EXACT}+offload", "adamw8bit"),
     ("TokenTune in place of offloading", f"lora{QLORA}+lowmembp+tokentune+{_EXACT}", "adamw8bit"),
 )
@@ -123,24 +123,31 @@ def device_and_host(est: dict) -> int:
     return pk["bytes"] + ((pk.get("host") or {}).get("at_device_peak") or 0)
 
 
-def stacked(small: bool = False) -> pd.DataFrame:
+def stacked(small: bool = False, rows: tuple[str, ...] | None = None) -> pd.DataFrame:
     """One row per lever (see the module doc); ``small``: the full-size columns at the small width too and 256
-    tokens (seconds, for tests)."""
+    tokens (for tests); ``rows``: only the rows of these levers (``change_%`` then against the row above in the
+    result)."""
     seq_len = 256 if small else SEQ_LEN
-    rows, prev = [], None
+    if rows is not None:
+        unknown = set(rows) - {r[0] for r in ROWS}
+        if unknown:
+            raise ValueError(f"stacked: unknown rows {sorted(unknown)}; the rows: {[r[0] for r in ROWS]}")
+    out, prev = [], None
     for lever, spec, optimizer in ROWS:
+        if rows is not None and lever not in rows:
+            continue
         est = estimate_row(spec, optimizer, full=not small, seq_len=seq_len)
         pk = est["peak"]
         cats = {f"{name}_GiB": sum(pk["by_category"].get(k, 0) for k in keys) / GiB
                 for name, keys in CATEGORIES.items()}
         small_est = est if small else estimate_row(spec, optimizer, full=False, seq_len=seq_len)
         measured = measure_small(spec, optimizer, seq_len=seq_len)
-        rows.append({"lever": lever, "method": f"{spec}, {optimizer}", **cats, "peak_GiB": pk["bytes"] / GiB,
+        out.append({"lever": lever, "method": f"{spec}, {optimizer}", **cats, "peak_GiB": pk["bytes"] / GiB,
                      "change_%": None if prev is None else 100 * (pk["bytes"] / prev - 1),
                      "host_GiB": (pk.get("host") or {}).get("bytes", 0) / GiB,
                      RATIO: measured / device_and_host(small_est)})
         prev = pk["bytes"]
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame(out)
     size = (f"small width ({SMALL_LAYERS} blocks, hidden {SMALL_WIDTH['hidden_size']}), {seq_len} tokens" if small
             else f"LLaMA-7B shapes, 32 blocks, {seq_len}-token context")
     df.attrs["caption"] = (
