@@ -306,11 +306,11 @@ def check(config: dict, root: Path = ROOT) -> None:
         where = f"sweeps.{name}"
         for tm in sw["tasks"]:
             _check_task(job, f"{where}.tasks", tm["task"], tm["model"], problems)
-        opts = sw["optimizers"]
-        bad_opts = [o for o in opts if o not in OPTIMIZERS] if isinstance(opts, list) else [opts]
-        if bad_opts or not opts or len(set(map(str, opts))) != len(opts):
+        optimizers = sw["optimizers"]
+        listed = optimizers if isinstance(optimizers, list) else []
+        if not listed or any(o not in OPTIMIZERS for o in listed) or len(set(map(str, listed))) != len(listed):
             problems.append(f"{where}.optimizers: must be a list of distinct names of {', '.join(OPTIMIZERS)} "
-                            f"(lowmembp.methods.optimizers), got {opts!r}")
+                            f"(lowmembp.methods.optimizers), got {optimizers!r}")
         bad_methods = set()
         for m in sw["methods"]:
             err = job.method_error(m)
@@ -338,7 +338,7 @@ def check(config: dict, root: Path = ROOT) -> None:
             problems.append(f"{where}: init {sw['init']!r} is not under `bases:` (bases: {', '.join(bases) or 'none'})")
         known_tasks = [tm for tm in sw["tasks"] if tm["task"] in job.task_names
                        and tm["model"] in job.models(tm["task"])]
-        good_opts = [o for o in opts if o in OPTIMIZERS] if isinstance(opts, list) else []
+        good_opts = [o for o in listed if o in OPTIMIZERS]
         for tm, m, o in itertools.product(known_tasks[:1], [m for m in sw["methods"] if m not in bad_methods],
                                           good_opts):
             argv = cell_argv(sw, tm["task"], tm["model"], m, sw["batch_sizes"][0], sw["seeds"][0], optimizer=o)
