@@ -352,8 +352,9 @@ def headline_figure(runs: pd.DataFrame, table: pd.DataFrame | None = None) -> pl
                              squeeze=False)
     for row, (task, model) in enumerate(tasks):
         sub = df[(df["task"] == task) & (df["model"] == model)]
-        methods = [m for m in _methods(sub)] if len(sub) else []
-        sub = sub.set_index("method").reindex(methods)
+        sub = with_series(sub)  # one bar per (method, optimizer)
+        methods = _series(sub) if len(sub) else []
+        sub = sub.set_index("series").reindex(methods)
         y = np.arange(len(methods))
         for col, (ours, paper, xlabel) in enumerate(HEADLINE_PANELS):
             ax = axes[row, col]
