@@ -30,7 +30,8 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["OPTIMIZERS", "DEFAULT_OPTIMIZER", "make_optimizer", "FusedBackwardAdamW", "adamw8bit_state_bytes", "frees_gradients"]
+__all__ = ["OPTIMIZERS", "DEFAULT_OPTIMIZER", "make_optimizer", "FusedBackwardAdamW", "adamw8bit_state_bytes",
+           "frees_gradients"]
 
 OPTIMIZERS = {
     "adamw": "torch.optim.AdamW: fp32 states (8 bytes per trained element), stepped after the backward",
