@@ -194,7 +194,7 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     cfg2["sweeps"]["tiny"]["steps"] += 1
     changed.write_text(yaml.safe_dump(cfg2))
     p = snakemake("-n", "--configfile", str(changed), cwd=tmp_path)
-    tiny_cells = len(cfg["sweeps"]["tiny"]["methods"])
+    tiny_cells = len(cfg["sweeps"]["tiny"]["methods"]) * len(cfg["sweeps"]["tiny"].get("optimizers", ["adamw"]))
     assert planned_jobs(p.stdout + p.stderr).get("train") == tiny_cells  # a changed parameter reruns its cells
     assert "repro" not in planned_jobs(p.stdout + p.stderr)  # and not what does not depend on them
     assert "base" not in planned_jobs(p.stdout + p.stderr)
