@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lowmembp.methods.optimizers import OPTIMIZERS
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
 from lowmembp.methods.registry import (check_options, method_options, list_methods, option_kinds, parse, plain_spec,
                                        read_option, spec_options)
 
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 FIXED_DEFAULTS = dict(seed=0, grad_accum=1, dtype="fp32", timing_warmup=2, weight_decay=0.0, download=False,
                       no_progress=False, max_len=None, limit=None, eval_limit=None, warmup_steps=0,
-                      train_split="train", init=None, save_model=None, distributed=None, optimizer="adamw")
+                      train_split="train", init=None, save_model=None, distributed=None, optimizer=DEFAULT_OPTIMIZER)
 """Settings no task overrides; a task's own (``DEFAULTS``, ``METHOD_DEFAULTS``: ``tasks.base.defaults_for``) go
 over these, a config file over those, the command line over everything."""
 MAX_SEED = 2**32 - 1  # numpy's generators take seeds in [0, 2**32)

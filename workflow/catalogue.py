@@ -66,7 +66,10 @@ REPRODUCTIONS = (
     Reproduction("tokentune-memory", "tokentune_memory",
                  "TokenTune: BERT-large memory against batch size (baseline, LoRA, TokenTune k=16, both)"),
     Reproduction("stacked", "stacked",
-                 "Memory techniques stacked, each row adding one to the row before (LLaMA-7B, ViT-B/16; fake tensors)"),
+                 "Each memory lever in turn: LLaMA-7B shapes, batch 2 × 4096 tokens, bf16 — the peak of a training "
+                 "step by category (GiB)",
+                 how="fake tensors on the CPU at full size; `measured / estimated`: real tensors at a small width, "
+                     "the CPU allocator's events"),
     Reproduction("headline", "lowmembp_headline",
                  "LowMemoryBP headline: peak memory saved per model at the paper's settings, ours beside the paper's"),
     Reproduction("mesa-attribution", "mesa_attribution",

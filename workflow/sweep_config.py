@@ -2,8 +2,15 @@
 of every entry against the training job's own registries, run when the Snakefile is parsed.
 
     fill_defaults(config); check(config)       # ConfigError naming every bad entry and what is valid
-    cells(config)                              # (task, model, method, bs, seed) -> (sweep name, sweep)
-    cell_argv(sw, task, model, method, bs, seed, base=None), base_argv(config["bases"][name])
+    cells(config)                              # (task, model, method, bs, seed, optimizer) -> (sweep name, sweep)
+    cell_argv(sw, task, model, method, bs, seed, base=None, optimizer="adamw"), base_argv(config["bases"][name])
+    record_path(results, task, model, method, bs, seed, optimizer)     # where a cell's record goes (CELL)
+
+A cell is one training run: task, model, method spec, batch size, seed and optimizer (a sweep's ``optimizers:``, a
+list of :data:`lowmembp.methods.optimizers.OPTIMIZERS`, default ``[adamw]``). Its files are named by :data:`CELL`,
+``<task>/<model>/<method>[/<optimizer>]/bs<B>/seed<S>``: the optimizer's segment only when it is not the default
+(AdamW), so a sweep that does not list ``optimizers`` writes the paths it always did, and
+``runs/t/m/lora/adamw8bit/bs8/seed0.json`` sits beside ``runs/t/m/lora/bs8/seed0.json``.
 
 What :func:`check` asks the job (``experiments``, ``lowmembp``), so that ``snakemake -n`` fails at once instead of a
 job failing hours later: tasks (``experiments.tasks``) and the task's models; method specs
@@ -18,12 +25,22 @@ checks them when it starts and says what to fetch).
 from __future__ import annotations
 
 import itertools
+import re
 import shlex
 from pathlib import Path
 
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
+
 ROOT = Path(__file__).resolve().parents[1]
-SWEEP_DEFAULTS = {"seeds": [0], "steps": None, "dtype": "fp32", "train_config": None, "train_args": [],
-                  "method_options": {}, "resources": {}, "init": None}
+# A cell's files, under results/runs/ (records), logs/train/, benchmarks/train/: {opt} is "" for the default
+# optimizer, "/<optimizer>" for another (OPT_SEGMENT, the Snakefiles' wildcard constraint; opt_segment, optimizer_of).
+CELL = "{task}/{model}/{method}{opt}/bs{bs}/seed{seed}"
+OPT_SEGMENT = "(/[a-z0-9][a-z0-9-]*)?"
+# a record's path back to its cell (aggregate.py reads a damaged record's cell from it)
+CELL_PATH = re.compile(r"(?:^|/)runs/(?P<task>[^/]+)/(?P<model>[^/]+)/(?P<method>[^/]+)"
+                       r"(?:/(?P<optimizer>[a-z0-9][a-z0-9-]*))?/bs(?P<batch_size>\d+)/seed(?P<seed>\d+)\.json$")
+SWEEP_DEFAULTS = {"seeds": [0], "optimizers": [DEFAULT_OPTIMIZER], "steps": None, "dtype": "fp32",
+                  "train_config": None, "train_args": [], "method_options": {}, "resources": {}, "init": None}
 BASE_DEFAULTS = {"method": "baseline", "seed": 0, "train_args": []}
 # Methods whose trained model does not have the plain model's weights, so what --save-model writes (the state dict)
 # would not load (--init, strictly) into a fresh model: lora / lora-fa / velora add adapters, lowmembp /
@@ -33,7 +50,7 @@ CHANGE_WEIGHTS = ("lora", "lora-fa", "velora", "lowmembp", "lowmembp-norm")
 # Set by the pipeline from the sweep's own keys; in train_args they would contradict them.
 PIPELINE_FLAGS = {"--model": "tasks", "--task": "tasks", "--method": "methods", "--batch-size": "batch_sizes",
                   "--seed": "seeds", "--dtype": "dtype", "--config": "train_config", "--init": "init / bases",
-                  "--out": "(the record's path)", "--save-model": "bases"}
+                  "--out": "(the record's path)", "--save-model": "bases", "--optimizer": "optimizers"}
 
 
 class ConfigError(ValueError):
@@ -77,12 +94,30 @@ def _run_settings(sw: dict, method: str) -> tuple:
     return tuple(repr(sw.get(k)) for k in keys) + (repr(sorted(options_for(sw, method).items())),)
 
 
+def opt_segment(optimizer: str) -> str:
+    """The ``{opt}`` part of :data:`CELL`: nothing for the default optimizer, ``/<optimizer>`` otherwise."""
+    return "" if optimizer == DEFAULT_OPTIMIZER else f"/{optimizer}"
+
+
+def optimizer_of(segment: str | None) -> str:
+    """The optimizer an ``{opt}`` segment (or :data:`CELL_PATH`'s ``optimizer`` group) names."""
+    return (segment or "").lstrip("/") or DEFAULT_OPTIMIZER
+
+
+def record_path(results: str, task: str, model: str, method: str, bs, seed, optimizer: str = DEFAULT_OPTIMIZER) -> str:
+    """``<results>/runs/<CELL>.json``: where the pipeline writes the record of a cell."""
+    return f"{results}/runs/" + CELL.format(task=task, model=model, method=method, opt=opt_segment(optimizer),
+                                            bs=int(bs), seed=int(seed)) + ".json"
+
+
 def cells(config: dict) -> dict:
-    """(task, model, method, bs, seed) -> (sweep name, sweep spec); a cell listed by two sweeps must agree."""
+    """(task, model, method, bs, seed, optimizer) -> (sweep name, sweep spec); a cell listed by two sweeps must
+    agree."""
     out = {}
     for name, sw in config["sweeps"].items():
-        for tm, method, bs, seed in itertools.product(sw["tasks"], sw["methods"], sw["batch_sizes"], sw["seeds"]):
-            key = (tm["task"], tm["model"], method, int(bs), int(seed))
+        for tm, method, bs, seed, opt in itertools.product(sw["tasks"], sw["methods"], sw["batch_sizes"],
+                                                           sw["seeds"], sw["optimizers"]):
+            key = (tm["task"], tm["model"], method, int(bs), int(seed), opt)
             if key in out and _run_settings(out[key][1], method) != _run_settings(sw, method):
                 raise ConfigError(
                     f"cell {key} is listed by sweeps {out[key][0]!r} and {name!r} with different settings "
@@ -92,10 +127,13 @@ def cells(config: dict) -> dict:
     return out
 
 
-def cell_argv(sw: dict, task: str, model: str, method: str, bs, seed, base: str | None = None) -> list[str]:
+def cell_argv(sw: dict, task: str, model: str, method: str, bs, seed, base: str | None = None,
+              optimizer: str = DEFAULT_OPTIMIZER) -> list[str]:
     """The training job's arguments for one cell (experiments/train.py), without --out."""
     args = ["--model", model, "--task", task, "--method", method, "--batch-size", str(bs), "--seed", str(seed),
             "--dtype", sw["dtype"]]
+    if optimizer != DEFAULT_OPTIMIZER:
+        args += ["--optimizer", optimizer]
     if sw.get("steps"):
         args += ["--steps", str(sw["steps"])]
     if sw.get("train_config"):
@@ -188,11 +226,16 @@ def _check_argv(job: _Job, where: str, argv: list[str], method: str, problems: l
 
     parser.error = error
     try:
-        _, extra = parser.parse_known_args(argv)
+        ns, extra = parser.parse_known_args(argv)
     except (ValueError, SystemExit):
         problems.append(f"{where}: the training job refuses its arguments ({errors[0] if errors else 'see --help'}): "
                         f"{join(argv)}")
         return
+    try:  # the optimizer against the run's other flags, as the job checks it (a --config file's values aside)
+        job.args.check_optimizer({"optimizer": DEFAULT_OPTIMIZER, **{k: v for k, v in vars(ns).items()
+                                                                      if v is not None}})
+    except ValueError as err:
+        problems.append(f"{where}: {err}")
     if job.method_error(method):
         return  # reported once, as a bad method
     try:
@@ -263,6 +306,11 @@ def check(config: dict, root: Path = ROOT) -> None:
         where = f"sweeps.{name}"
         for tm in sw["tasks"]:
             _check_task(job, f"{where}.tasks", tm["task"], tm["model"], problems)
+        optimizers = sw["optimizers"]
+        listed = optimizers if isinstance(optimizers, list) else []
+        if not listed or any(o not in OPTIMIZERS for o in listed) or len(set(map(str, listed))) != len(listed):
+            problems.append(f"{where}.optimizers: must be a list of distinct names of {', '.join(OPTIMIZERS)} "
+                            f"(lowmembp.methods.optimizers), got {optimizers!r}")
         bad_methods = set()
         for m in sw["methods"]:
             err = job.method_error(m)
@@ -290,9 +338,12 @@ def check(config: dict, root: Path = ROOT) -> None:
             problems.append(f"{where}: init {sw['init']!r} is not under `bases:` (bases: {', '.join(bases) or 'none'})")
         known_tasks = [tm for tm in sw["tasks"] if tm["task"] in job.task_names
                        and tm["model"] in job.models(tm["task"])]
-        for tm, m in itertools.product(known_tasks[:1], [m for m in sw["methods"] if m not in bad_methods]):
-            argv = cell_argv(sw, tm["task"], tm["model"], m, sw["batch_sizes"][0], sw["seeds"][0])
-            _check_argv(job, f"{where} (method {m})", argv, m, problems, checked=set(options_for(sw, m)))
+        good_opts = [o for o in listed if o in OPTIMIZERS]
+        for tm, m, o in itertools.product(known_tasks[:1], [m for m in sw["methods"] if m not in bad_methods],
+                                          good_opts):
+            argv = cell_argv(sw, tm["task"], tm["model"], m, sw["batch_sizes"][0], sw["seeds"][0], optimizer=o)
+            at = f"{where} (method {m}" + ("" if o == DEFAULT_OPTIMIZER else f", optimizer {o}") + ")"
+            _check_argv(job, at, argv, m, problems, checked=set(options_for(sw, m)))
     repro = config.get("repro") or {}
     for kind, given, known in (("repro.names", repro.get("names") or [], list(REPRO)),
                                ("repro.options", list(repro.get("options") or {}), list(REPRO)),

@@ -6,7 +6,8 @@
 
 Names: ``block-breakdown`` (LowMemoryBP's per-block activation memory by op kind), ``fig1`` (LowMemoryBP Fig. 1 peak
 memory), ``mesa-table`` (the Mesa README's memory column), ``tokentune-memory`` (TokenTune memory vs batch size),
-``stacked`` (a torchtune-style stacked table of the peer techniques for LLaMA-7B and ViT-B/16), ``headline``
+``stacked`` (each memory lever in turn, torchtune-style: LLaMA-7B shapes at batch 2 × 4096 tokens, the peak by
+category), ``headline``
 (LowMemoryBP's headline savings per model at the paper's settings, LLaMA as QLoRA), ``mesa-attribution`` (the
 Mesa-table baselines' gap to the README, difference by difference in MiB), ``tokentune-vs-ckpt`` (TokenTune
 against gradient checkpointing: peak and CPU step time at growing batch sizes), ``tokentune-k`` (TokenTune's

@@ -30,13 +30,15 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["OPTIMIZERS", "make_optimizer", "FusedBackwardAdamW", "adamw8bit_state_bytes", "frees_gradients"]
+__all__ = ["OPTIMIZERS", "DEFAULT_OPTIMIZER", "make_optimizer", "FusedBackwardAdamW", "adamw8bit_state_bytes",
+           "frees_gradients"]
 
 OPTIMIZERS = {
     "adamw": "torch.optim.AdamW: fp32 states (8 bytes per trained element), stepped after the backward",
     "adamw8bit": "bitsandbytes AdamW8bit: block-wise 8-bit states (2 bytes per element + an fp32 absmax per 256)",
     "adamw-fused-backward": "AdamW stepped per parameter inside the backward; each gradient freed once used (exact)",
 }
+DEFAULT_OPTIMIZER = "adamw"  # what a run uses unless told otherwise (the pipeline's record paths leave it out)
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller tensors keep fp32 states
 BNB_BLOCKSIZE = 256       # bitsandbytes' block-wise 8-bit optimizers: one absmax per 256 elements
 BNB_QMAP_BYTES = 2 * 256 * 4  # the two quantisation maps (signed, unsigned), fp32, shared by every parameter

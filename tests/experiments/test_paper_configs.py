@@ -179,8 +179,8 @@ def test_the_job_uses_the_official_values(name, monkeypatch, tmp_path):
 
 def _cells(config: Path):
     conf = sweep_config.fill_defaults(yaml.safe_load(config.read_text()))
-    for (task, model, method, bs, seed), (sweep, sw) in sweep_config.cells(conf).items():
-        yield sweep, sw, sweep_config.cell_argv(sw, task, model, method, bs, seed), (task, model, method)
+    for (task, model, method, bs, seed, opt), (sweep, sw) in sweep_config.cells(conf).items():
+        yield sweep, sw, sweep_config.cell_argv(sw, task, model, method, bs, seed, optimizer=opt), (task, model, method)
 
 
 # paper sweep -> the recipe its cells must train with; settings the sweep sets itself (steps) are left out

@@ -153,13 +153,14 @@ def test_synthetic_one_seed_cells_and_failed_cell_are_drawn():
     assert "1 seed" in t and "1 seeds" not in t and "no error bar" in t
 
 
-def test_stacked_figure_names_rows_units_and_refusals():
-    df = pd.DataFrame([dict(model="llama-7b", row="LoRA", peak_MiB=3000.0),
-                       {"model": "llama-7b", "row": "+ checkpointing", "peak_MiB": 2000.0, "peak_change_%": -33.3},
-                       dict(model="llama-7b", row="+ liger", peak_MiB=None, note="needs a GPU")])
+def test_stacked_figure_names_rows_units_and_categories():
+    cats = dict(weights_GiB=12.6, gradients_GiB=0.0, optimizer_GiB=25.1, activations_GiB=4.0, temporaries_GiB=2.0)
+    df = pd.DataFrame([dict(lever="full fine-tuning, AdamW", **cats, peak_GiB=43.7, host_GiB=0.0),
+                       {"lever": "+ activation offloading", **cats, "peak_GiB": 40.0, "change_%": -8.5,
+                        "host_GiB": 0.3}])
     t = texts(plots_repro.figure("stacked", df))
-    assert "peak memory of a training step (MiB" in t and "+ checkpointing" in t and "-33 % vs the row above" in t
-    assert "not measured here" in t
+    assert "(GiB" in t and "+ activation offloading" in t and "40.0 GiB (-8 %)" in t
+    assert "optimizer" in t and "host memory (offloading" in t
 
 
 def test_headline_figure_when_no_seed_of_a_compared_method_finished(runs):

@@ -42,8 +42,9 @@ def planned_jobs(output: str) -> dict[str, int]:
 def expected_cells(cfg: dict) -> set:
     cells = set()
     for sw in cfg["sweeps"].values():
-        for tm, m, b, s in itertools.product(sw["tasks"], sw["methods"], sw["batch_sizes"], sw.get("seeds", [0])):
-            cells.add((tm["task"], tm["model"], m, b, s))
+        for tm, m, b, s, o in itertools.product(sw["tasks"], sw["methods"], sw["batch_sizes"], sw.get("seeds", [0]),
+                                                sw.get("optimizers", ["adamw"])):
+            cells.add((tm["task"], tm["model"], m, b, s, o))
     return cells
 
 
@@ -200,7 +201,7 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     cfg2["sweeps"]["tiny"]["steps"] += 1
     changed.write_text(yaml.safe_dump(cfg2))
     p = snakemake("-n", "--configfile", str(changed), cwd=tmp_path)
-    tiny_cells = len(cfg["sweeps"]["tiny"]["methods"])
+    tiny_cells = len(cfg["sweeps"]["tiny"]["methods"]) * len(cfg["sweeps"]["tiny"].get("optimizers", ["adamw"]))
     assert planned_jobs(p.stdout + p.stderr).get("train") == tiny_cells  # a changed parameter reruns its cells
     assert "repro" not in planned_jobs(p.stdout + p.stderr)  # and not what does not depend on them
     assert "base" not in planned_jobs(p.stdout + p.stderr)

@@ -20,7 +20,9 @@ PY = config.get("python") or sys.executable
 sys.path.insert(1, str(Path(workflow.basedir)))
 PY_JOB = f"PYTHONPATH={shlex.quote(str(workflow.basedir))}${{PYTHONPATH:+:$PYTHONPATH}} {shlex.quote(PY)}"
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
-RECORD = f"{R}/runs/{{task}}/{{model}}/{{method}}/bs{{bs}}/seed{{seed}}.json"
+# a cell's record: runs/<task>/<model>/<method>[/<optimizer>]/bs<B>/seed<S>.json (sweep_config.CELL: the optimizer's
+# segment only when it is not the default, AdamW)
+RECORD = f"{R}/runs/{sweep_config.CELL}.json"
 BASE = f"{R}/bases/{{base}}.safetensors"
 
 wildcard_constraints:
@@ -29,6 +31,7 @@ wildcard_constraints:
     method="[^/]+",
     bs="[0-9]+",
     seed="[0-9]+",
+    opt=sweep_config.OPT_SEGMENT,
     name="[a-z0-9_-]+",
     base="[A-Za-z0-9_.-]+",
 
@@ -46,14 +49,14 @@ except sweep_config.ConfigError as err:
 
 
 def cell(wc):
-    key = (wc.task, wc.model, wc.method, int(wc.bs), int(wc.seed))
+    key = (wc.task, wc.model, wc.method, int(wc.bs), int(wc.seed), sweep_config.optimizer_of(wc.opt))
     if key not in CELLS:
         raise ValueError(f"{key} is not a cell of any sweep in the config")
     return CELLS[key][1]
 
 
 def record_paths():
-    return [RECORD.format(task=t, model=m, method=x, bs=b, seed=s) for (t, m, x, b, s) in sorted(CELLS)]
+    return [sweep_config.record_path(R, *key) for key in sorted(CELLS)]
 
 
 def base_paths():
@@ -64,7 +67,8 @@ def train_args(wc):
     """The training job's command line for one cell (experiments/train.py)."""
     sw = cell(wc)
     base = BASE.format(base=sw["init"]) if sw.get("init") else None
-    return sweep_config.join(sweep_config.cell_argv(sw, wc.task, wc.model, wc.method, wc.bs, wc.seed, base))
+    return sweep_config.join(sweep_config.cell_argv(sw, wc.task, wc.model, wc.method, wc.bs, wc.seed, base,
+                                                    sweep_config.optimizer_of(wc.opt)))
 
 
 def init_input(wc):
@@ -104,7 +108,7 @@ def table_stems():
 
 def figure_stems():
     names = [f.name for f in cat.RUN_FIGURES] if CELLS else []
-    if any(sweep_config.spec_has_options(method) for (_, _, method, _, _) in CELLS):
+    if any(sweep_config.spec_has_options(method) for (_, _, method, *_) in CELLS):
         names += [f.name for f in cat.OPTION_FIGURES]
     return names + [r.stem for r in reproductions()]
 

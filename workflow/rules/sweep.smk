@@ -38,9 +38,9 @@ rule train:
     output:
         RECORD,
     log:
-        f"{R}/logs/train/{{task}}/{{model}}/{{method}}/bs{{bs}}/seed{{seed}}.log",
+        f"{R}/logs/train/{sweep_config.CELL}.log",
     benchmark:
-        f"{R}/benchmarks/train/{{task}}/{{model}}/{{method}}/bs{{bs}}/seed{{seed}}.tsv"
+        f"{R}/benchmarks/train/{sweep_config.CELL}.tsv"
     params:
         args=train_args,
         py=PY_JOB,

@@ -4,7 +4,8 @@ Each record is read with ``experiments.record.load`` (the record layout's one re
 ``experiments.record.flatten`` (its one flattening). A record that does not read back — truncated, empty, not JSON, a
 JSON list, fields missing or of the wrong type — becomes a row with status ``invalid``, the reason in ``message``, its
 path in ``record`` and its cell (task, model, method, batch size, seed) read from the path, so a broken cell is
-visible instead of crashing the tables or being dropped. (The pipeline sets such records aside and remakes their
+visible instead of crashing the tables or being dropped (the path's optimizer segment, absent for the default
+optimizer: workflow/sweep_config.py CELL). (The pipeline sets such records aside and remakes their
 cells before it aggregates, see workflow/rules/common.smk; an ``invalid`` row means a record was damaged after that or
 aggregated by hand.) The CSV is written atomically (``lowmembp.atomic``).
 
@@ -13,7 +14,6 @@ could not be read, the CSV written all the same; 2 without an output and at leas
 """
 
 import logging
-import re
 import sys
 from pathlib import Path
 
@@ -21,13 +21,12 @@ import pandas as pd
 
 HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
 sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE.parent))
 from experiments.record import COLUMNS, RecordError, flatten, load  # noqa: E402
 from lowmembp.atomic import atomic_open  # noqa: E402
+from sweep_config import CELL_PATH, optimizer_of  # noqa: E402
 
 INVALID = "invalid"
-# results/runs/<task>/<model>/<method>/bs<B>/seed<S>.json (workflow/rules/common.smk, RECORD)
-CELL_PATH = re.compile(r"(?:^|/)runs/(?P<task>[^/]+)/(?P<model>[^/]+)/(?P<method>[^/]+)/bs(?P<batch_size>\d+)/"
-                       r"seed(?P<seed>\d+)\.json$")
 
 
 def invalid_row(path: str, reason: str) -> dict:
@@ -37,6 +36,7 @@ def invalid_row(path: str, reason: str) -> dict:
     if m:
         row.update(m.groupdict())
         row["batch_size"], row["seed"] = int(row["batch_size"]), int(row["seed"])
+        row["optimizer"] = optimizer_of(row["optimizer"])
     row.update(status=INVALID, message=reason)
     return row
 
@@ -57,7 +57,8 @@ def aggregate(paths: list[str | Path]) -> pd.DataFrame:
     extra = sorted(c for c in df.columns if c not in cols and c != "record")
     df = df.reindex(columns=cols + extra + ["record"])
     if len(df):
-        df = df.sort_values(["task", "model", "method", "batch_size", "seed"], kind="stable", na_position="last")
+        df = df.sort_values(["task", "model", "method", "optimizer", "batch_size", "seed"], kind="stable",
+                            na_position="last")
     return df.reset_index(drop=True)
 
 

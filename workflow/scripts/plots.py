@@ -1,7 +1,8 @@
 """runs.csv -> the sweep's figures (results/figures/*.png), each readable alone: a title naming the device, dtype
 and seeds, axes with units, a legend in words.
 
-- memory_vs_batch: peak and activation memory (MiB) against batch size, one line per method, one row per task;
+- memory_vs_batch: peak and activation memory (MiB) against batch size, one line per method (per method and optimizer
+  where a sweep lists several ``optimizers``: "lora (adamw8bit)"; the default, AdamW, unnamed), one row per task;
   filled markers are the training cells, hollow ones the short (few-step) memory cells, a cross a cell that ran out
   of memory or failed.
 - step_time_ratio: step time (p50) / the compared method's (lora+X against lora, others against baseline) at the
@@ -33,6 +34,7 @@ sys.path.insert(0, str(HERE))
 from tables import (COMPARED, KEYS, _complete, MiB, PERCENT_METRICS, accuracy_batch_size, claim,  # noqa: E402,F401
                     headline_table, is_learning_cell, load_claims, per_cell, read_runs, reference_method,
                     speed_table, with_reference)
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS  # noqa: E402
 
 METHOD_ORDER = ["baseline", "checkpointing", "mesa-gelu-ln", "mesa", "lowmembp", "tokentune", "lora",
                 "lora+lowmembp"]
@@ -54,6 +56,26 @@ def _method_key(method: str) -> tuple:
 
 def _methods(df: pd.DataFrame) -> list[str]:
     return sorted(dict.fromkeys(df["method"]), key=_method_key)
+
+
+def series_name(method: str, optimizer) -> str:
+    """One line / bar of a figure: the method, and its optimizer when that is not the default (AdamW), so a sweep
+    with several ``optimizers`` draws one per (method, optimizer)."""
+    return method if pd.isna(optimizer) or optimizer == DEFAULT_OPTIMIZER else f"{method} ({optimizer})"
+
+
+def with_series(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with ``series`` (:func:`series_name`) per row (the optimizer read as the default where missing)."""
+    opt = df["optimizer"] if "optimizer" in df else pd.Series(DEFAULT_OPTIMIZER, index=df.index)
+    return df.assign(series=[series_name(m, o) for m, o in zip(df["method"], opt)])
+
+
+def _series(df: pd.DataFrame) -> list[str]:
+    """The series of ``df`` (see :func:`with_series`), by method as :func:`_methods`, then the optimizers' order."""
+    opt = df["optimizer"].fillna(DEFAULT_OPTIMIZER) if "optimizer" in df else [DEFAULT_OPTIMIZER] * len(df)
+    keys = {series_name(m, o): (_method_key(m), list(OPTIMIZERS).index(o) if o in OPTIMIZERS else len(OPTIMIZERS), o)
+            for m, o in zip(df["method"], opt)}
+    return sorted(keys, key=keys.get)
 
 
 def _colors(methods):
@@ -88,11 +110,11 @@ def _steps_text(steps) -> str:
 def memory_vs_batch(runs: pd.DataFrame) -> plt.Figure:
     runs = _complete(runs)
     tasks = runs[["task", "model"]].drop_duplicates().values.tolist()
-    methods = _methods(runs)
+    methods = _series(runs)
     colors = _colors(methods)
     fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 3.3 * len(tasks) + 1.2), squeeze=False)
-    peak = per_cell(runs, "peak_bytes")
-    act = per_cell(runs, "activation_bytes")
+    peak = with_series(per_cell(runs, "peak_bytes"))
+    act = with_series(per_cell(runs, "activation_bytes"))
     steps = per_cell(runs, "steps", "max")[KEYS + ["steps"]]
     learn = is_learning_cell(peak, runs)
     peak = peak.assign(learning=learn.to_numpy()).merge(steps, on=KEYS, how="left")
@@ -103,7 +125,7 @@ def memory_vs_batch(runs: pd.DataFrame) -> plt.Figure:
             sub = df[(df["task"] == task) & (df["model"] == model)]
             top = np.nanmax(sub[what].to_numpy(dtype=float) / MiB) if sub[what].notna().any() else 1.0
             for m in methods:
-                s = sub[sub["method"] == m].sort_values("batch_size")
+                s = sub[sub["series"] == m].sort_values("batch_size")
                 if s.empty:
                     continue
                 ax.plot(s["batch_size"], s[what] / MiB, color=colors[m], lw=1.2, label=m)
@@ -151,19 +173,21 @@ def _time_ratios(runs: pd.DataFrame) -> pd.DataFrame:
     spd = spd[(spd[COMPARED] != "")].dropna(subset=["time_ratio_ours"])
     if spd.empty:
         return spd
-    return spd.sort_values("batch_size").groupby(["task", "model", "method"], sort=False).tail(1)
+    by = ["task", "model", "method"] + (["optimizer"] if "optimizer" in spd else [])
+    return with_series(spd.sort_values("batch_size").groupby(by, sort=False).tail(1))
 
 
 def step_time_ratio(runs: pd.DataFrame) -> plt.Figure:
     df = _time_ratios(runs)
     tasks = df[["task", "model"]].drop_duplicates().values.tolist() if len(df) else []
-    methods = _methods(df) if len(df) else []
+    methods = _series(df) if len(df) else []
+    method_of = dict(zip(df["series"], df["method"])) if len(df) else {}
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(methods) * max(1, len(tasks)) / 1.5), 4.8))
     width = 0.8 / max(1, len(tasks))
     x = np.arange(len(methods))
     paper_drawn = False
     for i, (task, model) in enumerate(tasks):
-        sub = df[(df["task"] == task) & (df["model"] == model)].set_index("method")
+        sub = df[(df["task"] == task) & (df["model"] == model)].set_index("series")
         xs = x + (i - (len(tasks) - 1) / 2) * width
         ys = np.array([sub["time_ratio_ours"].get(m, np.nan) for m in methods], dtype=float)
         lo = np.array([sub["time_ratio_ours_p20/p80"].get(m, np.nan) for m in methods], dtype=float)
@@ -179,7 +203,7 @@ def step_time_ratio(runs: pd.DataFrame) -> plt.Figure:
                         label=None if paper_drawn else "paper's ratio")
                 paper_drawn = True
     ax.axhline(1.0, color="grey", lw=0.8, ls="--", label="1 = as fast as the compared method")
-    ax.set_xticks(x, [f"{m}\n(vs {reference_method(m)})" for m in methods], fontsize=8)
+    ax.set_xticks(x, [f"{m}\n(vs {reference_method(method_of[m])})" for m in methods], fontsize=8)
     ax.set_ylim(bottom=0)
     ax.set_ylabel("step time: method / compared method\n(p50; above 1 = slower)")
     ax.set_title(f"Step time as a ratio to the compared method — {measured_on(runs)}\n"
@@ -211,14 +235,14 @@ def accuracy(runs: pd.DataFrame) -> plt.Figure:
             ax.set_title(_task_label(task, model) + "\n(no finished runs)", fontsize=9)
             continue
         bs = accuracy_batch_size(sub)
-        sub = sub[sub["batch_size"] == bs]
+        sub = with_series(sub[sub["batch_size"] == bs])
         name = sub["metric_name"].dropna().iloc[0] if sub["metric_name"].notna().any() else "metric"
         scale = 100.0 if name in PERCENT_METRICS else 1.0
-        methods = _methods(sub)
+        methods = _series(sub)
         n_seeds = sub["seed"].nunique()
         mean_label = "mean ± std over seeds" if n_seeds > 1 else "mean (1 seed: no error bar)"
         for j, m in enumerate(methods):
-            v = sub[sub["method"] == m]["metric_value"].to_numpy(dtype=float) * scale
+            v = sub[sub["series"] == m]["metric_value"].to_numpy(dtype=float) * scale
             ax.scatter(np.full(len(v), j) + np.linspace(-0.12, 0.12, len(v)), v, s=16, color="C0", zorder=3,
                        label="one seed" if j == 0 else None)
             ax.errorbar(j, v.mean(), yerr=v.std(ddof=1) if len(v) > 1 else 0, fmt="s", color="k", ms=5,
@@ -274,7 +298,7 @@ def accuracy_vs_option(runs: pd.DataFrame) -> plt.Figure:
         sub = swept[(swept["task"] == task) & (swept["model"] == model) & (swept["plain"] == plain)
                     & (swept["option"] == option)]
         bs = accuracy_batch_size(sub)
-        sub = sub[sub["batch_size"] == bs]
+        sub = with_series(sub[sub["batch_size"] == bs])
         name = sub["metric_name"].dropna().iloc[0] if sub["metric_name"].notna().any() else "metric"
         scale = 100.0 if name in PERCENT_METRICS else 1.0
         ax.scatter(sub["value"], sub["metric_value"] * scale, s=16, color="C0", zorder=3, label="one seed")
@@ -328,8 +352,9 @@ def headline_figure(runs: pd.DataFrame, table: pd.DataFrame | None = None) -> pl
                              squeeze=False)
     for row, (task, model) in enumerate(tasks):
         sub = df[(df["task"] == task) & (df["model"] == model)]
-        methods = [m for m in _methods(sub)] if len(sub) else []
-        sub = sub.set_index("method").reindex(methods)
+        sub = with_series(sub)  # one bar per (method, optimizer)
+        methods = _series(sub) if len(sub) else []
+        sub = sub.set_index("series").reindex(methods)
         y = np.arange(len(methods))
         for col, (ours, paper, xlabel) in enumerate(HEADLINE_PANELS):
             ax = axes[row, col]

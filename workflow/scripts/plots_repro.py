@@ -4,7 +4,8 @@
   real-code LowMemoryBP), each split by op kind, in 16-bit units of b·s·d per block, the saving written on top.
 - fig1, mesa_table: the published memory and ours side by side per method (grey: paper, blue: ours), ratio on top.
 - tokentune_memory: peak memory against batch size per method (the slope is what TokenTune changes).
-- stacked: per model, the peak memory of each row (each adds one technique to the row before), change annotated.
+- stacked: one bar per row (each adds one memory lever to the row above), the peak split by category (GiB),
+  offloading's host bytes hatched, the peak and its change annotated.
 - compiled_saving: per model family, each method's saving (%) eager beside compiled, the share kept on top.
 - compiled_budget: per model family, saved-for-backward KiB and step time against torch.compile's memory budget, one
   line per method, eager dashed.
@@ -123,26 +124,32 @@ def tokentune_memory(df: pd.DataFrame, ax) -> None:
     ax.grid(alpha=0.3)
 
 
-def stacked(df: pd.DataFrame, fig) -> None:
-    """One panel per model: peak memory (MiB) of each row, each adding one technique to the row before; a row the
-    method refuses on this machine (e.g. needs a GPU) is named with no bar."""
-    models = list(dict.fromkeys(df["model"]))
-    axes = fig.subplots(1, len(models), squeeze=False)[0]
-    for ax, model in zip(axes, models):
-        sub = df[df["model"] == model].reset_index(drop=True)
-        y = np.arange(len(sub))
-        vals = pd.to_numeric(sub["peak_MiB"], errors="coerce").to_numpy(dtype=float)
-        ax.barh(y, np.nan_to_num(vals), color="C0", height=0.6, label="peak memory of a training step")
-        for yi, v, ch in zip(y, vals, pd.to_numeric(sub.get("peak_change_%"), errors="coerce")):
-            label = "not measured here" if not np.isfinite(v) else (
-                f"{v:,.0f}" + ("" if pd.isna(ch) else f" ({ch:+.0f} % vs the row above)"))
-            ax.annotate(label, (np.nan_to_num(v), yi), xytext=(3, -3), textcoords="offset points", fontsize=7)
-        ax.set_yticks(y, [str(r) for r in sub["row"]], fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlim(0, np.nanmax(np.r_[vals, 1.0]) * 1.45)
-        ax.set_xlabel("peak memory of a training step (MiB; fake tensors on the CPU)")
-        ax.set_title(str(model), fontsize=10)
-        ax.grid(axis="x", alpha=0.3)
+STACKED_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "temporaries")  # <name>_GiB columns
+
+
+def stacked(df: pd.DataFrame, ax) -> None:
+    """One horizontal bar per row (each adds one lever to the row above, or puts one in place of another): the peak
+    of a training step split by category (GiB), the host bytes of offloading hatched beyond it, the peak and its
+    change against the row above written at the end."""
+    y = np.arange(len(df))
+    left = np.zeros(len(df))
+    for i, cat in enumerate(STACKED_CATEGORIES):
+        vals = pd.to_numeric(df[f"{cat}_GiB"], errors="coerce").fillna(0).to_numpy(dtype=float)
+        ax.barh(y, vals, left=left, height=0.65, color=f"C{i}", label=cat)
+        left += vals
+    host = pd.to_numeric(df.get("host_GiB", pd.Series(0.0, index=df.index)), errors="coerce").fillna(0).to_numpy()
+    if (host > 0).any():
+        ax.barh(y, host, left=left, height=0.65, color="white", edgecolor="0.4", hatch="//",
+                label="host memory (offloading; not in the peak)")
+    for yi, peak, ch, h in zip(y, df["peak_GiB"], df["change_%"], host):
+        text = f"{peak:.1f} GiB" + ("" if pd.isna(ch) else f" ({ch:+.0f} %)")
+        ax.annotate(text, (left[yi] + h, yi), xytext=(3, -3), textcoords="offset points", fontsize=7)
+    ax.set_yticks(y, [str(r) for r in df["lever"]], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, float(np.nanmax(left + host)) * 1.3 if len(df) else 1)
+    ax.set_xlabel("memory at the peak of one training step (GiB; estimated on fake tensors, CPU)")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
 
 
 def tokentune_k(df: pd.DataFrame, ax) -> None:
@@ -291,9 +298,9 @@ def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
     elif name == "estimator_error" and "error_%" in df.columns:
         fig, ax = plt.subplots(figsize=(10, 4.6))
         estimator_error(df, ax)
-    elif name == "stacked" and "peak_MiB" in df.columns:
-        fig = plt.figure(figsize=(6.5 * df["model"].nunique(), 0.45 * df.groupby("model").size().max() + 1.8))
-        stacked(df, fig)
+    elif name == "stacked" and "peak_GiB" in df.columns:
+        fig, ax = plt.subplots(figsize=(9.5, 0.42 * len(df) + 2.0))
+        stacked(df, ax)
     else:
         fig, ax = plt.subplots(figsize=(max(6.5, 0.8 * len(df) + 2), 4.6))
         if name in ("tokentune_memory", "tokentune_vs_ckpt") and any(re.fullmatch(r"peak_MiB_b\d+", c)

@@ -719,7 +719,10 @@ REPRO_CAPTIONS = {
     "mesa_table": "Training memory in MB as the Mesa README gives it, ours estimated on fake tensors; `ratio` = "
                   "ours / paper.",
     "tokentune_memory": "Peak memory of a training step in MiB per batch size (fake tensors on the CPU).",
-    "stacked": "Each row adds one technique to the row before; memory estimated on fake tensors on the CPU.",
+    "stacked": "Each row adds one lever to the row above (or puts one in place of another, as it says); GiB at the "
+               "peak of one steady step by category, estimated on fake tensors (temporaries include the batch); "
+               "`change_%` against the row above; `host_GiB` what offloading holds in host memory; "
+               "`measured / estimated` the same row at hidden 128, 2 blocks: the CPU allocator over the estimate.",
     "compiled_saving": "Saved-for-backward KiB of one training forward of small random models, real tensors on the "
                        "CPU (not fake tensors), fp32, eager and under torch.compile; `*_saving_%` against the "
                        "baseline in the same mode, `kept_%` = compiled saving / eager saving.",
