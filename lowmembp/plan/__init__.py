@@ -37,7 +37,7 @@ from lowmembp import _deprecated_call
 from lowmembp.estimator.step import ModelSpec, build, estimate, full_depth
 from lowmembp.estimator.weights import FROZEN_BASE_METHODS, WEIGHTS, auto_weights, frozen_base
 from lowmembp.methods.registry import parse
-from lowmembp.plan.breakdown import breakdown
+from lowmembp.plan.breakdown import split_peak
 from lowmembp.plan.combination import Peaks
 from lowmembp.plan.combos import combinations, key_of, option_grid
 from lowmembp.plan.models import resolve_model
@@ -222,7 +222,7 @@ def evaluate(job: dict) -> dict:
         return row
     mg = job["margin"]
     row.update(peak_bytes=pk, need_bytes=int(pk * (1 + mg["fraction"]) + mg["reserved_bytes"]), fits=pk <= cap,
-               peak_phase=first["peak"].get("phase"), peak_breakdown=breakdown(first["peak"]),
+               peak_phase=first["peak"].get("phase"), peak_breakdown=split_peak(first["peak"]),
                peak_breakdown_how="proportional" if first["peak"].get("split_from") else "measured",
                static_bytes=static, floor_bytes=floor, largest_batch=best, largest_batch_how=how,
                largest_batch_by_gpu=by_gpu,

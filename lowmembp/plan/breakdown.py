@@ -1,7 +1,7 @@
 """Where a step's peak is and what it holds: the phase it falls in and its bytes by category, as the planner reports
 them (a row's ``peak_phase`` and ``peak_breakdown``, the table's "peak at" column, :func:`plot_breakdown`'s bars).
 
-    breakdown(peak)   # {"weights", "gradients", "optimizer_states", "saved_activations", "temporaries", "host"}
+    split_peak(peak)   # {"weights", "gradients", "optimizer_states", "saved_activations", "temporaries", "host"}
     compact(row)      # "bwd W55 S30 T15": the phase, then each category's share of the peak in % (>= 5 %)
 
 From the peak tracker's split (:class:`lowmembp.measurement.peak.StorageTracker`, taken at the moment of the peak):
@@ -13,7 +13,7 @@ offloading method keeps in host memory at that moment (not part of the device pe
 """
 from __future__ import annotations
 
-__all__ = ["BREAKDOWN", "DEVICE_PARTS", "PHASE_SHORT", "breakdown", "compact", "plot_breakdown"]
+__all__ = ["BREAKDOWN", "DEVICE_PARTS", "PHASE_SHORT", "compact", "split_peak", "plot_breakdown"]
 
 BREAKDOWN = ("weights", "gradients", "optimizer_states", "saved_activations", "temporaries", "host")
 DEVICE_PARTS = BREAKDOWN[:-1]  # the parts of the device peak (host memory is apart)
@@ -25,14 +25,14 @@ LEGEND = ("peak at: the phase of the step the peak falls in (fwd: forward throug
           "~: the 2- and 3-block builds peak in different phases, G/S/T split as the deeper build's")
 
 
-def breakdown(peak: dict) -> dict[str, int]:
+def split_peak(peak: dict) -> dict[str, int]:
     """The peak's bytes by :data:`BREAKDOWN` category (module doc) from an estimate's ``"peak"`` dict.
 
     A peak extended by depth from builds whose peaks fall in different phases (``peak["split_from"]``: the deeper
     build's peak) has only the bytes alive through the whole step (weights, optimizer states) extended; the rest of
     its bytes is split as the deeper build's rest is (a proportional split, not a measured one)."""
     if peak.get("split_from") is not None:
-        return _proportional(peak, breakdown(peak["split_from"]))
+        return _proportional(peak, split_peak(peak["split_from"]))
     c = peak["by_category"]
     saved = int(peak.get("saved_bytes") or 0)
     rest = sum(v for k, v in c.items() if k not in ("parameters", "gradients", "optimizer_state"))

@@ -11,7 +11,7 @@ from lowmembp.estimator.weights import auto_weights, nf4_base_weights, nf4_weigh
 from lowmembp.measurement.peak import StorageTracker, prime_optimizer
 from lowmembp.measurement.saved import SavedTensorAccountant
 from lowmembp.plan import make_plan
-from lowmembp.plan.breakdown import DEVICE_PARTS, breakdown, compact
+from lowmembp.plan.breakdown import DEVICE_PARTS, compact, split_peak
 
 NO_MARGIN = dict(margin=0.0, reserved=0)
 # LLaMA at a tiny width, 4 blocks, bf16 autocast (as tests/plan/test_plan_fast.py)
@@ -62,7 +62,7 @@ def test_a_peak_in_the_loss_holds_the_weights_the_state_and_every_saved_tensor()
     steps = [s["step"] for s in opt.state.values()]
     assert cats["optimizer_state"] == 2 * _nbytes(params) + _nbytes(steps)
     assert tracker.peak_saved == acc.report()["total"] > 0
-    parts = breakdown({"bytes": tracker.peak, "by_category": cats, "saved_bytes": tracker.peak_saved})
+    parts = split_peak({"bytes": tracker.peak, "by_category": cats, "saved_bytes": tracker.peak_saved})
     assert sum(parts[k] for k in DEVICE_PARTS) == tracker.peak
     assert parts["temporaries"] >= big * 4 and parts["gradients"] == 0
 
@@ -199,10 +199,10 @@ def test_a_peak_extended_from_builds_peaking_in_different_phases_is_split_propor
     peaks.shallow, peaks.depth = (2, 3), 32
     out = peaks._combine({2: {"peak": lo, "flops": None}, 3: {"peak": hi, "flops": None}})["peak"]
     assert out["bytes"] == extend_by_depth({"peak": lo}, {"peak": hi}, (2, 3), 32)["peak"]["bytes"]
-    parts = breakdown(out)
+    parts = split_peak(out)
     assert sum(parts[k] for k in DEVICE_PARTS) == out["bytes"] and min(parts.values()) >= 0
     assert parts["weights"] == 3477193216 + 29 * (3477193216 - 2667659776)
-    hb = breakdown(hi)
+    hb = split_peak(hi)
     rest = [hb["gradients"], hb["saved_activations"], hb["temporaries"]]
     got = [parts["gradients"], parts["saved_activations"], parts["temporaries"]]
     assert [round(g / sum(got), 6) for g in got] == [round(r / sum(rest), 6) for r in rest]

@@ -21,7 +21,7 @@ def use_fake_planner(monkeypatch, statuses: dict):
         for method, why in statuses.items():
             if why is None:
                 rows.append({"method": method, "status": "ok", "largest_batch": 8, "peak_bytes": 3 * 2**30,
-                             "largest_batch_by_gpu": {"40GiB": 16}, "largest_batch_how": "checked"})
+                             "weights": "bf16", "largest_batch_by_gpu": {"40GiB": 16}, "largest_batch_how": "checked"})
             else:
                 rows.append({"method": method, "status": "not estimated", "reason": why})
         return SimpleNamespace(rows=rows, settings={"seq_len": 128, "dtype": "bf16"}, sources={"margin": "5 %"})
@@ -42,8 +42,8 @@ def test_a_method_not_estimated_is_named_with_its_reason(monkeypatch, tmp_path, 
     capacity.write(df, f"{out}.csv", f"{out}.md", f"{out}.png", GPUS)
     text = Path(f"{out}.md").read_text()
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| bert")]
-    assert rows == [["bert-large", "baseline", "3", "8", "16"],
-                    ["bert-large", "tokentune", "not estimated", "not estimated", "not estimated"]]
+    assert rows == [["bert-large", "baseline", "bf16", "3", "8", "16"],
+                    ["bert-large", "tokentune", "-", "not estimated", "not estimated", "not estimated"]]
     assert "Not estimated: bert-large tokentune: no fake step" in text
 
 

@@ -81,8 +81,10 @@ def write(df, out_csv: str, out_md: str, out_png: str, gpus: list[str]) -> None:
     wide = wide.rename(columns={g: f"largest batch in {g}" for g in gpus})
     missing = not_estimated(df)
     if len(missing):  # the numbers as they would print, the gaps in words
-        wide = wide.apply(lambda col: col if col.name in ("model", "method") else col.map(
-            lambda v: "not estimated" if v != v else int(v) if float(v).is_integer() else v))
+        wide = wide.apply(lambda col: col if col.name in ("model", "method") else col.fillna("-")
+                          if col.name == "weights" else col.map(
+            lambda v: "not estimated" if v is None or v != v else v if isinstance(v, str)
+            else int(v) if float(v).is_integer() else v))
     text = ("# Largest batch that fits, per paper model and method (lowmembp.plan, fake tensors)\n\n"
             f"Margin: {df['margin'].iloc[0]}. Each largest batch is checked: it fits and the next does not.\n"
             "Weights as loaded for each method (the planner's auto: a LoRA-family base in the compute dtype, trained "
