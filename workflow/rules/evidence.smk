@@ -20,8 +20,8 @@ EVIDENCE_FIGURE = cat.figure_path(R, cat.EVIDENCE_FIGURE.name)
 # in `rule all` (Snakefile)
 EVIDENCE_TARGETS = [*EVIDENCE_TABLE.values(), EVIDENCE_FIGURE] if EVIDENCE else []
 # the records of the cells of the sweeps `evidence:` names
-EVIDENCE_RECORDS = [RECORD.format(task=t, model=m, method=x, bs=b, seed=s)
-                    for (t, m, x, b, s), (name, _) in sorted(CELLS.items()) if name in EVIDENCE.get("sweeps", ())]
+EVIDENCE_RECORDS = [sweep_config.record_path(R, *key) for key, (name, _) in sorted(CELLS.items())
+                    if name in EVIDENCE.get("sweeps", ())]
 EVIDENCE_REFERENCE = EVIDENCE.get("reference") or f"{R}/reference/evidence"
 EVIDENCE_COMMAND = " ".join(["snakemake --cores all"] + [f"--configfile {os.path.relpath(f, workflow.basedir)}"
                                                         for f in workflow.overwrite_configfiles])
