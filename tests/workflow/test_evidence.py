@@ -151,7 +151,7 @@ def test_tiny_evidence_config_end_to_end(tmp_path):
             assert (row.ci_low, row.ci_high) == (pytest.approx(ci.low), pytest.approx(ci.high))
         assert row.verdict == ev.verdict(row.ci_low, row.ci_high, 1.0)
     md = (res / "tables" / "evidence.md").read_text()
-    assert cfg["evidence"]["label"] in md.splitlines()[0] and "Measured on: cpu" in md
+    assert cfg["evidence"]["label"] in md.splitlines()[0] and "Machine: cpu" in md
     assert "snakemake --cores all --configfile config/evidence-tiny.yaml" in md
     assert (res / "figures" / "evidence_curves.png").read_bytes()[:4] == b"\x89PNG"
     # the reference copy (not part of `all`)

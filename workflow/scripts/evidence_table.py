@@ -38,7 +38,8 @@ for _p in (HERE, HERE.parent, HERE.parents[1]):  # scripts, the catalogue, the l
         sys.path.insert(0, str(_p))
 import catalogue  # noqa: E402
 from make_reference import cpu_name  # noqa: E402
-from tables import DEFAULT_OPTIMIZER, PERCENT_METRICS, machine_note, reference_method, write  # noqa: E402
+from table_layout import Layout, Part  # noqa: E402
+from tables import DEFAULT_OPTIMIZER, PERCENT_METRICS, machine, machine_note, reference_method, write  # noqa: E402
 
 LEVEL = 0.95
 UNITS = {"accuracy": "pt", "perplexity": "%"}  # the unit of a difference: points of %, or % of the compared value
@@ -218,7 +219,8 @@ def write_evidence(records, out: dict[str, str], margins: dict[str, float], comm
     notes.append(f"Made on {cpu_name()}, {os.cpu_count()} logical cores" + (f", by `{command}`." if command else "."))
     counts = df["verdict"].value_counts()
     notes.append("Verdicts: " + ", ".join(f"{counts.get(v, 0)} {v}" for v in VERDICTS) + ".")
-    write(df, out["md"], out["csv"], title, notes, out.get("html"), CAPTION, display(df))
+    layout = Layout(title, machine(runs), CAPTION, [Part("", display(df))], notes=[n for n in notes if n])
+    write(df, out["md"], out["csv"], layout, out.get("html"))
     return df
 
 
