@@ -65,19 +65,19 @@ class SavedTensorAccountant:
         self._stack: list[nn.Module] = []
         self._names: dict[int, str] = {}
         self._kind_cache: dict[int, str | None] = {}
-        self._excluded: set[int] = set()
+        self._excluded: dict[int, StorageWeakRef] = {}  # storage key -> the parameter's / buffer's storage
         self._cast_seen: dict[int, StorageWeakRef] = {}  # storage key -> the cast's storage (while it lives)
         self._hooks_ctx = None
 
     # -- context --------------------------------------------------------------------------------------------
     def __enter__(self) -> "SavedTensorAccountant":
         self.storages, self._index, self.param_cast_bytes, self._cast_seen = [], {}, 0, {}
-        self._stack, self._excluded = [], set()
+        self._stack, self._excluded = [], {}
         if self.model is not None:
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 key = _storage_key(t)
                 if key is not None:
-                    self._excluded.add(key)
+                    self._excluded[key] = StorageWeakRef(t.untyped_storage())
             for name, module in self.model.named_modules():
                 self._names[id(module)] = name or type(module).__name__
                 self._handles.append(module.register_forward_pre_hook(self._push))
@@ -112,8 +112,11 @@ class SavedTensorAccountant:
 
     def _record(self, t: torch.Tensor) -> None:
         key = _storage_key(t)
-        if key is None or key in self._excluded:
+        if key is None:
             return
+        param = self._excluded.get(key)
+        if param is not None and not param.expired():  # a dead parameter's address (a weight replaced in the
+            return                                       # forward) taken by a new storage is counted
         st = t.untyped_storage()
         nbytes = int(st.nbytes())
         if nbytes == 0:

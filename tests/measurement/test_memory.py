@@ -47,6 +47,29 @@ def test_dedupe_by_storage_and_views():
     assert acc.report()["total"] == 6 * 9 * 4 + 5 * 9 * 4
 
 
+def test_a_storage_at_a_replaced_buffers_address_is_counted():
+    """A parameter or buffer replaced during the forward (VeLoRA's first-batch initialisation does so) frees its
+    storage; the allocator may put the next new storage at the same address. That storage is an activation and is
+    counted, whatever the allocator did (repeated so that the address is reused at least once on most machines)."""
+    n = 257
+
+    class Replaces(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.randn(n))
+
+        def forward(self, x):
+            self.scale = torch.randn(n)  # the old buffer's storage is freed here
+            return x * torch.randn(n)    # saves a new storage of the same size (mul saves the other operand)
+
+    for _ in range(20):
+        model = Replaces()
+        x = torch.randn(3, n, requires_grad=True)
+        with SavedTensorAccountant(model) as acc:
+            model(x)
+        assert [r["bytes"] for r in acc.table()] == [n * 4]
+
+
 def test_frozen_params_and_buffers_excluded():
     lin = nn.Linear(8, 4)
     lin.weight.requires_grad_(False)

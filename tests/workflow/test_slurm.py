@@ -6,6 +6,7 @@ of the node must be granted to that job and to no other. Skipped, with the reaso
 (not root, no SLURM and no apt-get, or a machine with its own /etc/slurm/slurm.conf)."""
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -22,6 +23,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "workflow" / "profiles" / "slurm"
+sys.path.insert(0, str(ROOT / "workflow"))
+import sweep_config  # noqa: E402
+
 TINY = ROOT / "config" / "tiny.yaml"
 PARTITION = "gpu"  # a partition of tests/slurm_cluster.sh's cluster that is not its default
 GPU_SWEEP = "tiny-lm"  # its one cell asks for gpu: 1
@@ -125,11 +129,10 @@ def test_tiny_pipeline_through_the_slurm_profile_equals_a_local_run(cluster, tmp
     # runs.csv: same cells, same statuses, same deterministic fields
     a = pd.read_csv(local / "results" / "runs.csv")
     b = pd.read_csv(remote / "results" / "runs.csv")
-    key = ["task", "model", "method", "batch_size", "seed"]
+    key = ["task", "model", "method", "batch_size", "seed", "optimizer"]
     assert sorted(a.columns) == sorted(b.columns)
     a, b = a.sort_values(key).reset_index(drop=True), b.sort_values(key).reset_index(drop=True)
-    assert len(a) == sum(len(sw["methods"]) * len(sw["batch_sizes"]) * len(sw.get("seeds", [0])) * len(sw["tasks"])
-                         for sw in cfg["sweeps"].values())
+    assert len(a) == len(sweep_config.cells(sweep_config.fill_defaults(copy.deepcopy(cfg))))  # one row per cell
     assert a[key + ["status"]].equals(b[key + ["status"]])
     assert (a["status"] == "ok").all(), a[["method", "status", "message"]]
     compared = [c for c in a.columns if not NOT_COMPARED.search(c)]
