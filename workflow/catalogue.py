@@ -42,6 +42,8 @@ RUN_TABLES = (
            "against the compared method", "tables.py"),
     Output("accuracy_short", "Metric of the short memory/speed cells (too few steps to learn: not an accuracy "
            "comparison)", "tables.py"),
+    Output("peers", "The newer peers and the optimizers, cell by cell: peak, its split or the bytes saved for "
+           "backward, step time and final loss beside the compared method", "tables.py"),
 )
 RUN_FIGURES = (
     Output("memory_vs_batch", "Peak and activation memory (MiB) against batch size, per method", "plots.py"),
@@ -99,6 +101,9 @@ REPRODUCTIONS = (
                  "allocator's peak of the same step (tiny ViT / BERT / LLaMA, fp32)",
                  how="fake tensors (estimate) and real tensors with torch.profiler's allocator events (measured), "
                      "on the CPU"),
+    Reproduction("lever-estimates", "lever_estimates",
+                 "One lever at a time on a LLaMA-7B training step: the optimizers, tiled MLP and VeLoRA, peak and "
+                 "saved bytes by category (GiB)"),
 )
 REPRO_SCRIPT = "repro.py"  # reproduction -> repro/<name>.csv
 REPRO_TABLE_SCRIPT = "tables.py"

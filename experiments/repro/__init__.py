@@ -16,7 +16,8 @@ accuracy against k, beside full fine-tuning and LoRA, on a synthetic task traine
 saving survives compilation; small real models on the CPU), ``compiled-budget`` (baseline, lowmembp and
 lora+lowmembp at torch.compile memory budgets below 1: saved bytes and CPU step time, eager beside),
 ``grad-fidelity`` (each approximate method's gradient against exact backprop's: cosine and relative error per layer
-on MiniLM, the tiny LLaMA base and a trained ViT, fp32 and bf16, exact methods as controls). The
+on MiniLM, the tiny LLaMA base and a trained ViT, fp32 and bf16, exact methods as controls), ``lever-estimates``
+(what the optimizers, tiled MLP and VeLoRA each do to a LLaMA-7B step: the method pages' figures). The
 paper-scale ones run the real timm / transformers code on fake tensors (:mod:`lowmembp.estimator.step`): no GPU,
 nothing large allocated.
 Every table puts the paper's value (where there is one), ours and their ratio side by side, and a ``note`` says why
@@ -36,6 +37,7 @@ from experiments.repro.estimator_error import estimator_error
 from experiments.repro.fig1 import fig1
 from experiments.repro.grad_fidelity import grad_fidelity
 from experiments.repro.headline import headline
+from experiments.repro.lever_estimates import lever_estimates
 from experiments.repro.mesa_attribution import mesa_attribution
 from experiments.repro.mesa_table import mesa_table
 from experiments.repro.stacked import stacked
@@ -50,7 +52,7 @@ REPROS: dict[str, Callable[..., pd.DataFrame]] = {
     "tokentune-memory": tokentune_memory, "stacked": stacked, "headline": headline,
     "mesa-attribution": mesa_attribution, "tokentune-vs-ckpt": tokentune_vs_ckpt,
     "tokentune-k": tokentune_k, "compiled-saving": compiled_saving, "compiled-budget": compiled_budget,
-    "grad-fidelity": grad_fidelity, "estimator-error": estimator_error}
+    "grad-fidelity": grad_fidelity, "estimator-error": estimator_error, "lever-estimates": lever_estimates}
 
 
 def run(name: str, **kwargs) -> pd.DataFrame:

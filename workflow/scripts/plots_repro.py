@@ -152,6 +152,35 @@ def stacked(df: pd.DataFrame, ax) -> None:
     ax.grid(axis="x", alpha=0.3)
 
 
+LEVER_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")  # <c>_at_peak_GiB
+
+
+def lever_estimates(df: pd.DataFrame, fig) -> None:
+    """One panel per section (the optimizers, tiled MLP, VeLoRA): a horizontal bar per method (and optimizer), the
+    peak of one training step split by category (GiB), the peak written at the end."""
+    sections = list(dict.fromkeys(df["section"]))
+    axes = fig.subplots(len(sections), 1, squeeze=False,
+                        gridspec_kw={"height_ratios": [max(2, (df["section"] == s).sum()) for s in sections]})[:, 0]
+    for ax, section in zip(axes, sections):
+        sub = df[df["section"] == section].reset_index(drop=True)
+        y = np.arange(len(sub))
+        left = np.zeros(len(sub))
+        for i, cat in enumerate(LEVER_CATEGORIES):
+            vals = pd.to_numeric(sub[f"{cat}_at_peak_GiB"], errors="coerce").fillna(0).to_numpy(dtype=float)
+            ax.barh(y, vals, left=left, height=0.65, color=f"C{i}", label=cat.replace("_", " "))
+            left += vals
+        for yi, peak in zip(y, sub["peak_GiB"]):
+            ax.annotate(f"{peak:.1f} GiB", (left[yi], yi), xytext=(3, -3), textcoords="offset points", fontsize=7)
+        labels = [m if section != "optimizers" else o for m, o in zip(sub["method"], sub["optimizer"])]
+        ax.set_yticks(y, labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlim(0, float(np.nanmax(left)) * 1.25 if len(sub) else 1)
+        ax.set_title(textwrap.fill(f"{section}: {sub['setting'].iloc[0]}", 110), fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1].set_xlabel("memory at the peak of one training step (GiB; estimated on fake tensors, CPU)")
+    axes[0].legend(fontsize=7, loc="lower right")
+
+
 def tokentune_k(df: pd.DataFrame, ax) -> None:
     """Accuracy (%) against TokenTune's k (mean, spread over seeds as error bars); full fine-tuning and LoRA as
     horizontal lines."""
@@ -298,6 +327,9 @@ def figure(name: str, df: pd.DataFrame, title: str | None = None) -> plt.Figure:
     elif name == "estimator_error" and "error_%" in df.columns:
         fig, ax = plt.subplots(figsize=(10, 4.6))
         estimator_error(df, ax)
+    elif name == "lever_estimates" and "section" in df.columns:
+        fig = plt.figure(figsize=(9.5, 0.42 * len(df) + 1.2 * df["section"].nunique() + 1.5))
+        lever_estimates(df, fig)
     elif name == "stacked" and "peak_GiB" in df.columns:
         fig, ax = plt.subplots(figsize=(9.5, 0.42 * len(df) + 2.0))
         stacked(df, ax)

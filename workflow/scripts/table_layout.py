@@ -8,7 +8,8 @@ writes it as Markdown (:func:`markdown`); table_html.py as HTML.
     markdown(Layout("Peak memory", "cpu (x86_64, 1 threads)", "caption", [Part("", shown)], notes.texts))
 
 Markdown layout (the docs include a table from its third line on, ``--8<-- "tables/NAME.md:3:"``, so the machine
-line comes along):
+line comes along; a part with a ``section`` name is wrapped in pymdownx.snippets' section markers, so a page can
+include that part alone, ``--8<-- "tables/NAME.md:SECTION"``, and its machine line, ``--8<-- "tables/NAME.md:3:3"``):
 
     # <title> — <machine>
     <blank>
@@ -50,6 +51,7 @@ class Footnotes:
 class Part:
     heading: str  # "" for a table of one part
     table: pd.DataFrame  # formatted: strings, '-' where nothing
+    section: str = ""  # a name a docs page includes this part by (pymdownx.snippets sections), "" for none
 
 
 @dataclass
@@ -79,10 +81,14 @@ def markdown(layout: Layout) -> str:
     for n in layout.notes:
         lines += [n, ""]
     for part in layout.parts:
+        if part.section:
+            lines += [f"<!-- --8<-- [start:{part.section}] -->"]
         if part.heading:
             lines += [f"### {part.heading}", ""]
         body = part.table.to_markdown(index=False, disable_numparse=True) if len(part.table) else "(no rows)"
         lines += [body, ""]
+        if part.section:
+            lines += [f"<!-- --8<-- [end:{part.section}] -->", ""]
     if layout.footnotes:
         lines += ["Notes:", ""] + [f"{i}. {t}" for i, t in enumerate(layout.footnotes, 1)] + [""]
     return "\n".join(lines)

@@ -368,8 +368,94 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
+# The peers' sections of the peers table, each the docs page of one method (docs/methods/<name>.md), which includes
+# its section alone: the method's cells beside the cells of the method they are compared with.
+PEER_METHODS = ("velora", "cce", "tiled-mlp")
+PEER_ALSO = {"velora": ("lora",)}  # shown beside a peer besides its compared method: the method it modifies
+OPTIMIZERS_SECTION = "optimizers"  # the same cell with each optimizer (docs/methods/optimizers.md)
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")  # peak_<c>_bytes
+
+
+def _plain_names(method: str) -> set[str]:
+    from lowmembp.methods.registry import plain_spec
+
+    names = set()
+    for part in str(method).split("+"):
+        try:
+            names.add(plain_spec(part))
+        except ValueError:  # not a spec (a hand-made row)
+            names.add(part)
+    return names
+
+
+def peers_table(runs: pd.DataFrame, claims: dict | None = None) -> pd.DataFrame:
+    """The cells of the newer peers (:data:`PEER_METHODS`), each beside the cell it is compared with (same task,
+    model, optimizer and batch size), and every cell run with more than one optimizer, each optimizer beside AdamW:
+    peak and its split by category, bytes saved for backward, step time and final loss (mean / median over seeds).
+    ``section`` names the docs page a row belongs to; a compared cell appears in each section that needs it."""
+    runs = _complete(runs)
+    cols = ["peak_bytes", "activation_bytes", "final_loss", "steps"] + [f"peak_{c}_bytes" for c in CATEGORIES
+                                                                       if f"peak_{c}_bytes" in runs]
+    df = per_cell(runs, "step_time_p50", "median")
+    for c in cols:
+        if c in runs:
+            df = df.merge(per_cell(runs, c, "max" if c == "steps" else "mean")[KEYS + [c]], on=KEYS, how="left")
+    df[COMPARED] = df["method"].map(lambda x: reference_method(x) or "")
+    names = df["method"].map(_plain_names)
+    rows = []
+    for section in PEER_METHODS:
+        mine = df[names.map(lambda n, s=section: s in n)]
+        wanted = {(t, m, ref, o, b) for t, m, c, o, b in zip(mine["task"], mine["model"], mine[COMPARED],
+                                                              mine["optimizer"], mine["batch_size"])
+                  for ref in (c, *PEER_ALSO.get(section, ()))}
+        compared = df[[k in wanted for k in zip(df["task"], df["model"], df["method"], df["optimizer"],
+                                                df["batch_size"])]]
+        rows.append(pd.concat([compared, mine]).assign(section=section))
+    cell = ["task", "model", "method", "batch_size"]
+    multi = df.groupby(cell)["optimizer"].transform("nunique") > 1
+    rows.append(df[multi].assign(section=OPTIMIZERS_SECTION))
+    out = pd.concat(rows, ignore_index=True)
+    out = _with_notes(out, runs)
+    out["peak_MiB"] = out["peak_bytes"] / MiB
+    out["saved_MiB"] = out["activation_bytes"] / MiB
+    for c in CATEGORIES:
+        out[f"{c}_at_peak_MiB"] = out[f"peak_{c}_bytes"] / MiB if f"peak_{c}_bytes" in out else np.nan
+    out["step_ms_p50"] = out["step_time_p50"] * 1e3
+    out["_order"] = [0 if reference_method(x) is None else 1 if sec not in _plain_names(x) else 2
+                     for x, sec in zip(out["method"], out["section"])]
+    out = out.sort_values(["section", "task", "model", "batch_size", "_order", "method", "optimizer"],
+                          key=lambda c: c.map({s: i for i, s in enumerate(PEER_METHODS + (OPTIMIZERS_SECTION,))})
+                          if c.name == "section" else c, kind="stable")
+    keep = ["section"] + KEYS + ["status", "steps", COMPARED, "peak_MiB", "saved_MiB",
+                                 *[f"{c}_at_peak_MiB" for c in CATEGORIES], "step_ms_p50", "final_loss", "notes"]
+    return out[keep].reset_index(drop=True)
+
+
+def peers_layout(df: pd.DataFrame, runs: pd.DataFrame, notes: Footnotes) -> list[Part]:
+    """One part per section, each a snippets section of its name (docs/methods/<name>.md includes it)."""
+    parts = []
+    for section, sub in df.groupby("section", sort=False):
+        rows = []
+        for d in sub.to_dict("records"):
+            k = _keys(d, notes)
+            row = {**k, "peak (MiB)": _num(d["peak_MiB"], ".1f")}
+            if section == OPTIMIZERS_SECTION:
+                row.update({"gradients at peak (MiB)": _num(d["gradients_at_peak_MiB"], ".2f"),
+                            "optimizer state (MiB)": _num(d["optimizer_state_at_peak_MiB"], ".2f"),
+                            "activations at peak (MiB)": _num(d["activations_at_peak_MiB"], ".2f")})
+            else:
+                row["saved for backward (MiB)"] = _num(d["saved_MiB"], ".2f")
+            row.update({step_time_label(runs).split(",")[0] + ", p50 (ms)": _num(d["step_ms_p50"], ".1f"),
+                        "final loss": _num(d["final_loss"], ".6f")})
+            rows.append(row)
+        title = ("Each optimizer on the same cell" if section == OPTIMIZERS_SECTION
+                 else f"{section} beside the method it is compared with")
+        parts.append(Part(title, pd.DataFrame(rows), section=section))
+    return parts
+
+
 RUN_TABLES = {"memory": memory_table, "speed": speed_table, "accuracy": accuracy_table,
-              "accuracy_short": accuracy_short_table}
+              "accuracy_short": accuracy_short_table, "peers": peers_table}
 TITLES = {name: catalogue.RUN_TABLE[name].title for name in RUN_TABLES}
 CPU_TIME = "CPU step time, PyTorch reference ops (this machine)"  # what a step time measured on a CPU is
 NO_GPU = "—, no GPU run yet"  # the GPU column until benchmarks/gpu_run.py has written results/gpu/
@@ -392,6 +478,11 @@ CAPTIONS = {
     "accuracy_short": "The metric of the short cells (a few steps, run for memory and step time): too short to "
                       "learn, so near chance (10 % on mnist5k) — not an accuracy comparison; accuracy in %. The "
                       "comparison is the accuracy table.",
+    "peers": "The newer peers (VeLoRA, Cut Cross-Entropy, tiled MLP) each beside the method it is compared with "
+             "(lora+X against lora, others against baseline; VeLoRA beside LoRA too; same task, model, optimizer "
+             "and batch size), and each optimizer on the same cell: peak memory of one training step in MiB (mean over "
+             "seeds), the bytes saved for backward or the peak's split by category, the "
+             f"{CPU_TIME} (p50, median over seeds) and the final training loss (equal where a method is exact).",
     "headline": "Per method against the method it is compared with (lora+X: lora; others: baseline): peak and "
                 "activation memory saved in % (at the memory batch, the largest batch where both ran), the "
                 f"{CPU_TIME} change in % (+ = slower; [p20 … p80] its spread) and the metric change at the accuracy "
@@ -617,7 +708,8 @@ def accuracy_layout(df: pd.DataFrame, runs: pd.DataFrame, notes: Footnotes, shor
 def run_layout(name: str, df: pd.DataFrame, runs: pd.DataFrame, notes: list[str] = ()) -> Layout:
     fn = Footnotes()
     parts = {"memory": memory_layout, "speed": speed_layout, "accuracy": accuracy_layout,
-             "accuracy_short": lambda d, r, n: accuracy_layout(d, r, n, short=True)}[name](df, runs, fn)
+             "accuracy_short": lambda d, r, n: accuracy_layout(d, r, n, short=True),
+             "peers": peers_layout}[name](df, runs, fn)
     return Layout(TITLES[name], machine(runs), CAPTIONS[name], parts, fn.texts, list(notes))
 
 
@@ -735,6 +827,10 @@ REPRO_CAPTIONS = {
                          "tensors); saving in %, the paper's beside ours and ours / paper; official run: the same "
                          "step as the official QLoRA run holds memory (LLaMA rows); band: the paper's stated "
                          "'20–30 %'.",
+    "lever_estimates": "Each part one lever's page: the peak of one steady training step and the bytes saved for "
+                       "backward by one forward, in GiB, and the peak's split by category at that moment "
+                       "(lowmembp.measurement.peak; temporaries include the batch), estimated on fake tensors with "
+                       "the real transformers LLaMA code at LLaMA-7B's shapes.",
     "grad_fidelity": "One training step of real weights on a real batch, CPU. `cos_*`: cosine of the whole gradient "
                      "(every tensor the method trains) with its exact reference's; `rel_err_*`: ||g - g_exact|| / "
                      "||g_exact|| (0 = bit-identical); `blocks_*`: the transformer blocks' tensors alone (no "
@@ -848,7 +944,26 @@ def generic_layout(df: pd.DataFrame, notes: Footnotes, unit: str = "") -> list[P
     return split_columns(shown.rename(columns=names), [names[k] for k in keys])
 
 
-REPRO_LAYOUTS = {"fig1": fig1_layout, "lowmembp_headline": lowmembp_headline_layout}
+def lever_estimates_layout(df: pd.DataFrame, notes: Footnotes) -> list[Part]:
+    """One part per section (its setting as the heading), each a snippets section of its name: the method page
+    (docs/methods/<section>.md) includes it alone."""
+    parts = []
+    for section, sub in df.groupby("section", sort=False):
+        rows = []
+        for d in sub.to_dict("records"):
+            row = ({"optimizer": d["optimizer"]} if section == "optimizers" else {"method": f"`{d['method']}`"})
+            row.update({"peak (GiB)": _num(d["peak_GiB"], ".2f")})
+            if section != "optimizers":
+                row["saved for backward (GiB)"] = _num(d["saved_GiB"], ".2f")
+            row.update({f"{c.replace('_', ' ')} at peak (GiB)": _num(d[f"{c}_at_peak_GiB"], ".2f")
+                        for c in CATEGORIES})
+            rows.append(row)
+        parts.append(Part(str(sub["setting"].iloc[0]), pd.DataFrame(rows), section=section))
+    return parts
+
+
+REPRO_LAYOUTS = {"fig1": fig1_layout, "lowmembp_headline": lowmembp_headline_layout,
+                 "lever_estimates": lever_estimates_layout}
 
 
 def repro_machine(repro) -> str:
