@@ -23,7 +23,7 @@ Liger-Kernel: if ``liger_kernel`` is not importable, the wheel in third_party/wh
 ``pip install --no-deps --no-index --target`` into a temporary folder put on the path.
 ``--cpu-smoke``: TRITON_INTERPRET=1 (set before triton is imported), tiny shapes, our kernels through the
 interpreter, the official ops replaced by a flagged stand-in (our reference), Liger skipped, gpu_check on one op and
-pytest collecting only; no timing claims. tests/test_gpu_run.py runs it.
+pytest collecting only; no timing claims. tests/benchmarks/test_gpu_run.py runs it.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A one-node SLURM cluster for tests/test_slurm.py (or by hand): munged + slurmctld + slurmd started by hand (no
+# A one-node SLURM cluster for tests/workflow/test_slurm.py (or by hand): munged + slurmctld + slurmd started by hand (no
 # systemd, no slurmdbd, no cgroups), everything under one private folder with its own ports (16817/16818) and munge
 # key and socket, so a machine's own munge and SLURM daemons are left alone.
 #

@@ -154,3 +154,17 @@ def test_mkdocs_build_strict(tmp_path):
             for _, _, rows in _tables(ref):
                 for row in rows:
                     assert f"<td>{row[0]}</td>" in html or f">{row[0]}<" in html, (page.name, row[0])
+
+
+TEST_PATH = re.compile(r"tests/[A-Za-z0-9_/]*?test_[A-Za-z0-9_]+\.py")
+
+
+def test_the_test_files_named_exist():
+    """A reader told to run ``pytest tests/.../test_x.py`` finds that file: every test path the docs, the README, the
+    library, the experiments, the pipeline and the configs name exists."""
+    files = USER_FACING + [f for folder in ("lowmembp", "experiments", "workflow", "benchmarks", "config", ".ci")
+                           for f in sorted((ROOT / folder).rglob("*")) if f.is_file() and f.suffix in {".py", ".yaml",
+                                                                                                      ".smk", ".md"}]
+    missing = sorted({f"{f.relative_to(ROOT)}: {m.group(0)}" for f in files for m in TEST_PATH.finditer(f.read_text())
+                      if not (ROOT / m.group(0)).is_file()})
+    assert not missing, f"test files named but not there (tests mirror the package: tests/<room>/): {missing}"

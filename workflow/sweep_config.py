@@ -45,7 +45,7 @@ BASE_DEFAULTS = {"method": "baseline", "seed": 0, "train_args": []}
 # Methods whose trained model does not have the plain model's weights, so what --save-model writes (the state dict)
 # would not load (--init, strictly) into a fresh model: lora / lora-fa / velora add adapters, lowmembp /
 # lowmembp-norm fold the norms' γ/β into the next linears. Every other method leaves names and values as they are.
-# tests/test_config_check.py checks this list against every registered method on a tiny ViT and LLaMA.
+# tests/workflow/test_config_check.py checks this list against every registered method on a tiny ViT and LLaMA.
 CHANGE_WEIGHTS = ("lora", "lora-fa", "velora", "lowmembp", "lowmembp-norm")
 # Set by the pipeline from the sweep's own keys; in train_args they would contradict them.
 PIPELINE_FLAGS = {"--model": "tasks", "--task": "tasks", "--method": "methods", "--batch-size": "batch_sizes",

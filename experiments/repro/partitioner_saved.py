@@ -18,7 +18,7 @@ the row keeps the base's name and counts its bytes once, ``aliases`` lists the v
 the base
 value (Dynamo's ``nn_module_stack``, the model's own qualified name), ``op`` the ATen op; graph inputs are named in
 ``graph_input`` (Dynamo's source, e.g. ``L['kwargs']['input_ids']``) and parameters / buffers are left out, as the
-accountant leaves them out. ``tests/test_compile_method.py`` checks the bytes against the accountant's.
+accountant leaves them out. ``tests/methods/test_compile_method.py`` checks the bytes against the accountant's.
 """
 from __future__ import annotations
 

@@ -33,8 +33,9 @@ asking) is answered at once by the handler ``FakeTensorMode.dispatch`` itself ca
 
 Anything else (symbolic shapes, constants, non-strided or quantized tensors, real tensors, another mode's fakes,
 callables, SymInts) goes to torch's own code, whole, which also bypasses the cache where torch does.
-``tests/test_fake_mode.py``: a whole training step gives the same ops with the same output metadata and the same
-storage sharing in both modes, recipes are in use, and a recipe-built tensor is the ``FakeTensor`` torch would build.
+``tests/estimator/test_fake_mode.py``: a whole training step gives the same ops with the same output metadata and
+the same storage sharing in both modes, recipes are in use, and a recipe-built tensor is the ``FakeTensor``
+torch would build.
 
 All of this is an optimisation over torch's private internals (gathered and checked by
 :func:`lowmembp._compat.fast_fake_internals`). Where they differ from what it expects, or with the environment

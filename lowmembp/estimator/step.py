@@ -383,7 +383,7 @@ def fsdp_peak(pk: dict, model: nn.Module, optimizer, blocks: list[str], n: int) 
       before it is copied out into the parameters and, in the backward, a block's flat reduce-scatter input — one
       block's parameters each (``staging_bytes`` in the result). Whether they are alive at the peak depends on when
       the collective finishes: a two-process CPU run measured each rank's peak anywhere between the modelled peak
-      without them and with both, run to run (``tests/test_estimate_fsdp.py``), so the planner counts them.
+      without them and with both, run to run (``tests/estimator/test_estimate_fsdp.py``), so the planner counts them.
 
     Not modelled: padding beyond dim 0, CUDA streams' overlap."""
     prefixes = tuple(b + "." for b in blocks)

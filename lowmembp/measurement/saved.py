@@ -21,7 +21,7 @@ How it counts:
 - Checkpointing: a non-reentrant ``torch.utils.checkpoint`` region keeps its inputs as saved tensors made through
   the default hooks (``_CheckpointFrame.save_inputs``), so they are counted (kind of the module around the region,
   usually ``other``); what the region's ops would save is not saved (its own hooks) — the point of checkpointing.
-  Tested in ``tests/test_memory.py`` (torch 2.14).
+  Tested in ``tests/measurement/test_memory.py`` (torch 2.14).
 - Not seen: tensors held outside autograd (a method's own caches). Peak memory (:mod:`lowmembp.measurement.peak`) sees
 those.
 """

@@ -6,8 +6,8 @@ classification head stays trainable), then every ``lora_A`` weight is frozen. On
 Why it saves memory: B's gradient is ``(x·A)ᵀ·g`` and x's gradient needs only the weights, so nothing needs x itself.
 Autograd keeps what a backward needs and no more: a linear with a frozen weight saves no input, so with the base
 weight and A both frozen a LoRA layer saves only ``x·A`` — ``rank`` values per token instead of ``d_in`` — and no
-custom autograd function is needed (checked in ``tests/test_lora_fa.py``). Unless another op saves x anyway (an MS-norm
-output under ``lowmembp``, a trainable layer reading the same input): then x is kept once for that op.
+custom autograd function is needed (checked in ``tests/methods/test_lora_fa.py``). Unless another op saves x anyway
+(an MS-norm output under ``lowmembp``, a trainable layer reading the same input): then x is kept once for that op.
 
 peft 0.21 has LoRA-FA only as an optimizer (``peft.optimizers.create_lorafa_optimizer``: it freezes A as here and
 also rescales B's gradient with A's Gram matrix); this method is the memory side (frozen A) with the training job's

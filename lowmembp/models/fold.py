@@ -13,7 +13,8 @@ trainable copy are folded.
 
 After folding, W', b' (and A', A's bias) are independent parameters: the reparametrisation of
 ``(W, b, γ, β) -> (W', b')`` keeps the forward; gradients map back by the chain rule
-``dW = dW'·diag(γ) + db'·βᵀ``, ``dγ_j = Σ_i W_ij·dW'_ij``, ``dβ = Wᵀ·db'`` (tests/test_lowmembp_convert.py checks it).
+``dW = dW'·diag(γ) + db'·βᵀ``, ``dγ_j = Σ_i W_ij·dW'_ij``, ``dβ = Wᵀ·db'``
+(tests/methods/test_lowmembp_convert.py checks it).
 
 Works on real, meta and fake tensors: only tensor ops, no ``.item()``, no data-dependent Python. Parameters are
 updated in place (same ``nn.Parameter`` objects; ``requires_grad`` kept); new biases are new parameters whose

@@ -338,7 +338,7 @@ def _scalars(values: tuple) -> list[torch.Tensor]:
 def _native_act(x: torch.Tensor, kind: str) -> torch.Tensor:
     """The exact activation in x's dtype, equal to the reference's fp32 compute cast back: the same fp32 call for
     fp32 (and the kinds computed by composition), the native kernel for fp16 / bf16 of kinds whose reduced-precision
-    kernels load to fp32, run the fp32 formula and round once (tests/test_cpu_fastpath.py checks the bits)."""
+    kernels load to fp32, run the fp32 formula and round once (tests/ops/test_cpu_fastpath.py checks the bits)."""
     if x.dtype == torch.float32:
         return _exact_fp32(x, kind)
     if kind in _LOW_PRECISION_NATIVE:

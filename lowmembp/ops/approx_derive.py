@@ -20,14 +20,14 @@ changed whenever a breakpoint crossed a piece boundary; with the value computed 
 cancels ~1e4 down to ~1e-5, the objective jumped by ~1e-12, and where BFGS stopped on it, up to 3e-4 away in c,
 depended on the CPU's rounding; relu2's kink was not a cut, an error up to ~2e-9.) The polished point is the same
 to ~1e-11 whatever the rounding (checked by reversing and shuffling the nodes, and with AVX-only BLAS and numpy
-kernels); ``tests/test_derive.py`` holds the shipped table to it at 1e-8.
+kernels); ``tests/ops/test_derive.py`` holds the shipped table to it at 1e-8.
 
 The published ReGELU2 / ReSiLU2 constants are NOT the exact minimum of this objective: they came from a simulated
 annealing run (the authors' script) and are asymmetric (c = −3.18588, −0.00118, 3.19083 for GELU). The minimum is
 symmetric: GELU c = ±3.171310, 0 (a = −0.0495752, 1.0991504, −0.0495752); SiLU c = ±6.319933, 0. The published
 points lie 0.02 (GELU) / 0.015 (SiLU) from it in c and 1.2e-3 / 2e-4 in a, with an objective 0.025 % / 0.006 %
 above the minimum (checked with scipy's adaptive quad too). So no deterministic minimisation reproduces them to 1e-6;
-``tests/test_derive.py`` checks instead that the derived point is a stationary minimum, beats the published one, and
+``tests/ops/test_derive.py`` checks instead that the derived point is a stationary minimum, beats the published one, and
 is within those distances of it. The shipped table keeps the published numbers for ``("gelu", 2)`` and
 ``("silu", 2)`` (ReGELU2 / ReSiLU2 give the paper's results) and the derived ones for every other entry.
 

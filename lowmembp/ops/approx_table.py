@@ -3,8 +3,8 @@
 ``TABLE[(kind, bits)] = (c, a)``: ``2**bits − 1`` breakpoints in increasing order and their weights, so that the
 backward's slope for code j is ``Σ_{i<=j} a_i`` (code 0: slope 0). The numbers are the output of
 :func:`lowmembp.ops.approx_derive.derive` (see there for the objective and the integration interval of each kind),
-written out here so that importing the ops needs neither scipy nor a minimisation; ``tests/test_derive.py`` re-derives
-every
+written out here so that importing the ops needs neither scipy nor a minimisation; ``tests/ops/test_derive.py``
+re-derives every
 entry and checks it. ``("gelu", 2)`` and ``("silu", 2)`` are the published ReGELU2 / ReSiLU2 constants (the authors'
 released reference, docs/design.md#approx-act); within 0.02 of the exact minimum that ``derive`` finds, not equal to
 it (a simulated-annealing result; see lowmembp/ops/approx_derive.py).

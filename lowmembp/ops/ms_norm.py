@@ -212,7 +212,7 @@ def ms_norm_bwd_ref(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: 
 # The reference's arithmetic, bit for bit, over blocks of whole rows small enough to stay in the core's cache: the
 # reference's several passes (casts, products, row sums) then read cache instead of memory, and no full-size fp32
 # temporary is written. Every row is computed by the same ops as in the reference (its statistics do not depend on
-# the other rows of the call), so the results are the same bits (tests/test_cpu_fastpath.py). Rows too wide for a
+# the other rows of the call), so the results are the same bits (tests/ops/test_cpu_fastpath.py). Rows too wide for a
 # block, strided rows (whose sums ATen orders by the layout), float64 and empty inputs run the reference.
 _CPU_BLOCK = CPU_BLOCK  # elements per block; the blocks are spread over threads by cpu_parallel
 _CPU_MAX_N = CPU_BLOCK  # wider rows: the reference (a block holds at least one row)

@@ -5,7 +5,7 @@ norm output: 0 extra bytes per element) and the weight cast to the input dtype (
 the dtypes already match).
 
 When is this needed? An MS-norm followed by a linear saves one tensor for both only if the linear saves the very
-storage the norm returned. Measured with torch 2.14 / peft 0.21 (tests/test_ms_norm.py checks each case):
+storage the norm returned. Measured with torch 2.14 / peft 0.21 (tests/ops/test_ms_norm.py checks each case):
 
 * ``nn.Linear`` (2-D or 3-D input; fp32; bf16 or fp16 autocast): shares. Under autocast the norm emits the autocast
   dtype, so autocast's input cast is a no-op. Nothing to do.

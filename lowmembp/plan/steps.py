@@ -16,7 +16,7 @@ registrations as :func:`lowmembp.measurement.peak.measure_step_peak` (riding in 
 :class:`RecordingFakeMode`, rather
 than stacked above it as a second dispatch mode: the same ops, less dispatch), so the peak is ``estimate()``'s to the
 byte (its first step is exactly estimate's procedure; a later step on the same model starts from the same state:
-optimizer state made, gradients ``None``). ``tests/test_plan_fast.py`` checks both against ``estimate()`` for every
+optimizer state made, gradients ``None``). ``tests/plan/test_plan_fast.py`` checks both against ``estimate()`` for every
 method.
 
 :class:`BatchLine`: a step's live bytes are a running sum of storages; when two steps at batches ``b`` and ``b + 1``
@@ -53,7 +53,7 @@ class RecordingFakeMode(StepFakeMode):
     Why: a :class:`StorageTracker` entered as a second dispatch mode above the fake mode puts every op through two
     Python modes, and most of a fake step is that per-op dispatch (on LLaMA-7B shapes ~4 300 dispatches a 3-block
     step, 3 000 of them the autograd engine asking ``prim.device``). Riding in the fake mode itself it sees the same
-    ops in the same order (``tests/test_plan_fast.py``: the same events, peaks and FLOPs) for 3-30 % less time."""
+    ops in the same order (``tests/plan/test_plan_fast.py``: the same events, peaks and FLOPs) for 3-30 % less time."""
 
     observer = None
     _depth = 0

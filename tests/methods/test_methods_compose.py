@@ -82,7 +82,7 @@ def test_saved_bytes_order_at_L128_k16(family):
     methods = ["baseline", "lowmembp", "mesa", "checkpointing", "tokentune"]
     res = {m: bench.measure(family, m, seq_len=128, k=16) for m in methods}
     b = {m: r["saved"] for m, r in res.items()}
-    ck = b["checkpointing"]  # block inputs included (tests/test_memory.py::test_checkpoint_held_block_inputs_...)
+    ck = b["checkpointing"]  # block inputs included (test_memory.py::test_checkpoint_held_block_inputs_...)
     assert b["lowmembp"] < 0.85 * b["baseline"], b
     assert b["mesa"] < 0.75 * b["baseline"], b
     assert ck < 0.5 * b["lowmembp"], (ck, b)

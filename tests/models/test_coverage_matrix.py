@@ -3,7 +3,8 @@ models of tests/tiny_models.py (γ/β perturbed). Every cell either converts wit
 (relative error ≤ 1e-5) and a training step (forward + backward) that runs, or is refused with a clear error —
 never another exception.
 
-Regenerate the docs/models.md block after a change: ``LOWMEMBP_WRITE_MATRIX=1 pytest tests/test_coverage_matrix.py``.
+Regenerate the docs/models.md block after a change:
+``LOWMEMBP_WRITE_MATRIX=1 pytest tests/models/test_coverage_matrix.py``.
 """
 import copy
 import os
@@ -91,7 +92,8 @@ def test_coverage_matrix_matches_the_docs():
         PAGE.write_text(f"{head}{START}\n{table}{END}{tail}")
         return
     assert current == table.strip("\n"), ("the coverage matrix of docs/models.md is stale; regenerate it with "
-                                         "LOWMEMBP_WRITE_MATRIX=1 pytest tests/test_coverage_matrix.py\n" + table)
+                                         "LOWMEMBP_WRITE_MATRIX=1 pytest tests/models/test_coverage_matrix.py\n"
+                                         + table)
 
 
 def test_add_a_family():

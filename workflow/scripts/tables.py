@@ -394,8 +394,8 @@ def peers_table(runs: pd.DataFrame, claims: dict | None = None) -> pd.DataFrame:
     peak and its split by category, bytes saved for backward, step time and final loss (mean / median over seeds).
     ``section`` names the docs page a row belongs to; a compared cell appears in each section that needs it."""
     runs = _complete(runs)
-    cols = ["peak_bytes", "activation_bytes", "final_loss", "steps"] + [f"peak_{c}_bytes" for c in CATEGORIES
-                                                                       if f"peak_{c}_bytes" in runs]
+    cols = ["peak_bytes", "activation_bytes", "final_loss", "steps"] + [
+        f"peak_{c}_bytes" for c in CATEGORIES + ("activations_and_temporaries",) if f"peak_{c}_bytes" in runs]
     df = per_cell(runs, "step_time_p50", "median")
     for c in cols:
         if c in runs:
@@ -420,6 +420,10 @@ def peers_table(runs: pd.DataFrame, claims: dict | None = None) -> pd.DataFrame:
     out["saved_MiB"] = out["activation_bytes"] / MiB
     for c in CATEGORIES:
         out[f"{c}_at_peak_MiB"] = out[f"peak_{c}_bytes"] / MiB if f"peak_{c}_bytes" in out else np.nan
+    both = (out["activations_at_peak_MiB"] + out["temporaries_at_peak_MiB"])
+    if "peak_activations_and_temporaries_bytes" in out:  # a peak from the allocator's events: the two not apart
+        both = both.fillna(out["peak_activations_and_temporaries_bytes"] / MiB)
+    out["activations_and_temporaries_at_peak_MiB"] = both
     out["step_ms_p50"] = out["step_time_p50"] * 1e3
     out["_order"] = [0 if reference_method(x) is None else 1 if sec not in _plain_names(x) else 2
                      for x, sec in zip(out["method"], out["section"])]
@@ -427,7 +431,8 @@ def peers_table(runs: pd.DataFrame, claims: dict | None = None) -> pd.DataFrame:
                           key=lambda c: c.map({s: i for i, s in enumerate(PEER_METHODS + (OPTIMIZERS_SECTION,))})
                           if c.name == "section" else c, kind="stable")
     keep = ["section"] + KEYS + ["status", "steps", COMPARED, "peak_MiB", "saved_MiB",
-                                 *[f"{c}_at_peak_MiB" for c in CATEGORIES], "step_ms_p50", "final_loss", "notes"]
+                                 *[f"{c}_at_peak_MiB" for c in CATEGORIES], "activations_and_temporaries_at_peak_MiB",
+                                 "step_ms_p50", "final_loss", "notes"]
     return out[keep].reset_index(drop=True)
 
 
@@ -442,7 +447,8 @@ def peers_layout(df: pd.DataFrame, runs: pd.DataFrame, notes: Footnotes) -> list
             if section == OPTIMIZERS_SECTION:
                 row.update({"gradients at peak (MiB)": _num(d["gradients_at_peak_MiB"], ".2f"),
                             "optimizer state (MiB)": _num(d["optimizer_state_at_peak_MiB"], ".2f"),
-                            "activations at peak (MiB)": _num(d["activations_at_peak_MiB"], ".2f")})
+                            "activations and temporaries at peak (MiB)":
+                                _num(d["activations_and_temporaries_at_peak_MiB"], ".2f")})
             else:
                 row["saved for backward (MiB)"] = _num(d["saved_MiB"], ".2f")
             row.update({step_time_label(runs).split(",")[0] + ", p50 (ms)": _num(d["step_ms_p50"], ".1f"),
