@@ -9,7 +9,7 @@ on the GPU (a crash or a hang loses that part only; what it wrote so far stays):
   gpu_check  benchmarks/gpu_check.py: every Triton kernel against its reference, GB/s and % of a device copy
              -> gpu_check/gpu_check.{json,md}
   fig1       LowMemoryBP Fig. 1 for real, ViT-B/16 (benchmarks/gpu_run_steps.py) -> fig1.csv
-  llama      a LLaMA-7B-width 4-layer LoRA step -> llama.csv
+  llama      LLaMA-7B-width 4-layer steps: LoRA and its peers, full fine-tuning per optimizer -> llama.csv
   kernels    ours vs the official LowMemoryBP CUDA ops vs Liger vs PyTorch (benchmarks/gpu_run_kernels.py)
              -> kernels.csv
   pytest     ``pytest -m gpu`` over the test files that hold gpu tests -> pytest_gpu.txt, pytest_gpu.xml

@@ -1,5 +1,7 @@
-"""benchmarks/gpu_run.py: its CPU dry run writes every file with its columns; the official-ops adapter builds the
-right command, keeps their tensor layouts, and imports their Python package; a wrong kernel fails its row."""
+"""benchmarks/gpu_run.py: its CPU dry run writes every file with its columns; the llama part has a row for each peer
+and each optimizer, and the CUDA-only peers are refused on the CPU with the library's reason; the official-ops adapter
+builds the right command, keeps their tensor layouts, and imports their Python package; a wrong kernel fails its
+row."""
 import csv
 import importlib
 import json
