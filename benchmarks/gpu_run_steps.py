@@ -23,7 +23,7 @@ llama  transformers LLaMA-7B width (hidden 4096, intermediate 11008, 32 heads, v
        at the optimizer step), 10.76e9 with adamw8bit (2.18e9 of 8-bit states and their absmax) and 15.88e9 with
        adamw-fused-backward (no gradient outlives its own step: the peak moves into the backward); at batch 4 the
        forward's 5.3e9 bytes of activations set the peak (18.2e9 with adamw and adamw-fused-backward alike). All
-       three stay resident beside the seven LoRA models (about 4.4e9 bytes each): about 63e9 bytes on the device.
+       three stay resident beside the seven LoRA models (about 4.5e9 bytes each): about 64e9 bytes on the device.
        ``adamw8bit`` needs bitsandbytes: without it the row is "skipped" with the library's reason.
 Each model is built once (fp32 weights under autocast, as :func:`lowmembp.estimator.step.estimate` builds them), warmed
 up right after its build, then the configurations take steps in turn (round-robin), so drifts of clock or temperature

@@ -17,7 +17,8 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 LIGER_SPEC="${LIGER_SPEC:-liger-kernel>=0.8,<0.9}"
 # the requirement of pyproject.toml's extra "cce"
-CCE_SPEC="${CCE_SPEC:-$("$PY" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["cce"][0])' "$ROOT/pyproject.toml")}"
+CCE_SPEC="${CCE_SPEC:-$("$PY" -c 'import sys, tomllib
+print(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["cce"][0])' "$ROOT/pyproject.toml")}"
 
 mkdir -p "$DEST/wheels"
 tmp="$(mktemp -d)"

@@ -92,8 +92,8 @@ def test_cpu_smoke_writes_every_file_with_its_columns(tmp_path):
     assert {r["lora_targets"] for r in fig1} == {"qkv, proj, fc1, fc2", "qkv"}
     assert fig1[0]["lora_targets"] == "qkv"  # Fig. 1's setting (the official lora_qv) is measured first
     llama = {steps.row_key(r): r for r in _csv(out / "llama.csv")[1]}
-    full = [r for k, r in llama.items() if k[0] == "llama7b-4layers-full"]
-    assert [r["optimizer"] for r in full] == list(OPTIMIZERS) and {r["method"] for r in full} == {"baseline"}
+    full_rows = [r for k, r in llama.items() if k[0] == "llama7b-4layers-full"]
+    assert [r["optimizer"] for r in full_rows] == list(OPTIMIZERS) and {r["method"] for r in full_rows} == {"baseline"}
 
     cols, rows = _csv(out / "estimates.csv")
     assert cols == steps.ESTIMATE_COLUMNS
@@ -146,6 +146,13 @@ def test_cpu_smoke_writes_every_file_with_its_columns(tmp_path):
     every = [x for x in lines if x.startswith("| qkv, proj, fc1, fc2 |")]
     assert every and not any("3827" in x or "2717" in x for x in every)
     assert any(x.startswith("| qkv | lora |") and "3827" in x for x in lines)
+    # the optimizer rows stand beside full fine-tuning with adamw (their configuration's first row), not beside LoRA
+    section = lines[lines.index(next(x for x in lines if x.startswith("## LLaMA"))):]
+    section = section[:section.index(next(x for x in section if x.startswith("## Estimator")))]
+    full = {x.split(" | ")[2]: x for x in section if x.startswith("| llama7b-4layers-full | baseline |")}
+    assert list(full) == list(OPTIMIZERS) and "| +0.0 % |" in full["adamw"]
+    peak = {r["optimizer"]: int(r["peak_bytes"]) for r in full_rows}
+    assert f"| {100 * (peak['adamw8bit'] / peak['adamw'] - 1):+.1f} % |" in full["adamw8bit"]
 
 
 def test_llama_rows_cover_the_peers_and_the_optimizers():
