@@ -388,29 +388,34 @@ def test_a_part_past_its_limit_is_killed_and_keeps_its_output(tmp_path):
     assert "started" in (tmp_path / "t.log").read_text()
 
 
-def test_liger_is_installed_from_the_carried_wheel(tmp_path, monkeypatch):
+@pytest.mark.parametrize("label", sorted(gpu_run.CARRIED))
+def test_carried_wheels_are_installed_when_missing(label, tmp_path, monkeypatch):
+    """liger-kernel and cut-cross-entropy: installed from third_party/wheels when not importable (here made to look
+    missing, whether or not they are installed)."""
     import importlib.util
     import zipfile
-    if importlib.util.find_spec("liger_kernel") is not None:
-        pytest.skip("liger_kernel is installed here")
+    module = gpu_run.CARRIED[label]
+    hidden, find = {module}, importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in hidden else find(name, *a))
     wheels = tmp_path / "tp" / "wheels"
     wheels.mkdir(parents=True)
-    name = "liger_kernel-0.8.99"
+    name = f"{module}-0.8.99"
     with zipfile.ZipFile(wheels / f"{name}-py3-none-any.whl", "w") as z:  # a stand-in wheel: pip installs it offline
-        z.writestr("liger_kernel/__init__.py", "STAND_IN = True\n")
-        z.writestr(f"{name}.dist-info/METADATA", "Metadata-Version: 2.1\nName: liger-kernel\nVersion: 0.8.99\n")
+        z.writestr(f"{module}/__init__.py", "STAND_IN = True\n")
+        z.writestr(f"{name}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.8.99\n")
         z.writestr(f"{name}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
                                               "Tag: py3-none-any\n")
         z.writestr(f"{name}.dist-info/RECORD", "")
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", "")
     monkeypatch.setattr(sys, "path", list(sys.path))
-    line = gpu_run.ensure_liger(_ctx(tmp_path))
-    assert line.startswith("liger: installed") and "0.8.99" in line, line
-    site = tmp_path / "lowmembp_liger_site"
-    assert (site / "liger_kernel" / "__init__.py").is_file() and str(site) == sys.path[0]
+    line = gpu_run.ensure_liger(_ctx(tmp_path)) if label == "liger" else gpu_run.ensure_carried(_ctx(tmp_path), label)
+    assert line.startswith(f"{label}: installed") and "0.8.99" in line, line
+    site = tmp_path / f"lowmembp_{label}_site"
+    assert (site / module / "__init__.py").is_file() and str(site) == sys.path[0]
     assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(site)
-    assert gpu_run.ensure_liger(_ctx(tmp_path, smoke=True)).startswith("liger_kernel importable")
+    hidden.clear()
+    assert gpu_run.ensure_carried(_ctx(tmp_path, smoke=True), label) == f"{module} importable as installed"
 
 
 def test_prepare_copies_the_sources_and_the_wheel(tmp_path):
