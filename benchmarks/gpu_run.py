@@ -9,7 +9,7 @@ on the GPU (a crash or a hang loses that part only; what it wrote so far stays):
   gpu_check  benchmarks/gpu_check.py: every Triton kernel against its reference, GB/s and % of a device copy
              -> gpu_check/gpu_check.{json,md}
   fig1       LowMemoryBP Fig. 1 for real, ViT-B/16 (benchmarks/gpu_run_steps.py) -> fig1.csv
-  llama      a LLaMA-7B-width 4-layer LoRA step -> llama.csv
+  llama      LLaMA-7B-width 4-layer steps: LoRA and its peers, full fine-tuning per optimizer -> llama.csv
   kernels    ours vs the official LowMemoryBP CUDA ops vs Liger vs PyTorch (benchmarks/gpu_run_kernels.py)
              -> kernels.csv
   pytest     ``pytest -m gpu`` over the test files that hold gpu tests -> pytest_gpu.txt, pytest_gpu.xml
@@ -19,8 +19,10 @@ At the end: estimator_error.csv (measured / estimated peak per configuration), m
 margin, read by lowmembp.plan from results/gpu/margin.json), machine.json (GPU, driver, CUDA, versions, the
 command, each part's status and time) and summary.md. Exit status 0 when every part passed, 1 otherwise.
 
-Liger-Kernel: if ``liger_kernel`` is not importable, the wheel in third_party/wheels/ is installed with
-``pip install --no-deps --no-index --target`` into a temporary folder put on the path.
+Liger-Kernel and cut-cross-entropy (pure-Python wheels, :data:`CARRIED`): if one is not importable, its wheel in
+third_party/wheels/ is installed with ``pip install --no-deps --no-index --target`` into a temporary folder put on
+the path. bitsandbytes (``adamw8bit``) is not carried (a platform wheel): where it is missing, that row is skipped
+with the reason.
 ``--cpu-smoke``: TRITON_INTERPRET=1 (set before triton is imported), tiny shapes, our kernels through the
 interpreter, the official ops replaced by a flagged stand-in (our reference), Liger skipped, gpu_check on one op and
 pytest collecting only; no timing claims. tests/benchmarks/test_gpu_run.py runs it.
@@ -218,26 +220,38 @@ def gpu_test_files() -> list[str]:
                   if "mark.gpu" in p.read_text(errors="ignore"))
 
 
+# the pure-Python wheels benchmarks/prepare_gpu_run.sh carries: label -> importable module (the wheel's name starts
+# with it)
+CARRIED = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
+
+
 def ensure_liger(ctx: Ctx) -> str:
     """Make ``liger_kernel`` importable (from third_party/wheels if needed); a line saying how."""
+    return ensure_carried(ctx, "liger")
+
+
+def ensure_carried(ctx: Ctx, label: str) -> str:
+    """Make the module of ``CARRIED[label]`` importable (from its wheel in third_party/wheels if needed); a line
+    saying how."""
     import importlib.util
-    if importlib.util.find_spec("liger_kernel") is not None:
-        return "liger_kernel importable as installed"
+    module = CARRIED[label]
+    if importlib.util.find_spec(module) is not None:
+        return f"{module} importable as installed"
     if ctx.smoke:
-        return "liger: not installed; skipped without CUDA"
-    wheels = sorted((ctx.third_party / "wheels").glob("liger_kernel-*.whl"))
+        return f"{label}: not installed; skipped without CUDA"
+    wheels = sorted((ctx.third_party / "wheels").glob(f"{module}-*.whl"))
     if not wheels:
-        return f"liger: not installed and no wheel in {ctx.third_party / 'wheels'} (run prepare_gpu_run.sh)"
-    target = Path(os.environ.get("TMPDIR", "/tmp")) / "lowmembp_liger_site"
+        return f"{label}: not installed and no wheel in {ctx.third_party / 'wheels'} (run prepare_gpu_run.sh)"
+    target = Path(os.environ.get("TMPDIR", "/tmp")) / f"lowmembp_{label}_site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
                         "--upgrade", "--target", str(target), str(wheels[-1])], capture_output=True, text=True,
                        timeout=120)
     if r.returncode != 0:
-        return f"liger: pip install of {wheels[-1].name} failed: {r.stderr[-300:]}"
+        return f"{label}: pip install of {wheels[-1].name} failed: {r.stderr[-300:]}"
     sys.path.insert(0, str(target))
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(target)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return f"liger: installed {wheels[-1].name} into {target}"
+    return f"{label}: installed {wheels[-1].name} into {target}"
 
 
 def nvidia_smi() -> dict:
@@ -276,7 +290,8 @@ def _version_line(cmd):
 def machine_facts(ctx: Ctx, argv: list[str]) -> dict:
     from importlib import metadata
     versions = {}
-    for pkg in ("torch", "triton", "timm", "transformers", "peft", "liger-kernel", "numpy", "pytest"):
+    for pkg in ("torch", "triton", "timm", "transformers", "peft", "liger-kernel", "cut-cross-entropy", "bitsandbytes",
+                "numpy", "pytest"):
         try:
             versions[pkg] = metadata.version(pkg)
         except Exception:
@@ -337,6 +352,8 @@ def main(argv=None) -> int:
           flush=True)
     liger_line = ensure_liger(ctx)
     print(f"gpu_run: {liger_line}", flush=True)
+    cce_line = ensure_carried(ctx, "cce")
+    print(f"gpu_run: {cce_line}", flush=True)
     status = {}
     background = {}
     lomem = ctx.third_party / "lomem"
@@ -397,7 +414,7 @@ def main(argv=None) -> int:
         rc = proc.wait(left)
         status[name] = dict(status="timeout" if proc.timed_out else ("ok" if rc == 0 else "failed"), rc=rc,
                             seconds=round(proc.seconds, 1), background=True)
-    finish(ctx, status, argv, t0, liger_line)
+    finish(ctx, status, argv, t0, liger_line, cce_line)
     failed = [n for n, s in status.items() if s["status"] not in ("ok",)]
     print(f"\ngpu_run: done in {time.time() - t0:.0f} s; parts not ok: {failed or 'none'}; "
           f"see {ctx.out / 'summary.md'}",
@@ -405,7 +422,7 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-def finish(ctx: Ctx, status: dict, argv: list[str], t0: float, liger_line: str) -> None:
+def finish(ctx: Ctx, status: dict, argv: list[str], t0: float, liger_line: str, cce_line: str = "") -> None:
     """estimator_error.csv, margin.json, machine.json, summary.md from what the parts wrote."""
     sys.path[:0] = [str(ROOT), str(HERE)]
     from gpu_run_steps import ERROR_COLUMNS, estimator_error, margin_from
@@ -427,7 +444,7 @@ def finish(ctx: Ctx, status: dict, argv: list[str], t0: float, liger_line: str) 
         (ctx.out / "margin.json").write_text(json.dumps(margin, indent=1) + "\n")
     facts = machine_facts(ctx, argv)
     facts.update(started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)), seconds=round(time.time() - t0, 1),
-                 budget_s=ctx.args.budget_s, liger=liger_line, parts=status, allocator=allocator)
+                 budget_s=ctx.args.budget_s, liger=liger_line, cce=cce_line, parts=status, allocator=allocator)
     (ctx.out / "machine.json").write_text(json.dumps(facts, indent=1) + "\n")
     from gpu_run_summary import write_summary
     write_summary(ctx.out, facts, PAPER_FIG1)

@@ -2,21 +2,42 @@
 and lowmembp's fake-tensor estimate of the same steps.
 
 fig1   LowMemoryBP Fig. 1 (docs/design.md#papers): timm ViT-B/16 (random weights), batch 64, fp16 autocast, LoRA r4 on
-qkv only
-       FIRST (Fig. 1's setting, the official lora_qv: q and v, here one adapter on timm's fused qkv;
+       qkv only FIRST (Fig. 1's setting, the official lora_qv: q and v, here one adapter on timm's fused qkv;
        experiments/configs/vit-b16-cifar100-lora-qv.yaml), then on all linears (qkv, proj, fc1, fc2: lora_all):
        lora, lora+checkpointing, lora+mesa-gelu-ln, lora+lowmembp, lora+liger (refused for timm models: recorded so).
-llama  transformers LLaMA-7B width (hidden 4096, intermediate 11008, 32 heads), 4 layers, batch 4 x seq 640 (the
-       official run's longest batch: source 512 + target 128), bf16 autocast, LoRA r64 α16 with dropout 0.1 on all
-       linears (experiments/configs/llama-7b-alpaca-lora.yaml; the base in bf16, not NF4: bitsandbytes is not
-       expected on the device): lora, lora+lowmembp, lora+liger, lora+checkpointing. Their estimates run dropout as
-       CUDA does (a 1-byte mask; the CPU dropout of a fake step keeps one of the input's dtype); in the CPU dry run
-       both sides use the CPU's.
+llama  transformers LLaMA-7B width (hidden 4096, intermediate 11008, 32 heads, vocabulary 32000), 4 layers, bf16
+       autocast over fp32 weights, two configurations:
+       ``llama7b-4layers``: batch 4 x seq 640 (the official run's longest batch: source 512 + target 128), LoRA r64
+       α16 with dropout 0.1 on all linears (experiments/configs/llama-7b-alpaca-lora.yaml; the base in fp32 under
+       bf16 autocast, not NF4): lora, lora+lowmembp, lora+liger, lora+checkpointing, then the peers lora+cce (Cut
+       Cross-Entropy's Triton kernel, ``impl="cce"``: refused off CUDA), velora (peft's VeLoRA, ``num_groups`` 64,
+       which divides both input widths; LoRA dropout 0, as peft's VeLoRA has none) and lora+tiled-mlp (the
+       library's default tiles of hidden_size tokens: the 2560 tokens make one tile, the MLP recomputed in the
+       backward). Their estimates run dropout as CUDA does (a 1-byte mask; the CPU dropout of a fake step keeps one
+       of the input's dtype); in the CPU dry run both sides use the CPU's.
+       ``llama7b-4layers-full``: full fine-tuning (``baseline``: every weight trained, embeddings and head included,
+       1.07e9 parameters) at batch 1 x 640, once per optimizer of ``lowmembp.methods.optimizers.OPTIMIZERS``
+       (adamw, adamw8bit, adamw-fused-backward). Batch 1, so that the step's peak falls where the optimizer levers
+       act: the estimate (``estimate("llama-7b", "baseline", batch_size=1, seq_len=640, layers=4, optimizer=...)``)
+       puts it at 17.16e9 bytes with adamw (4.29e9 fp32 weights + 3.76e9 gradients in flight + 8.57e9 fp32 states
+       at the optimizer step), 10.76e9 with adamw8bit (2.18e9 of 8-bit states and their absmax) and 15.88e9 with
+       adamw-fused-backward (no gradient outlives its own step: the peak moves into the backward); at batch 4 the
+       forward's 5.3e9 bytes of activations set the peak (18.2e9 with adamw and adamw-fused-backward alike). All
+       three stay resident beside the seven LoRA models (about 4.5e9 bytes each): about 64e9 bytes on the device.
+       ``adamw8bit`` needs bitsandbytes: without it the row is "skipped" with the library's reason.
 Each model is built once (fp32 weights under autocast, as :func:`lowmembp.estimator.step.estimate` builds them), warmed
-up
-right after its build, then the configurations take steps in turn (round-robin), so drifts of clock or temperature
-hit them alike. A step is forward, loss, backward, fused AdamW (lr 1e-4, wd 0.1), ``zero_grad(set_to_none=True)`` —
-the step the estimate measures, on the batch and loss the estimate builds.
+up right after its build, then the configurations take steps in turn (round-robin), so drifts of clock or temperature
+hit them alike. A step is forward, loss, backward, the optimizer's step (the optimizer
+:func:`lowmembp.estimator.step.make_optimizer` builds for the row's name: AdamW lr 1e-4, wd 0.1, torch's fused kernel;
+bitsandbytes' AdamW8bit; or AdamW fused into the backward), ``zero_grad(set_to_none=True)`` — the step the estimate
+measures, on the batch and loss the estimate builds. A configuration is built only while the part's time limit leaves
+room for it and for the measured rounds of those built (the last warm-up step's time x their steps); one that is not
+is recorded "error: not built".
+
+A method that refuses the device or the model is recorded with the library's message, not as a failure:
+"not applicable" (a ValueError of the method: it has no path for this model, e.g. Liger for timm), "refused" (its
+RuntimeError: e.g. Liger's and CCE's CUDA-only kernels on the CPU) or "skipped" (an optional package missing:
+an ImportError, e.g. bitsandbytes for adamw8bit).
 
 Peak of one configuration's step with the others resident: ``max_memory_allocated`` after
 ``reset_peak_memory_stats`` minus what was allocated when the step began, plus the configuration's own resident
@@ -25,8 +46,8 @@ The median over its steps is reported. CPU dry run: tiny models, the CPU storage
 :func:`lowmembp.measurement.peak.measure_step_peak` stands in for the allocator (flagged), times are no measurement.
 
 estimates  :func:`lowmembp.estimator.step.estimate` of every configuration (CPU, fake tensors; run in parallel with the
-GPU
-parts by benchmarks/gpu_run.py).
+GPU parts by benchmarks/gpu_run.py), with the row's optimizer. Methods the estimator cannot follow on fake tensors
+(``lowmembp.plan.combos.NOT_ESTIMATED``: liger, cce) get "no estimate" with that reason.
 """
 from __future__ import annotations
 
@@ -37,14 +58,23 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-STEP_COLUMNS = ["config", "model", "method", "lora_targets", "batch_size", "seq_len", "dtype", "status", "steps",
-                "peak_bytes", "peak_mib", "resident_bytes", "step_ms_p20", "step_ms_p50", "step_ms_p80",
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
+
+STEP_COLUMNS = ["config", "model", "method", "optimizer", "lora_targets", "batch_size", "seq_len", "dtype", "status",
+                "steps", "peak_bytes", "peak_mib", "resident_bytes", "step_ms_p20", "step_ms_p50", "step_ms_p80",
                 "throughput", "throughput_unit", "measured_how", "note"]
-ESTIMATE_COLUMNS = ["config", "method", "estimate_bytes", "saved_bytes", "seconds", "status", "note"]
-ERROR_COLUMNS = ["config", "method", "estimate_bytes", "measured_bytes", "ratio", "measured_how", "note"]
+ESTIMATE_COLUMNS = ["config", "method", "optimizer", "estimate_bytes", "saved_bytes", "seconds", "status", "note"]
+ERROR_COLUMNS = ["config", "method", "optimizer", "estimate_bytes", "measured_bytes", "ratio", "measured_how", "note"]
 
 FIG1_METHODS = ["lora", "lora+checkpointing", "lora+mesa-gelu-ln", "lora+lowmembp", "lora+liger"]
-LLAMA_METHODS = ["lora", "lora+lowmembp", "lora+liger", "lora+checkpointing"]
+# the LoRA configuration: the four rows of the official LLaMA recipe's levers, then the peers
+LLAMA_METHODS = ["lora", "lora+lowmembp", "lora+liger", "lora+checkpointing", "lora+cce", "velora", "lora+tiled-mlp"]
+LLAMA_LORA = {"rank": 64, "alpha": 16, "dropout": 0.1}  # experiments/configs/llama-7b-alpaca-lora.yaml
+# the full fine-tuning configuration: one row per optimizer lever of the library
+LLAMA_FULL_METHOD, LLAMA_FULL_OPTIMIZERS = "baseline", list(OPTIMIZERS)
+# VeLoRA's groups: a divisor of both input widths (LLaMA-7B: 4096 and 11008 = 64 x 172; peft's default 64), below
+# the narrower; the dry run's widths (64 and 172) take 4
+VELORA_GROUPS = {False: 64, True: 4}
 VIT_SMOKE = dict(img_size=32, embed_dim=48, num_heads=2)
 LLAMA_SMOKE = dict(hidden_size=64, intermediate_size=172, num_attention_heads=4, num_key_value_heads=4,
                    vocab_size=512, max_position_embeddings=64)
@@ -63,6 +93,27 @@ class StepConfig:
     layers: int | None = None
     overrides: dict | None = field(default=None, hash=False)
     lora_targets: str = "all"
+    optimizer: str = DEFAULT_OPTIMIZER  # a name of lowmembp.methods.optimizers.OPTIMIZERS
+
+
+def row_key(row) -> tuple[str, str, str]:
+    """The key of a configuration or of a row of fig1.csv / llama.csv / estimates.csv: config, method, optimizer."""
+    get = row.get if isinstance(row, dict) else lambda k: getattr(row, k)
+    return get("config"), get("method"), get("optimizer") or DEFAULT_OPTIMIZER
+
+
+def llama_options(method: str, smoke: bool) -> dict:
+    """The method options of a row of the LoRA configuration: LLaMA's LoRA (VeLoRA: no dropout, its groups), CCE's
+    Triton kernel named (``impl="cce"``: the GPU measures the kernel; the CPU refuses it, rather than running its
+    torch.compile path)."""
+    names = [n.strip() for n in method.split("+")]
+    opts = dict(LLAMA_LORA)
+    if "velora" in names:
+        del opts["dropout"]  # peft's VeLoRA layers take no LoRA dropout
+        opts["num_groups"] = VELORA_GROUPS[smoke]
+    if "cce" in names:
+        opts["impl"] = "cce"
+    return opts
 
 
 def step_configs(smoke: bool) -> list[StepConfig]:
@@ -73,11 +124,15 @@ def step_configs(smoke: bool) -> list[StepConfig]:
                                   batch_size=2 if smoke else 64, dtype="fp16", layers=2 if smoke else None,
                                   overrides=dict(VIT_SMOKE) if smoke else None,
                                   lora_targets="qkv, proj, fc1, fc2" if targets is None else targets))
+    llama = dict(seq_len=16 if smoke else 640, dtype="bf16", layers=2 if smoke else 4)
     for m in LLAMA_METHODS:
-        out.append(StepConfig("llama", "llama7b-4layers", "llama-7b", m, {"rank": 64, "alpha": 16, "dropout": 0.1},
-                              batch_size=2 if smoke else 4, seq_len=16 if smoke else 640, dtype="bf16",
-                              layers=2 if smoke else 4, overrides=dict(LLAMA_SMOKE) if smoke else None,
-                              lora_targets="all linears"))
+        out.append(StepConfig("llama", "llama7b-4layers", "llama-7b", m, llama_options(m, smoke),
+                              batch_size=2 if smoke else 4, overrides=dict(LLAMA_SMOKE) if smoke else None,
+                              lora_targets="all linears", **llama))
+    for opt in LLAMA_FULL_OPTIMIZERS:
+        out.append(StepConfig("llama", "llama7b-4layers-full", "llama-7b", LLAMA_FULL_METHOD, {}, batch_size=1,
+                              overrides=dict(LLAMA_SMOKE) if smoke else None, lora_targets="none (full fine-tuning)",
+                              optimizer=opt, **llama))
     return out
 
 
@@ -115,7 +170,7 @@ class StepRun:
     def __init__(self, cfg: StepConfig, device: str):
         import torch
         import lowmembp
-        from lowmembp.estimator.step import DTYPES, MODELS, _batch, _loss, build
+        from lowmembp.estimator.step import DTYPES, MODELS, _batch, _loss, build, make_optimizer
         from lowmembp.measurement.peak import prime_optimizer
 
         self.cfg, self.device, self.torch = cfg, device, torch
@@ -129,8 +184,7 @@ class StepRun:
             model = lowmembp.apply(model, cfg.method, **cfg.options)
         model.train()
         self.model = model
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True) if params else None
+        self.opt = make_optimizer(model, cfg.optimizer)  # the estimate's optimizer for that name
         prime_optimizer(self.opt)
         batch = _batch(spec, model, cfg.batch_size, cfg.seq_len, (cfg.overrides or {}).get("vocab_size"))
         self.batch = {k: v.to(device) for k, v in batch.items()}
@@ -146,13 +200,21 @@ class StepRun:
 
         self.step = step
         self.resident = 0
+        self.step_s = 0.0  # the last warm-up step's seconds (what the part reserves for each measured step)
         self.peaks, self.times, self.how = [], [], ""
+
+    def _sync(self):
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
 
     def warm_up(self, n: int):
         for _ in range(n):
+            self._sync()
+            t = time.perf_counter()
             self.step()
+            self._sync()
+            self.step_s = time.perf_counter() - t
         if self.device == "cuda":
-            self.torch.cuda.synchronize()
             self.resident = self.torch.cuda.memory_allocated() - self.before
 
     def measured_step(self):
@@ -199,8 +261,39 @@ class StepRun:
 
 
 def _base_row(cfg: StepConfig) -> dict:
-    return dict(config=cfg.config, model=cfg.model, method=cfg.method, lora_targets=cfg.lora_targets,
-                batch_size=cfg.batch_size, seq_len=cfg.seq_len or "", dtype=cfg.dtype)
+    return dict(config=cfg.config, model=cfg.model, method=cfg.method, optimizer=cfg.optimizer,
+                lora_targets=cfg.lora_targets, batch_size=cfg.batch_size, seq_len=cfg.seq_len or "", dtype=cfg.dtype)
+
+
+def refusal_status(cfg: StepConfig, e: BaseException) -> str:
+    """The row status of a configuration whose build or warm-up raised ``e``: "oom"; "skipped" (an ImportError: an
+    optional package missing, e.g. bitsandbytes for adamw8bit); "not applicable" (a ValueError of one of the row's
+    methods, its message prefixed with the method's name: no path for this model); "refused" (such a RuntimeError:
+    the method refuses this device, e.g. CUDA-only kernels on the CPU); else "error"."""
+    msg = str(e)
+    if "out of memory" in msg.lower():
+        return "oom"
+    if isinstance(e, ImportError):
+        return "skipped"
+    own = any(msg.startswith(f"{n.strip()}:") for n in cfg.method.split("+"))
+    if own and isinstance(e, ValueError):
+        return "not applicable"
+    if own and isinstance(e, RuntimeError):
+        return "refused"
+    return "error"
+
+
+def build_run(cfg: StepConfig, device: str, warmup: int):
+    """``(run, None)``: ``cfg`` built and warmed up; or ``(None, row)``: the row saying why not (see
+    :func:`refusal_status`; the note carries the exception's message)."""
+    try:
+        run = StepRun(cfg, device)
+        run.warm_up(warmup)
+        return run, None
+    except Exception as e:
+        if os.environ.get("GPU_RUN_TRACEBACKS"):
+            traceback.print_exc()
+        return None, dict(_base_row(cfg), status=refusal_status(cfg, e), note=f"{type(e).__name__}: {str(e)[:600]}")
 
 
 def run_steps(ctx, part: str, sink, deadline: float, warmup: int | None = None, steps: int | None = None) -> dict:
@@ -214,31 +307,35 @@ def run_steps(ctx, part: str, sink, deadline: float, warmup: int | None = None, 
     steps = (2 if smoke else 20) if steps is None else steps
     runs, rows = [], []
     cfgs = [c for c in step_configs(smoke) if c.part == part]
+    build_s = []
     for cfg in cfgs:
+        label = f"{part} {cfg.config} {cfg.method} {cfg.optimizer}"
         missing = missing_methods(cfg.method)
         if missing:
             rows.append(dict(_base_row(cfg), status="method not available",
                              note=f"not in lowmembp.list_methods(): {', '.join(missing)}"))
-            print(f"  {part} {cfg.config} {cfg.method}: method not available ({missing})", flush=True)
+            print(f"  {label}: method not available ({missing})", flush=True)
             continue
-        if time.time() > deadline:
-            rows.append(dict(_base_row(cfg), status="error", note="not built: the part's time limit"))
+        # room for this build (as long as the longest so far) and the measured rounds of every run, this one's
+        # step as long as the longest so far
+        longest = max([r.step_s for r in runs] or [0.0])
+        need = max(build_s or [0.0]) + steps * (sum(r.step_s for r in runs) + longest)
+        if time.time() + need > deadline:
+            rows.append(dict(_base_row(cfg), status="error",
+                             note=f"not built: the part's time limit (kept for the {steps} measured rounds of the "
+                                  f"{len(runs)} built)"))
+            print(f"  {label}: not built (time limit)", flush=True)
             continue
         t = time.perf_counter()
-        try:
-            run = StepRun(cfg, device)
-            run.warm_up(warmup)
+        run, row = build_run(cfg, device, warmup)
+        build_s.append(time.perf_counter() - t)
+        if run is not None:
             runs.append(run)
-            print(f"  {part} {cfg.config} {cfg.method}: built + {warmup} warm-up steps in "
-                  f"{time.perf_counter() - t:.1f} s, resident {run.resident / 2 ** 20:.0f} MiB", flush=True)
-        except Exception as e:
-            status = "oom" if "out of memory" in str(e).lower() else (
-                "not applicable" if isinstance(e, (ValueError, RuntimeError)) and str(e).startswith("liger")
-                else "error")
-            rows.append(dict(_base_row(cfg), status=status, note=f"{type(e).__name__}: {str(e)[:400]}"))
-            print(f"  {part} {cfg.config} {cfg.method}: {status}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            if os.environ.get("GPU_RUN_TRACEBACKS"):
-                traceback.print_exc()
+            print(f"  {label}: built + {warmup} warm-up steps in {build_s[-1]:.1f} s, resident "
+                  f"{run.resident / 2 ** 20:.0f} MiB, step {run.step_s * 1e3:.0f} ms", flush=True)
+        else:
+            rows.append(row)
+            print(f"  {label}: {row['status']}: {row['note'][:200]}", flush=True)
             if device == "cuda":
                 torch.cuda.empty_cache()
     for i in range(steps):
@@ -254,10 +351,10 @@ def run_steps(ctx, part: str, sink, deadline: float, warmup: int | None = None, 
     for run in runs:
         r = run.row(smoke)
         rows.append(r)
-        print(f"  {part} {r['config']:16s} {r['method']:22s} peak {r.get('peak_mib', '-'):>7s} MiB  "
-              f"{r.get('throughput', '-')} {r.get('throughput_unit', '')}", flush=True)
-    order = {(c.config, c.method): i for i, c in enumerate(cfgs)}
-    for r in sorted(rows, key=lambda r: order.get((r["config"], r["method"]), len(order))):
+        print(f"  {part} {r['config']:20s} {r['method']:18s} {r['optimizer']:20s} peak {r.get('peak_mib', '-'):>7s} "
+              f"MiB  {r.get('throughput', '-')} {r.get('throughput_unit', '')}", flush=True)
+    order = {row_key(c): i for i, c in enumerate(cfgs)}
+    for r in sorted(rows, key=lambda r: order.get(row_key(r), len(order))):
         sink.write(r)
     facts = {}
     if device == "cuda":
@@ -278,15 +375,20 @@ def _estimate_one(cfg: StepConfig, cuda_dropout: bool = False) -> dict:
     import torch.nn.functional as F
 
     from lowmembp.estimator.step import estimate
+    from lowmembp.plan.combos import NOT_ESTIMATED
     from experiments.repro.official_qlora import cuda_dropout as cuda_like
     t = time.perf_counter()
-    row = dict(config=cfg.config, method=cfg.method)
+    row = dict(config=cfg.config, method=cfg.method, optimizer=cfg.optimizer)
+    unfollowed = [n.strip() for n in cfg.method.split("+") if n.strip() in NOT_ESTIMATED]
+    if unfollowed:
+        row.update(status="no estimate", seconds="0.0", note="; ".join(f"{n}: {NOT_ESTIMATED[n]}" for n in unfollowed))
+        return row
     plain_dropout = F.dropout
     try:
         if cuda_dropout:
             F.dropout = cuda_like
         est = estimate(cfg.model, cfg.method, batch_size=cfg.batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
-                       layers=cfg.layers, overrides=cfg.overrides, **cfg.options)
+                       layers=cfg.layers, overrides=cfg.overrides, optimizer=cfg.optimizer, **cfg.options)
         row.update(status="ok", estimate_bytes=int(est["peak"]["bytes"]), saved_bytes=int(est["saved"]["total"]))
     except Exception as e:
         row.update(status="no estimate", note=f"{type(e).__name__}: {str(e)[:300]}")
@@ -300,15 +402,16 @@ def run_estimates(ctx, sink, deadline: float, workers: int = 1) -> None:
     cfgs = [c for c in step_configs(ctx.smoke) if not missing_methods(c.method)]
     for c in step_configs(ctx.smoke):
         if missing_methods(c.method):
-            sink.write(dict(config=c.config, method=c.method, status="method not available"))
+            sink.write(dict(config=c.config, method=c.method, optimizer=c.optimizer, status="method not available"))
     if workers <= 1:
         for c in cfgs:
             if time.time() > deadline:
-                sink.write(dict(config=c.config, method=c.method, status="no estimate", note="time limit"))
+                sink.write(dict(config=c.config, method=c.method, optimizer=c.optimizer, status="no estimate",
+                                note="time limit"))
                 continue
             r = _estimate_one(c, cuda_dropout=not ctx.smoke)
             sink.write(r)
-            print(f"  estimate {r['config']} {r['method']}: {r.get('estimate_bytes', r.get('note'))}", flush=True)
+            print(f"  estimate {' '.join(row_key(r))}: {r.get('estimate_bytes', r.get('note'))}", flush=True)
         return
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, wait
@@ -316,23 +419,27 @@ def run_estimates(ctx, sink, deadline: float, workers: int = 1) -> None:
         futs = {pool.submit(_estimate_one, c, not ctx.smoke): c for c in cfgs}  # GPU rows: CUDA's dropout
         done, pending = wait(futs, timeout=max(1.0, deadline - time.time()))
         for f in done:
-            r = f.result() if f.exception() is None else dict(config=futs[f].config, method=futs[f].method,
+            c = futs[f]
+            r = f.result() if f.exception() is None else dict(config=c.config, method=c.method, optimizer=c.optimizer,
                                                               status="no estimate", note=repr(f.exception()))
             sink.write(r)
-            print(f"  estimate {r['config']} {r['method']}: {r.get('estimate_bytes', r.get('note'))}", flush=True)
+            print(f"  estimate {' '.join(row_key(r))}: {r.get('estimate_bytes', r.get('note'))}", flush=True)
         for f in pending:
             f.cancel()
-            sink.write(dict(config=futs[f].config, method=futs[f].method, status="no estimate", note="time limit"))
+            c = futs[f]
+            sink.write(dict(config=c.config, method=c.method, optimizer=c.optimizer, status="no estimate",
+                            note="time limit"))
         pool.shutdown(wait=False, cancel_futures=True)
 
 
 def estimator_error(measured: list[dict], estimates: list[dict]) -> list[dict]:
     """Rows of estimator_error.csv: every measured configuration beside its estimate, ratio = measured / estimate."""
-    est = {(e["config"], e["method"]): e for e in estimates}
+    est = {row_key(e): e for e in estimates}
     out = []
     for m in measured:
-        e = est.get((m["config"], m["method"]), {})
-        row = dict(config=m["config"], method=m["method"], estimate_bytes=e.get("estimate_bytes", ""),
+        e = est.get(row_key(m), {})
+        row = dict(config=m["config"], method=m["method"], optimizer=row_key(m)[2],
+                   estimate_bytes=e.get("estimate_bytes", ""),
                    measured_bytes=m.get("peak_bytes", ""), measured_how=m.get("measured_how", ""), ratio="")
         try:
             row["ratio"] = f"{int(m['peak_bytes']) / int(e['estimate_bytes']):.4f}"
@@ -359,4 +466,4 @@ def margin_from(errors: list[dict], allocator: dict, smoke: bool, where: str) ->
     if smoke:
         src = "CPU dry run of benchmarks/gpu_run.py — NOT a measurement: " + src
     return {"fraction": round(fraction + 0.005, 2), "reserved_bytes": int(reserved), "source": src,
-            "ratios": {f"{r['config']} {r['method']}": float(r["ratio"]) for r in errors if r.get("ratio")}}
+            "ratios": {" ".join(row_key(r)): float(r["ratio"]) for r in errors if r.get("ratio")}}

@@ -70,23 +70,25 @@ def write_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
                   + (" Dry run: tiny model, no timing." if smoke else ""), ""]
         lines += _table(["LoRA on", "method", "status", "peak MiB", "peak vs lora", "img/s", "speed vs lora",
                          "paper MiB", "paper img/s", "note"],
-                        [[r["lora_targets"], r["method"], r["status"], r["peak_mib"], *_vs_lora(r, fig1),
+                        [[r["lora_targets"], r["method"], r["status"], r["peak_mib"], *_vs_first(r, fig1),
                           *(paper_fig1.get(r["method"], ("", "")) if r["lora_targets"] == "qkv" else ("", "")),
                           r["note"][:80]] for r in fig1])
     llama = _rows(out / "llama.csv")
     if llama:
-        lines += ["## LLaMA-7B width, 4 layers, batch 4 x 640, bf16, LoRA r64 α16 dropout 0.1 all linears (llama.csv)",
-                  ""]
-        lines += _table(["method", "status", "peak MiB", "peak vs lora", "tokens/s", "speed vs lora", "step ms p50",
-                         "note"],
-                        [[r["method"], r["status"], r["peak_mib"], *_vs_lora(r, llama), r["step_ms_p50"],
-                          r["note"][:80]] for r in llama])
+        lines += ["## LLaMA-7B width, 4 layers, bf16 autocast (llama.csv)", "",
+                  "llama7b-4layers: batch 4 x 640, LoRA r64 α16 dropout 0.1 on all linears (velora: dropout 0); "
+                  "llama7b-4layers-full: full fine-tuning, batch 1 x 640, one row per optimizer. "
+                  "vs ref: against the first row of the same configuration (lora; baseline with adamw).", ""]
+        lines += _table(["config", "method", "optimizer", "status", "peak MiB", "peak vs ref", "tokens/s",
+                         "speed vs ref", "step ms p50", "note"],
+                        [[r["config"], r["method"], r.get("optimizer", ""), r["status"], r["peak_mib"],
+                          *_vs_first(r, llama), r["step_ms_p50"], r["note"][:80]] for r in llama])
     err = _rows(out / "estimator_error.csv")
     if err:
         lines += ["## Estimator error: measured peak / fake-tensor estimate (estimator_error.csv)", ""]
-        lines += _table(["config", "method", "estimate MiB", "measured MiB", "ratio", "note"],
-                        [[r["config"], r["method"], _mib(r["estimate_bytes"]), _mib(r["measured_bytes"]), r["ratio"],
-                          r.get("note", "")[:80]] for r in err])
+        lines += _table(["config", "method", "optimizer", "estimate MiB", "measured MiB", "ratio", "note"],
+                        [[r["config"], r["method"], r.get("optimizer", ""), _mib(r["estimate_bytes"]),
+                          _mib(r["measured_bytes"]), r["ratio"], r.get("note", "")[:80]] for r in err])
     m = out / "margin.json"
     if m.is_file():
         mg = json.loads(m.read_text())
@@ -104,9 +106,11 @@ def _mib(b):
         return ""
 
 
-def _vs_lora(r: dict, rows: list[dict]) -> list:
-    """[peak change vs the config's lora row, throughput, throughput ratio to lora]."""
-    base = next((b for b in rows if b["config"] == r["config"] and b["method"] == "lora" and b["status"] == "ok"), None)
+def _vs_first(r: dict, rows: list[dict]) -> list:
+    """[peak change vs the first row of r's configuration (lora; full fine-tuning: baseline with adamw), throughput,
+    throughput ratio to that row]; blank where that row is not ok."""
+    base = next((b for b in rows if b["config"] == r["config"]), None)
+    base = base if base is not None and base["status"] == "ok" else None
     peak, speed = "", ""
     try:
         peak = f"{100 * (int(r['peak_bytes']) / int(base['peak_bytes']) - 1):+.1f} %"

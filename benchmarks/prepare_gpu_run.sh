@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill the git-ignored third_party/ with what benchmarks/gpu_run.py needs on a GPU machine that has no network:
 #   third_party/lomem/        the official LowMemoryBP package (github yyyyychen/LowMemoryBP: lomem/, setup.py, LICENSE)
-#   third_party/wheels/       the liger-kernel 0.8.x wheel (pure Python; the GPU image lacks it)
+#   third_party/wheels/       the liger-kernel 0.8.x and cut-cross-entropy wheels (pure Python; the GPU image lacks them)
 #   third_party/PREPARED.txt  where each came from
 #
 #   bash benchmarks/prepare_gpu_run.sh                    # lomem from the local mirror /work/.mirror/yyyyychen+LowMemoryBP/repo
@@ -16,6 +16,9 @@ SRC="${1:-${LOWMEMBP_OFFICIAL_SRC:-/work/.mirror/yyyyychen+LowMemoryBP/repo}}"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 LIGER_SPEC="${LIGER_SPEC:-liger-kernel>=0.8,<0.9}"
+# the requirement of pyproject.toml's extra "cce"
+CCE_SPEC="${CCE_SPEC:-$("$PY" -c 'import sys, tomllib
+print(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["cce"][0])' "$ROOT/pyproject.toml")}"
 
 mkdir -p "$DEST/wheels"
 tmp="$(mktemp -d)"
@@ -58,6 +61,16 @@ case "$(basename "$whl")" in
   *) echo "prepare_gpu_run: $(basename "$whl") is not a pure-Python wheel; the GPU machine runs Python 3.12" >&2; exit 2;;
 esac
 echo "liger: $(basename "$whl")"
+
+# --- the cut-cross-entropy wheel (method cce; py3-none-any) ---------------------------------------------------------
+rm -f "$DEST"/wheels/cut_cross_entropy-*.whl
+"$PY" -m pip download --quiet --no-deps --only-binary=:all: "$CCE_SPEC" -d "$DEST/wheels"
+whl="$(ls "$DEST"/wheels/cut_cross_entropy-*.whl)"
+case "$(basename "$whl")" in
+  *-py3-none-any.whl) ;;
+  *) echo "prepare_gpu_run: $(basename "$whl") is not a pure-Python wheel" >&2; exit 2;;
+esac
+echo "cce: $(basename "$whl")"
 
 { echo "prepared $(date -u '+%Y-%m-%d %H:%M:%S UTC') by benchmarks/prepare_gpu_run.sh"
   echo "lomem: $fetched_from"

@@ -1,5 +1,7 @@
-"""benchmarks/gpu_run.py: its CPU dry run writes every file with its columns; the official-ops adapter builds the
-right command, keeps their tensor layouts, and imports their Python package; a wrong kernel fails its row."""
+"""benchmarks/gpu_run.py: its CPU dry run writes every file with its columns; the llama part has a row for each peer
+and each optimizer, and the CUDA-only peers are refused on the CPU with the library's reason; the official-ops adapter
+builds the right command, keeps their tensor layouts, and imports their Python package; a wrong kernel fails its
+row."""
 import csv
 import importlib
 import json
@@ -11,6 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+from lowmembp.methods.liger import NO_GPU
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
+from lowmembp.plan.combos import NOT_ESTIMATED
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
@@ -26,6 +32,20 @@ def _csv(path):
     with open(path, newline="") as f:
         r = csv.DictReader(f)
         return r.fieldnames, list(r)
+
+
+def _cce_refusal() -> str:
+    """The library's message when CCE's Triton kernel is asked for on the CPU."""
+    from lowmembp.methods.cce import resolve_impl
+    with pytest.raises(RuntimeError) as refused:
+        resolve_impl("cce", torch.device("cpu"))
+    return str(refused.value)
+
+
+def _smoke_llama():
+    from lowmembp.estimator.step import MODELS, build
+    cfg = next(c for c in steps.step_configs(True) if c.part == "llama")
+    return build(MODELS[cfg.model], layers=cfg.layers, overrides=cfg.overrides, device="meta")
 
 
 @pytest.mark.slow
@@ -52,25 +72,55 @@ def test_cpu_smoke_writes_every_file_with_its_columns(tmp_path):
     assert all(r["status"] == "skipped" for r in rows if r["impl"] == "liger")
     assert not any(r["fwd_ms"] for r in rows), "the dry run claims no timing"
 
+    refused_here = {"liger": NO_GPU, "cce": _cce_refusal()}  # the CUDA-only kernels: the library's own messages
     for part, methods in (("fig1", steps.FIG1_METHODS), ("llama", steps.LLAMA_METHODS)):
         cols, rows = _csv(out / f"{part}.csv")
         assert cols == steps.STEP_COLUMNS
         assert [r["method"] for r in rows if r["config"] == rows[0]["config"]] == methods
+        assert [steps.row_key(r) for r in rows] == [steps.row_key(c) for c in steps.step_configs(True)
+                                                    if c.part == part]
         for r in rows:
-            want = "not applicable" if "liger" in r["method"] else "ok"
+            names = r["method"].split("+")
+            refused = [n for n in names if n in refused_here]
+            want = "ok" if not refused else ("not applicable" if part == "fig1" else "refused")  # fig1: timm
             assert r["status"] == want, r
             if want == "ok":
                 assert int(r["peak_bytes"]) > 0 and int(r["steps"]) >= 2
+            elif want == "refused":  # the refusal reason of the library, not a failure
+                assert refused_here[refused[0]] in r["note"], r
     fig1 = _csv(out / "fig1.csv")[1]
     assert {r["lora_targets"] for r in fig1} == {"qkv, proj, fc1, fc2", "qkv"}
     assert fig1[0]["lora_targets"] == "qkv"  # Fig. 1's setting (the official lora_qv) is measured first
+    llama = {steps.row_key(r): r for r in _csv(out / "llama.csv")[1]}
+    full_rows = [r for k, r in llama.items() if k[0] == "llama7b-4layers-full"]
+    assert [r["optimizer"] for r in full_rows] == list(OPTIMIZERS) and {r["method"] for r in full_rows} == {"baseline"}
+
+    cols, rows = _csv(out / "estimates.csv")
+    assert cols == steps.ESTIMATE_COLUMNS
+    est = {steps.row_key(r): r for r in rows}
+    assert set(est) == {steps.row_key(c) for c in steps.step_configs(True)}  # every row has its estimate's row
+    for k, r in est.items():  # the methods the estimator cannot follow: its own reason
+        if k[1] in ("lora+liger", "lora+cce"):
+            assert r["status"] == "no estimate" and NOT_ESTIMATED[k[1].split("+")[1]] in r["note"], r
+        else:
+            assert r["status"] == "ok" and int(r["estimate_bytes"]) > 0, r
 
     cols, rows = _csv(out / "estimator_error.csv")
     assert cols == steps.ERROR_COLUMNS
-    ratios = [float(r["ratio"]) for r in rows if r["ratio"]]
-    assert len(ratios) == 11  # 2 x 4 ViT + 3 LLaMA (Liger has no estimate)
-    assert all(0.95 < x < 1.05 for x in ratios), ratios  # CPU storage tracker vs the fake-tensor estimate
-    assert _csv(out / "estimates.csv")[0] == steps.ESTIMATE_COLUMNS
+    ratios = {steps.row_key(r): float(r["ratio"]) for r in rows if r["ratio"]}
+    # 2 x 4 ViT + 8 LLaMA: lora, +lowmembp, +checkpointing, velora, +tiled-mlp, full FT with 3 optimizers (Liger and
+    # CCE: refused on the CPU, and no estimate)
+    assert len(ratios) == 16 and set(ratios) == {k for k, r in llama.items() if r["status"] == "ok"} | {
+        steps.row_key(r) for r in fig1 if r["status"] == "ok"}
+    eightbit = ("llama7b-4layers-full", "baseline", "adamw8bit")
+    exact = {k: x for k, x in ratios.items() if k != eightbit}
+    assert all(0.95 < x < 1.05 for x in exact.values()), exact  # CPU storage tracker vs the fake-tensor estimate
+    # bitsandbytes' CPU fallback dequantises a parameter's two 8-bit states to fp32 scratch inside its step (the
+    # allocator's events see it); the estimate keeps CUDA's in-place update: above it, by less than fp32 copies of
+    # both states of every parameter
+    numel = sum(p.numel() for p in _smoke_llama().parameters())
+    e, m = int(est[eightbit]["estimate_bytes"]), int(llama[eightbit]["peak_bytes"])
+    assert e < m <= e + 2 * 4 * numel, (e, m, numel)
 
     mg = json.loads((out / "margin.json").read_text())
     assert isinstance(mg["fraction"], float) and isinstance(mg["reserved_bytes"], int)
@@ -96,6 +146,85 @@ def test_cpu_smoke_writes_every_file_with_its_columns(tmp_path):
     every = [x for x in lines if x.startswith("| qkv, proj, fc1, fc2 |")]
     assert every and not any("3827" in x or "2717" in x for x in every)
     assert any(x.startswith("| qkv | lora |") and "3827" in x for x in lines)
+    # the optimizer rows stand beside full fine-tuning with adamw (their configuration's first row), not beside LoRA
+    section = lines[lines.index(next(x for x in lines if x.startswith("## LLaMA"))):]
+    section = section[:section.index(next(x for x in section if x.startswith("## Estimator")))]
+    full = {x.split(" | ")[2]: x for x in section if x.startswith("| llama7b-4layers-full | baseline |")}
+    assert list(full) == list(OPTIMIZERS) and "| +0.0 % |" in full["adamw"]
+    peak = {r["optimizer"]: int(r["peak_bytes"]) for r in full_rows}
+    assert f"| {100 * (peak['adamw8bit'] / peak['adamw'] - 1):+.1f} % |" in full["adamw8bit"]
+
+
+def test_llama_rows_cover_the_peers_and_the_optimizers():
+    """The llama part's rows, on the GPU and in the dry run alike: the LoRA configuration with the peers, and full
+    fine-tuning once per optimizer of the library; VeLoRA's groups divide both input widths."""
+    from lowmembp.estimator.step import MODELS, build
+
+    for smoke in (False, True):
+        cfgs = [c for c in steps.step_configs(smoke) if c.part == "llama"]
+        lora = [c for c in cfgs if c.config == "llama7b-4layers"]
+        full = [c for c in cfgs if c.config == "llama7b-4layers-full"]
+        assert [c.method for c in lora] == steps.LLAMA_METHODS and len(lora) + len(full) == len(cfgs)
+        for m in ("lora+cce", "velora", "lora+tiled-mlp"):
+            assert m in steps.LLAMA_METHODS
+        assert {c.optimizer for c in lora} == {DEFAULT_OPTIMIZER}
+        assert [(c.method, c.optimizer) for c in full] == [("baseline", o) for o in OPTIMIZERS]
+        assert len({steps.row_key(c) for c in steps.step_configs(smoke)}) == len(steps.step_configs(smoke))
+        by = {c.method: c for c in lora}
+        assert by["lora+cce"].options["impl"] == "cce"  # the Triton kernel, never a silent torch.compile
+        vel = by["velora"].options
+        assert "dropout" not in vel and by["lora"].options["dropout"] == 0.1
+        model = build(MODELS["llama-7b"], layers=1, overrides=by["velora"].overrides, device="meta")
+        widths = (model.config.hidden_size, model.config.intermediate_size)
+        assert widths == ((64, 172) if smoke else (4096, 11008))
+        assert all(w % vel["num_groups"] == 0 and vel["num_groups"] < w for w in widths), (widths, vel)
+
+
+def _one(method, optimizer=DEFAULT_OPTIMIZER):
+    return next(c for c in steps.step_configs(True)
+                if c.part == "llama" and c.method == method and c.optimizer == optimizer)
+
+
+def test_cuda_only_peers_are_refused_on_the_cpu_with_the_library_reason():
+    for method, reason in (("lora+cce", _cce_refusal()), ("lora+liger", NO_GPU)):
+        run, row = steps.build_run(_one(method), "cpu", warmup=1)
+        assert run is None and row["status"] == "refused" and reason in row["note"], row
+    assert steps.refusal_status(_one("lora+liger"), ValueError("liger: no patch for timm")) == "not applicable"
+    assert steps.refusal_status(_one("lora"), RuntimeError("boom")) == "error"
+    assert steps.refusal_status(_one("lora"), RuntimeError("CUDA out of memory. Tried")) == "oom"
+
+
+def test_adamw8bit_without_bitsandbytes_is_skipped_with_the_reason(monkeypatch):
+    from lowmembp.methods.optimizers import make_optimizer
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes now raises ImportError
+    with pytest.raises(ImportError) as missing:
+        make_optimizer([torch.nn.Parameter(torch.zeros(4))], "adamw8bit")
+    run, row = steps.build_run(_one("baseline", "adamw8bit"), "cpu", warmup=1)
+    assert run is None and row["status"] == "skipped" and str(missing.value) in row["note"], row
+
+
+def test_the_step_uses_the_estimators_optimizer():
+    """Each full fine-tuning row steps the optimizer the estimate builds for its name (AdamW's lr 1e-4, wd 0.1)."""
+    from lowmembp.estimator.step import make_optimizer
+    for opt in OPTIMIZERS:
+        cfg = _one("baseline", opt)
+        run = steps.StepRun(cfg, "cpu")
+        ref = make_optimizer(run.model, opt)
+        assert type(run.opt) is type(ref) and run.opt.defaults == ref.defaults, opt
+        getattr(ref, "remove", lambda: None)()  # the fused-backward one: its hooks off again
+        assert run.opt.defaults["lr"] == 1e-4 and run.opt.defaults["weight_decay"] == 0.1
+        trained = {id(p) for p in run.model.parameters() if p.requires_grad}
+        assert {id(p) for g in run.opt.param_groups for p in g["params"]} == trained
+        assert len(trained) == len(list(run.model.parameters()))  # full fine-tuning: every weight
+
+
+def test_configurations_past_the_time_limit_are_recorded_not_built(tmp_path):
+    rows = []
+    ctx = SimpleNamespace(smoke=True)
+    steps.run_steps(ctx, "llama", SimpleNamespace(write=rows.append), deadline=0.0)
+    cfgs = [c for c in steps.step_configs(True) if c.part == "llama"]
+    assert [steps.row_key(r) for r in rows] == [steps.row_key(c) for c in cfgs]
+    assert all(r["status"] == "error" and r["note"].startswith("not built: the part's time limit") for r in rows)
 
 
 def test_smoke_refuses_to_write_into_results_gpu():
@@ -259,29 +388,34 @@ def test_a_part_past_its_limit_is_killed_and_keeps_its_output(tmp_path):
     assert "started" in (tmp_path / "t.log").read_text()
 
 
-def test_liger_is_installed_from_the_carried_wheel(tmp_path, monkeypatch):
+@pytest.mark.parametrize("label", sorted(gpu_run.CARRIED))
+def test_carried_wheels_are_installed_when_missing(label, tmp_path, monkeypatch):
+    """liger-kernel and cut-cross-entropy: installed from third_party/wheels when not importable (here made to look
+    missing, whether or not they are installed)."""
     import importlib.util
     import zipfile
-    if importlib.util.find_spec("liger_kernel") is not None:
-        pytest.skip("liger_kernel is installed here")
+    module = gpu_run.CARRIED[label]
+    hidden, find = {module}, importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in hidden else find(name, *a))
     wheels = tmp_path / "tp" / "wheels"
     wheels.mkdir(parents=True)
-    name = "liger_kernel-0.8.99"
+    name = f"{module}-0.8.99"
     with zipfile.ZipFile(wheels / f"{name}-py3-none-any.whl", "w") as z:  # a stand-in wheel: pip installs it offline
-        z.writestr("liger_kernel/__init__.py", "STAND_IN = True\n")
-        z.writestr(f"{name}.dist-info/METADATA", "Metadata-Version: 2.1\nName: liger-kernel\nVersion: 0.8.99\n")
+        z.writestr(f"{module}/__init__.py", "STAND_IN = True\n")
+        z.writestr(f"{name}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.8.99\n")
         z.writestr(f"{name}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
                                               "Tag: py3-none-any\n")
         z.writestr(f"{name}.dist-info/RECORD", "")
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", "")
     monkeypatch.setattr(sys, "path", list(sys.path))
-    line = gpu_run.ensure_liger(_ctx(tmp_path))
-    assert line.startswith("liger: installed") and "0.8.99" in line, line
-    site = tmp_path / "lowmembp_liger_site"
-    assert (site / "liger_kernel" / "__init__.py").is_file() and str(site) == sys.path[0]
+    line = gpu_run.ensure_liger(_ctx(tmp_path)) if label == "liger" else gpu_run.ensure_carried(_ctx(tmp_path), label)
+    assert line.startswith(f"{label}: installed") and "0.8.99" in line, line
+    site = tmp_path / f"lowmembp_{label}_site"
+    assert (site / module / "__init__.py").is_file() and str(site) == sys.path[0]
     assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(site)
-    assert gpu_run.ensure_liger(_ctx(tmp_path, smoke=True)).startswith("liger_kernel importable")
+    hidden.clear()
+    assert gpu_run.ensure_carried(_ctx(tmp_path, smoke=True), label) == f"{module} importable as installed"
 
 
 def test_prepare_copies_the_sources_and_the_wheel(tmp_path):
@@ -292,12 +426,13 @@ def test_prepare_copies_the_sources_and_the_wheel(tmp_path):
     (src / "LICENSE").write_text("MIT\n")
     index = tmp_path / "index"
     index.mkdir()
-    name = "liger_kernel-0.8.7"
-    with zipfile.ZipFile(index / f"{name}-py3-none-any.whl", "w") as z:  # pip "downloads" it from a local folder
-        z.writestr("liger_kernel/__init__.py", "")
-        z.writestr(f"{name}.dist-info/METADATA", "Metadata-Version: 2.1\nName: liger-kernel\nVersion: 0.8.7\n")
-        z.writestr(f"{name}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr(f"{name}.dist-info/RECORD", "")
+    for dist, version in (("liger-kernel", "0.8.7"), ("cut-cross-entropy", "25.1.1")):
+        name = f"{dist.replace('-', '_')}-{version}"
+        with zipfile.ZipFile(index / f"{name}-py3-none-any.whl", "w") as z:  # pip "downloads" it from a local folder
+            z.writestr(f"{dist.replace('-', '_')}/__init__.py", "")
+            z.writestr(f"{name}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+            z.writestr(f"{name}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+            z.writestr(f"{name}.dist-info/RECORD", "")
     dest = tmp_path / "tp"
     env = dict(os.environ, GPU_RUN_THIRD_PARTY=str(dest), PIP_NO_INDEX="1", PIP_FIND_LINKS=str(index),
                PYTHON=sys.executable)
@@ -305,7 +440,8 @@ def test_prepare_copies_the_sources_and_the_wheel(tmp_path):
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (dest / "lomem" / "csrc" / "regelu2_cuda.cu").is_file() and (dest / "lomem" / "functional.py").is_file()
-    assert (dest / "setup.py").is_file() and (dest / "wheels" / f"{name}-py3-none-any.whl").is_file()
+    assert (dest / "setup.py").is_file() and (dest / "wheels" / "liger_kernel-0.8.7-py3-none-any.whl").is_file()
+    assert (dest / "wheels" / "cut_cross_entropy-25.1.1-py3-none-any.whl").is_file()  # method cce's package
     assert "work tree" in (dest / "PREPARED.txt").read_text()
     assert official.find_sources(dest / "lomem")["sources"]
     r = subprocess.run(["bash", str(BENCH / "prepare_gpu_run.sh"), str(tmp_path / "absent")], env=env,
