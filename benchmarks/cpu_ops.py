@@ -3,10 +3,13 @@
     PYTHONPATH=$PWD python benchmarks/cpu_ops.py                      # every op, fp32 and bf16, 1 and 2 threads
     PYTHONPATH=$PWD python benchmarks/cpu_ops.py --ops regelu2 --dtypes fp32 --threads 1 --rounds 5
 
+    PYTHONPATH=$PWD python benchmarks/cpu_ops.py --rounds 9 --out OUTDIR        # also as OUTDIR/cpu_ops.{md,csv}
+
 For each op, shape, dtype and thread count it times one forward + backward (``torch.autograd.grad``) of
 
-- ``ours``: the op as dispatched on CPU tensors (the CPU fast path),
-- ``ref``: the PyTorch reference (``LOWMEMBP_BACKEND=torch``), the oracle the fast path equals bit for bit,
+- ``ours``: the CPU fast path (``LOWMEMBP_BACKEND=cpu``, opt-in),
+- ``ref``: the PyTorch reference (``LOWMEMBP_BACKEND=torch``, what CPU tensors run by default), the oracle the fast
+  path equals bit for bit,
 - ``native``: the op it replaces (``F.gelu`` / ``F.silu`` / ``F.layer_norm`` / ``F.rms_norm``, no affine); for
   Mesa there is no native op: ``native`` is then a plain ``copy_`` of the input into a fresh tensor (the baseline's
   step does not have these passes at all),
@@ -16,7 +19,8 @@ medians,
 ``ours / native`` and ``ref / native``. The machine's copy bandwidth is measured first (a ``copy_`` of a 256 MiB
 tensor, read + write counted); ``bytes`` is what the op must move at least (forward + backward), ``roof ms`` that
 divided by the bandwidth, and ``ours/roof`` how far from the memory limit ours runs. On a shared machine the medians
-move with the load; the ratios, taken in turns, are the figures to read.
+move with the load; the ratios, taken in turns, are the figures to read. ``--out DIR`` also writes the table as
+``DIR/cpu_ops.{md,csv}`` (one part per thread count; the machine, load and bandwidth in its lines).
 """
 from __future__ import annotations
 
@@ -80,19 +84,22 @@ def case_steps(name: str, dtype: torch.dtype):
             q = quantize(x, mx - mn, mn, inner, MESA_GROUPS, draw_seed_tensor())
             return dequantize(q)
 
-        return {"ours": mesa_step, "ref": _as_ref(mesa_step), "native": lambda r: out.copy_(x)}, kind, x.numel(), 1
+        return ({"ours": with_backend(mesa_step, "cpu"), "ref": with_backend(mesa_step, "torch"),
+                 "native": lambda r: out.copy_(x)}, kind, x.numel(), 1)
 
     def step_of(fn):
         return lambda _r: torch.autograd.grad(fn(x), x, dy)[0]
 
     rows = x.numel() // shape[-1]
-    return ({"ours": step_of(ours), "ref": _as_ref(step_of(ours)), "native": step_of(native)}, kind, x.numel(), rows)
+    return ({"ours": with_backend(step_of(ours), "cpu"), "ref": with_backend(step_of(ours), "torch"),
+             "native": step_of(native)}, kind, x.numel(), rows)
 
 
-def _as_ref(step):
+def with_backend(step, backend: str):
+    """``step`` run with ``LOWMEMBP_BACKEND=backend`` (read by the ops at each call), the variable restored after."""
     def run(r):
         old = os.environ.get("LOWMEMBP_BACKEND")
-        os.environ["LOWMEMBP_BACKEND"] = "torch"
+        os.environ["LOWMEMBP_BACKEND"] = backend
         try:
             return step(r)
         finally:
@@ -110,16 +117,19 @@ def main(argv=None) -> int:
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--rounds", type=int, default=7, help="timed rounds per case (medians are reported)")
     p.add_argument("--no-ref", action="store_true", help="leave the reference out (faster)")
+    p.add_argument("--out", default=None, help="also write the table as OUT/cpu_ops.{md,csv}")
     a = p.parse_args(argv)
     if os.environ.get("LOWMEMBP_BACKEND", "").strip().lower() not in ("", "auto"):
-        p.error("unset LOWMEMBP_BACKEND: ours is the op as dispatched by default")
+        p.error("unset LOWMEMBP_BACKEND: each column sets its own (ours: cpu, ref: torch)")
     torch.manual_seed(0)
+    load = [os.getloadavg()[0]]
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs visible; load average {os.getloadavg()}")
+    table, bandwidth = [], {}
     head = (f"{'op':14s} {'shape':16s} {'dtype':5s} {'thr':>3s} {'native ms':>9s} {'ours ms':>8s} {'ref ms':>8s} "
             f"{'ours/nat':>8s} {'ref/nat':>8s} {'MB ours':>8s} {'MB nat':>7s} {'roof ms':>7s} {'ours/roof':>9s}")
     for threads in a.threads:
         torch.set_num_threads(threads)
-        bw = copy_bandwidth(max(3, a.rounds))
+        bw = bandwidth[threads] = copy_bandwidth(max(3, a.rounds))
         print(f"\n{threads} thread(s): copy bandwidth {bw / 1e9:.2f} GB/s (copy_ of 256 MiB, read + write)")
         print(head)
         for name in a.ops:
@@ -139,7 +149,45 @@ def main(argv=None) -> int:
                       f"{ref * 1e3:8.2f} {med['ours'] / med['native']:8.2f} {ref / med['native']:8.2f} "
                       f"{b_ours / 1e6:8.1f} {b_nat / 1e6:7.1f} {roof * 1e3:7.2f} {med['ours'] / roof:9.2f}",
                       flush=True)
+                table.append({"op": name, "shape": shape, "dtype": dn, "threads": threads,
+                             "native_ms": med["native"] * 1e3, "ours_ms": med["ours"] * 1e3, "ref_ms": ref * 1e3,
+                             "ours/native": med["ours"] / med["native"], "ref/native": ref / med["native"],
+                             "MB_ours": b_ours / 1e6, "MB_native": b_nat / 1e6, "roof_ms": roof * 1e3,
+                             "ours/roof": med["ours"] / roof})
+                load.append(os.getloadavg()[0])
+    if a.out:
+        write_table(table, bandwidth, load, a, a.out)
     return 0
+
+
+def write_table(rows: list[dict], bandwidth: dict, load: list[float], a, out: str) -> None:
+    """``out/cpu_ops.csv`` (every column) and ``out/cpu_ops.md`` (one part per thread count), read alone."""
+    from bench_tables import write_benchmark_table
+
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    mesa = "Mesa: quantise + dequantise of a linear's input, 8 channel groups; its native is a copy_ of the input."
+    parts = []
+    for threads, sub in df.groupby("threads", sort=False):
+        shown = pd.DataFrame({
+            "op": [f"{o} {s}" for o, s in zip(sub["op"], sub["shape"])], "dtype": sub["dtype"],
+            "native (ms)": sub["native_ms"].map("{:.2f}".format), "ours (ms)": sub["ours_ms"].map("{:.2f}".format),
+            "reference (ms)": sub["ref_ms"].map("{:.2f}".format),
+            "ours / native": sub["ours/native"].map("{:.2f}".format),
+            "MB ours (native)": [f"{o:.1f} ({n:.1f})" for o, n in zip(sub["MB_ours"], sub["MB_native"])],
+            "roof (ms)": sub["roof_ms"].map("{:.2f}".format), "ours / roof": sub["ours/roof"].map("{:.2f}".format)})
+        parts.append((f"{threads} thread{'s' if threads > 1 else ''}: copy bandwidth "
+                      f"{bandwidth[threads] / 1e9:.1f} GB/s", shown, f"threads-{threads}"))
+    write_benchmark_table(
+        df, out, "cpu_ops", "CPU forward + backward of LowMemoryBP's and Mesa's ops against the native ops, with the "
+        "roofline",
+        caption="Medians of forward + backward (torch.autograd.grad) taken in turns in one process "
+                f"({a.rounds} rounds, rotating order): ours = the CPU fast path (LOWMEMBP_BACKEND=cpu), reference = "
+                "the PyTorch reference (the default on CPU tensors), native = the op it replaces (F.gelu, F.silu, "
+                "F.layer_norm, F.rms_norm; no affine). MB: the least forward + backward must move; roof = MB / the "
+                "copy bandwidth (a copy_ of 256 MiB, read + write). " + mesa,
+        command="PYTHONPATH=$PWD python benchmarks/cpu_ops.py " + " ".join(sys.argv[1:]), load=load, parts=parts)
 
 
 if __name__ == "__main__":

@@ -393,13 +393,13 @@ def peers_table(runs: pd.DataFrame, claims: dict | None = None) -> pd.DataFrame:
     model, optimizer and batch size), and every cell run with more than one optimizer, each optimizer beside AdamW:
     peak and its split by category, bytes saved for backward, step time and final loss (mean / median over seeds).
     ``section`` names the docs page a row belongs to; a compared cell appears in each section that needs it."""
-    runs = _complete(runs)
     cols = ["peak_bytes", "activation_bytes", "final_loss", "steps"] + [
-        f"peak_{c}_bytes" for c in CATEGORIES + ("activations_and_temporaries",) if f"peak_{c}_bytes" in runs]
+        f"peak_{c}_bytes" for c in CATEGORIES + ("activations_and_temporaries",)]
+    runs = _complete(runs)
+    runs = runs.assign(**{c: np.nan for c in cols if c not in runs})  # a runs.csv without them: '-'
     df = per_cell(runs, "step_time_p50", "median")
     for c in cols:
-        if c in runs:
-            df = df.merge(per_cell(runs, c, "max" if c == "steps" else "mean")[KEYS + [c]], on=KEYS, how="left")
+        df = df.merge(per_cell(runs, c, "max" if c == "steps" else "mean")[KEYS + [c]], on=KEYS, how="left")
     df[COMPARED] = df["method"].map(lambda x: reference_method(x) or "")
     names = df["method"].map(_plain_names)
     rows = []
@@ -419,11 +419,10 @@ def peers_table(runs: pd.DataFrame, claims: dict | None = None) -> pd.DataFrame:
     out["peak_MiB"] = out["peak_bytes"] / MiB
     out["saved_MiB"] = out["activation_bytes"] / MiB
     for c in CATEGORIES:
-        out[f"{c}_at_peak_MiB"] = out[f"peak_{c}_bytes"] / MiB if f"peak_{c}_bytes" in out else np.nan
-    both = (out["activations_at_peak_MiB"] + out["temporaries_at_peak_MiB"])
-    if "peak_activations_and_temporaries_bytes" in out:  # a peak from the allocator's events: the two not apart
-        both = both.fillna(out["peak_activations_and_temporaries_bytes"] / MiB)
-    out["activations_and_temporaries_at_peak_MiB"] = both
+        out[f"{c}_at_peak_MiB"] = out[f"peak_{c}_bytes"] / MiB
+    both = out["activations_at_peak_MiB"] + out["temporaries_at_peak_MiB"]  # a peak from the allocator's events:
+    out["activations_and_temporaries_at_peak_MiB"] = both.fillna(       # the two not apart
+        out["peak_activations_and_temporaries_bytes"] / MiB)
     out["step_ms_p50"] = out["step_time_p50"] * 1e3
     out["_order"] = [0 if reference_method(x) is None else 1 if sec not in _plain_names(x) else 2
                      for x, sec in zip(out["method"], out["section"])]
