@@ -74,7 +74,7 @@ def _timm(module, cls, **kw):
     return getattr(importlib.import_module(f"timm.models.{module}"), cls)(num_classes=5, **kw)
 
 
-# issue #11: architectures without a dedicated adapter before (most go through data flow). name -> (model
+# architectures without a dedicated adapter (most go through data flow). name -> (model
 # family as reported by the layout, builder, input kind: "ids" = input_ids, "img" = timm x, "pix" = pixel_values)
 MORE_BUILDERS = {
     "gemma": ("llama", lambda: _decoder("Gemma", head_dim=8, **_TOK), "ids"),

@@ -1,4 +1,4 @@
-"""Issue #20 item 3: the paper's LLaMA training configs (experiments/configs/llama-{7b,13b}-alpaca-lora.yaml) are QLoRA
+"""The paper's LLaMA training configs (experiments/configs/llama-{7b,13b}-alpaca-lora.yaml) are QLoRA
 as the paper runs it — NF4 with double quantisation, LoRA r 64, α 16, dropout 0.1 on all seven linears — and the job
 takes them:
 its options read as the registry declares, and on a tiny LLaMA they quantise every targeted linear to NF4."""

@@ -285,7 +285,7 @@ def test_double_apply_refused():
     m2, _ = build("llama")
     lowmembp.apply(m2, "lowmembp-norm")
     with pytest.raises(ValueError, match="cannot be combined.*already carries 'lowmembp-norm'"):
-        lowmembp.apply(m2, "lowmembp")  # issue #16: composition checked against what the model carries
+        lowmembp.apply(m2, "lowmembp")  # composition checked against what the model carries
     fresh, _ = build("llama")  # a copy of a converted model loses the registry mark; the MS norms still tell
     lowmembp.apply(fresh, "lowmembp-norm")
     object.__setattr__(fresh, "_lowmembp_methods", ())

@@ -1,4 +1,4 @@
-"""Issue #20 item 7 as pipeline cells: options written into a method spec (``tokentune@k=4``,
+"""Method options as pipeline cells: options written into a method spec (``tokentune@k=4``,
 lowmembp.methods.registry) name a variant of a method, so a sweep can list TokenTune at several k. Checked: the
 spec's grammar and its errors; ``apply`` with a spec equals ``apply`` with the option; the sweep's cells, command
 lines and check (workflow/sweep_config.py) keep the variants apart; records -> runs.csv -> tables keep one row per

@@ -213,8 +213,9 @@ def test_converted_trains_with_nf4_bases(spec):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_plain_nf4_lora_is_todays_model(dtype):
-    """Today's path: quantise the plain model's targets, then place the adapters on the NF4 layers."""
+def test_nf4_lora_equals_quantise_then_lora(dtype):
+    """``lora@quantize=nf4`` equals the plain route: quantise the model's targets, then place the adapters on the NF4
+    layers."""
     plain = _norms_model(dtype)
     new = _apply(copy.deepcopy(plain), "lora", quantize="nf4")
     old_base = copy.deepcopy(plain)

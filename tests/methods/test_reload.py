@@ -1,4 +1,4 @@
-"""Checkpoints of converted models reload exactly the usual way (issue #14 item 5): ``save_pretrained`` on a converted
+"""Checkpoints of converted models reload exactly the usual way: ``save_pretrained`` on a converted
 (trained) model → stock ``from_pretrained`` / ``PeftModel.from_pretrained(fresh_base, dir)`` gives the same logits.
 
 The reference failure: peft's own ``save_pretrained`` on a ``lora+lowmembp`` model writes A with γ folded in, and the
@@ -104,7 +104,7 @@ def test_trainer_save_model_reloads_exactly(tmp_path):
 
 def _more():
     import tiny_models
-    return sorted(getattr(tiny_models, "MORE_BUILDERS", {}))  # issue #11's architectures, where tiny_models has them
+    return sorted(getattr(tiny_models, "MORE_BUILDERS", {}))  # the architectures beyond the paper's four
 
 
 # Architectures of _more() that a method refuses, with the error it must raise: (name, method) -> exception type.

@@ -1,6 +1,6 @@
-"""Issue #11: the architectures beyond the paper's four convert exactly (norm γ/β perturbed), save fewer bytes, get
+"""The architectures beyond the paper's four convert exactly (norm γ/β perturbed), save fewer bytes, get
 LoRA on every block's attention and MLP projections; conversions are verified per site; composition, dtype,
-DataParallel and ``targets`` checks (issue #16); no method compares family names."""
+DataParallel and ``targets`` checks; no method compares family names."""
 import copy
 import pathlib
 import re
