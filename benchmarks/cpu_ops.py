@@ -162,9 +162,10 @@ def main(argv=None) -> int:
 
 def write_table(rows: list[dict], bandwidth: dict, load: list[float], a, out: str) -> None:
     """``out/cpu_ops.csv`` (every column) and ``out/cpu_ops.md`` (one part per thread count), read alone."""
-    from bench_tables import write_benchmark_table
-
     import pandas as pd
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_tables, also when loaded by path
+    from bench_tables import write_benchmark_table
 
     df = pd.DataFrame(rows)
     mesa = "Mesa: quantise + dequantise of a linear's input, 8 channel groups; its native is a copy_ of the input."

@@ -63,6 +63,7 @@ def main(argv=None) -> int:
         p.error("unset LOWMEMBP_BACKEND: each timing sets its own (cpu, and torch for the references)")
     import torch
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder's cpu_ops, also when loaded by path
     from cpu_ops import with_backend
 
     from lowmembp.measurement.timing import time_interleaved
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
 def write_table(table: list[dict], load: list[float], a) -> None:
     import pandas as pd
 
-    from bench_tables import write_benchmark_table
+    from bench_tables import write_benchmark_table  # main() put this folder on the path
 
     df = pd.DataFrame(table)
     shown = pd.DataFrame({"task / model": [f"{t} / {m}" for t, m in zip(df["task"], df["model"])],

@@ -1,0 +1,36 @@
+"""The CPU benchmarks write their table as the pipeline writes its own (benchmarks/bench_tables.py): the CSV holds
+the figures the Markdown shows, the Markdown reads alone (title, machine line with the load, the command) and each
+part is a snippets section a docs page can include."""
+import importlib.util
+import re
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cpu_ops_writes_a_table_that_reads_alone(tmp_path, monkeypatch):
+    monkeypatch.delenv("LOWMEMBP_BACKEND", raising=False)
+    argv = ["--ops", "ms-rmsnorm", "--dtypes", "fp32", "--threads", "1", "--rounds", "1", "--out", str(tmp_path)]
+    assert _load("cpu_ops").main(argv) == 0
+    md = (tmp_path / "cpu_ops.md").read_text()
+    csv = pd.read_csv(tmp_path / "cpu_ops.csv")
+    assert len(csv) == 1 and csv.loc[0, "op"] == "ms-rmsnorm" and csv.loc[0, "threads"] == 1
+    lines = md.splitlines()
+    assert lines[0].startswith("# CPU forward + backward") and lines[2].startswith("Machine: ")
+    assert re.search(r"load average \(1 min\) [\d.]+–[\d.]+ during the run", lines[2])
+    assert "Command: `PYTHONPATH=$PWD python benchmarks/cpu_ops.py" in md
+    assert "<!-- --8<-- [start:threads-1] -->" in md and "<!-- --8<-- [end:threads-1] -->" in md
+    row = next(line for line in lines if line.startswith("| ms-rmsnorm 512x4096"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2:5] == [f"{csv.loc[0, c]:.2f}" for c in ("native_ms", "ours_ms", "ref_ms")]
+    assert cells[5] == f"{csv.loc[0, 'ours/native']:.2f}"
+    assert abs(csv.loc[0, "ours/native"] - csv.loc[0, "ours_ms"] / csv.loc[0, "native_ms"]) < 1e-9
