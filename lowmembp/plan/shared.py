@@ -40,13 +40,20 @@ from lowmembp.estimator.weights import nf4_peak
 from lowmembp.measurement.peak import prime_optimizer
 from lowmembp.plan.steps import EventTracker, RecordingFakeMode, StepRun, _peak_dict
 
-__all__ = ["SharedSteps", "TimelineTracker", "replay", "NotShared", "FUSED_BACKWARD"]
+__all__ = ["SharedSteps", "TimelineTracker", "replay", "NotShared", "FUSED_BACKWARD", "STEP_PARTS", "QUIET"]
 
 FUSED_BACKWARD = "adamw-fused-backward"  # the optimizer that steps inside the backward (lowmembp.methods.optimizers)
 # timeline entries: (COUNT, uid, bytes or None when already live, category, phase) | (FREE, uid) | (SAVED, uid)
 # | (HOST, uid): a live storage moved to the host
 COUNT, FREE, SAVED, HOST = range(4)
 _HOST = "host"
+
+
+# What the optimizers' steps write in a timeline, kept for the worker's life (as torch keeps its fake-tensor cache):
+# an optimizer's step after the backward (its part, renumbered from 0, and its FLOPs) by :func:`_step_key`, and
+# whether fused-backward's step of one parameter inside the backward makes or changes nothing, by the layouts
+STEP_PARTS: dict[tuple, tuple] = {}
+QUIET: dict[tuple, bool] = {}
 
 
 class NotShared(Exception):
@@ -193,7 +200,6 @@ class SharedSteps:
                 prime_optimizer(opt)
         self.blocks = block_names(self.model)
         self.last_block = self.model.get_submodule(self.blocks[-1]) if self.blocks else None
-        self._step_parts: dict[tuple, dict] = {}  # gradients' layout -> {optimizer: its step's part}
 
     def run(self, batch_size: int, flops: bool = False, seq_len: int | None = None) -> dict[str, StepRun]:
         """Each optimizer's step at ``batch_size`` (and ``seq_len`` tokens) from one forward and backward."""
@@ -212,30 +218,36 @@ class SharedSteps:
                     if opt is not None:
                         t._track_opt_state(opt)
             t.track_external(None, None, *batch.values())
+            inner, grads = [], {}  # fused-backward's steps in the backward; parameter -> (gradient uid, layout)
+            own = self._step_inside_backward(t, inner, grads) if fused else []  # first, as fused-backward's hooks
             t.watch(self.model)
             t.watch_phases(self.model, self.last_block)
-            inner, grads = [], {}  # fused-backward's steps inside the backward; stepped parameter -> gradient uid
             params = [p for p in self.model.parameters() if p.requires_grad]
             with t.recording(self.mode):
-                handles = _watch_inner(t, inner, grads) if fused else []
+                handles = _watch_inner(t, inner) if fused else []
                 try:
                     with t.saved_hooks(), _autocast(self.dtype):
                         loss = _loss(self.spec, self.model, batch)
                     loss.backward()
                 finally:
-                    for h in handles:
+                    for h in handles + own:
                         h.remove()
+                    if fused:
+                        self.opts[FUSED_BACKWARD].attach()
                 body_flops = counter.get_total_flops() if counter is not None else None
-                layout = tuple((tuple(p.shape), p.stride(), p.dtype) if (p.grad is not None or p in grads)
-                               else None for p in params)
-                parts = self._step_parts.get(layout)
-                if parts is None:
-                    parts = self._step_parts[layout] = self._record_steps(t, params, grads)
+                layouts = [_layout(p.grad) if p.grad is not None else grads[p][1] if p in grads else None
+                           for p in params]
+                keys = {z: _step_key(z, opt, params, layouts) for z, opt in self.opts.items()}
+                missing = [z for z in self.opts if keys[z] not in STEP_PARTS]
+                if missing:
+                    STEP_PARTS.update({keys[z]: part for z, part in
+                                       self._record_steps(t, params, grads, missing).items()})
+                parts = {z: STEP_PARTS[keys[z]] for z in self.opts}
             for opt in self.opts.values():
                 if opt is not None:
                     opt.zero_grad(set_to_none=True)
             del loss
-        out, kept = {}, set(grads.values())
+        out, kept = {}, {uid for uid, _ in grads.values()}
         for z in self.optimizers:
             step, step_flops = parts[z]
             others = fused and z != FUSED_BACKWARD
@@ -250,24 +262,57 @@ class SharedSteps:
             out[z] = StepRun(batch_size, peak, n, r.events)
         return out
 
-    def _record_steps(self, t: TimelineTracker, params, grads) -> dict:
-        """``{optimizer: (its step's part of the timeline, the step's FLOPs)}`` after this backward, each part's new
-        storages numbered from 0 (the part is the same at any batch: module doc). Where fused-backward released the
-        gradients, the others step on fresh ones of the same layout, standing for them."""
+    def _step_inside_backward(self, t: TimelineTracker, inner: list, grads: dict) -> list:
+        """fused-backward's hooks, put in its own's place (taken off until :meth:`run` attaches them again): each
+        parameter is stepped and its gradient released, as that optimizer does. A parameter's step is run the first
+        time; where it made and changed nothing in the timeline (no storage, no FLOP: the fused AdamW kernel updates
+        in place), later steps of a parameter and gradient of the same layouts (:data:`QUIET`) are written down as
+        what they are, the tracker's re-count of the gradient and its release, without running the step again."""
+        opt = self.opts[FUSED_BACKWARD]
+        opt.remove()
+
+        def step(p):
+            g = p.grad
+            if g is None:
+                return
+            key = (_layout(p), _layout(g), _defaults(opt._inner[p]))
+            grads[p] = (t.uid(g), _layout(g))
+            if QUIET.get(key):
+                t._in_opt = True  # as the tracker's hook at an optimizer step's start: the gradient re-counted
+                t.track(g, "gradients")
+                t._in_opt = False
+                del g
+                p.grad = None
+                return
+            del g
+            opt._step_param(p)
+            a, b, flops = inner[-1]
+            if t.flops is not None:  # learnt only where its FLOPs are counted
+                QUIET[key] = flops == 0 and all(e[0] == COUNT and e[2] is None for e in t.log[a:b])
+
+        return [p.register_post_accumulate_grad_hook(step) for p in opt.param_groups[0]["params"]]
+
+    def _record_steps(self, t: TimelineTracker, params, grads, optimizers) -> dict:
+        """``{optimizer: (its step's part of the timeline, the step's FLOPs)}`` of ``optimizers`` after this
+        backward, each part's new storages numbered from 0 (the part is the same at any batch: module doc). Where
+        fused-backward released the gradients, the others step on fresh ones of the same layout, standing for
+        them."""
         from lowmembp.measurement.flops import step_flop_counter
 
         cats = {uid: t._live[key][1] for key, uid in t._uids.items()}
-        cats.update({uid: "gradients" for uid in grads.values()})
+        cats.update({uid: "gradients" for uid, _ in grads.values()})
         parts, flops = {}, t.flops
-        for z, opt in self.opts.items():
+        for z in optimizers:
+            opt = self.opts[z]
             fresh = []
             if opt is not None and z != FUSED_BACKWARD and grads:
                 observer, self.mode.observer = self.mode.observer, None  # not counted: stand-ins
                 try:
                     for p in params:
                         if p in grads:
-                            p.grad = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
-                            t.alias[t._key(p.grad)] = grads[p]
+                            uid, (shape, stride, dtype) = grads[p]
+                            p.grad = torch.empty_strided(shape, stride, dtype=dtype, device=p.device)
+                            t.alias[t._key(p.grad)] = uid
                             fresh.append(p)
                 finally:
                     self.mode.observer = observer
@@ -291,6 +336,25 @@ class SharedSteps:
         if self.world_size > 1:
             return fsdp_peak(peak, self.model, self.opts[optimizer], self.blocks, self.world_size)
         return peak
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.dtype
+
+
+def _defaults(opt) -> tuple:
+    """An optimizer's class and settings, as a key."""
+    return (type(opt),) + tuple(sorted((k, repr(v)) for k, v in opt.defaults.items()))
+
+
+def _step_key(name: str, opt, params, layouts) -> tuple:
+    """What an optimizer's step does depends on: the optimizer and its settings, and each parameter's, gradient's
+    (``layouts``) and state tensors' shapes, strides and dtypes."""
+    if opt is None:
+        return (name,)
+    state = tuple(tuple(sorted((k, _layout(v)) for k, v in opt.state.get(p, {}).items()
+                               if isinstance(v, torch.Tensor))) for p in params)
+    return (name, _defaults(opt), tuple(_layout(p) for p in params), tuple(layouts), state)
 
 
 def _own_part(entries: list, cats: dict) -> list:
@@ -341,20 +405,17 @@ def _without_inner_steps(body: list, inner: list, grads: set) -> list:
     return out
 
 
-def _watch_inner(t: TimelineTracker, inner: list, grads: dict) -> list:
-    """Global optimizer hooks marking fused-backward's per-parameter steps inside the backward in ``inner`` (start,
-    end indices of ``t.log``) and each stepped parameter's gradient in ``grads`` (parameter -> uid). Registered after
-    the tracker's own hooks: a step's part starts after the tracker's re-tag of the gradient, which the others'
-    timelines keep (their watch hook makes the same re-tag at the same moment)."""
+def _watch_inner(t: TimelineTracker, inner: list) -> list:
+    """Global optimizer hooks marking fused-backward's per-parameter steps inside the backward in ``inner`` (start
+    and end indices of ``t.log``, the step's FLOPs). Registered after the tracker's own hooks: a step's part starts
+    after the tracker's re-count of the gradient, which the others' timelines keep (their watch hook makes the same
+    re-count at the same moment)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     def flops():
         return t.flops.get_total_flops() if t.flops is not None else 0
 
     def pre(opt, args, kwargs):
-        for p in opt.param_groups[0]["params"]:
-            if p.grad is not None:
-                grads[p] = t.uid(p.grad)
         inner.append([len(t.log), None, flops()])
 
     def post(opt, args, kwargs):
