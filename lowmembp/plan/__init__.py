@@ -17,7 +17,12 @@ about (:mod:`lowmembp.plan.combination`, :mod:`lowmembp.plan.steps`: the same pr
   the requested batch and the next create the same storages (``batch_line``), every batch's peak comes from that
   line without more steps (:class:`lowmembp.plan.steps.BatchLine`), otherwise the search steps each batch it tries
   (:mod:`lowmembp.plan.search`); either way the answer ``B`` is stepped: ``B`` fits and ``B + 1`` does not (also
-  for each ``more_gpus`` size). ``estimates``: the fake steps the row took.
+  for each ``more_gpus`` size). ``estimates``: the fake steps the row's answers rest on.
+
+The rows of one combination that differ only in the optimizer, or in weights stored alike (``nf4`` on the ``bf16``
+step), are one job (:func:`evaluate_group`) on the same builds: the forward and backward run once for all of them,
+each optimizer's step read off that run's timeline (:mod:`lowmembp.plan.shared`, equal to the byte to the
+optimizer's own step). A plan of one optimizer and one storage precision steps each row on its own.
 - ``flops_ratio``: FLOPs of the step (forward, backward, recomputation; torch's formulas,
 :mod:`lowmembp.measurement.flops`)
   over the baseline's, counted on the same fake step; ``measured_ratio``: step time over the baseline's where the
