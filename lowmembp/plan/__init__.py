@@ -17,7 +17,12 @@ about (:mod:`lowmembp.plan.combination`, :mod:`lowmembp.plan.steps`: the same pr
   the requested batch and the next create the same storages (``batch_line``), every batch's peak comes from that
   line without more steps (:class:`lowmembp.plan.steps.BatchLine`), otherwise the search steps each batch it tries
   (:mod:`lowmembp.plan.search`); either way the answer ``B`` is stepped: ``B`` fits and ``B + 1`` does not (also
-  for each ``more_gpus`` size). ``estimates``: the fake steps the row took.
+  for each ``more_gpus`` size). ``estimates``: the fake steps the row's answers rest on.
+
+The rows of one combination that differ only in the optimizer, or in weights stored alike (``nf4`` on the ``bf16``
+step), are one job (:func:`evaluate_group`) on the same builds: the forward and backward run once for all of them,
+each optimizer's step read off that run's timeline (:mod:`lowmembp.plan.shared`, equal to the byte to the
+optimizer's own step). A plan of one optimizer and one storage precision steps each row on its own.
 - ``flops_ratio``: FLOPs of the step (forward, backward, recomputation; torch's formulas,
 :mod:`lowmembp.measurement.flops`)
   over the baseline's, counted on the same fake step; ``measured_ratio``: step time over the baseline's where the
@@ -35,18 +40,18 @@ from dataclasses import dataclass, field
 
 from lowmembp import _deprecated_call
 from lowmembp.estimator.step import ModelSpec, build, estimate, full_depth
-from lowmembp.estimator.weights import FROZEN_BASE_METHODS, WEIGHTS, auto_weights, frozen_base
+from lowmembp.estimator.weights import FROZEN_BASE_METHODS, WEIGHTS, auto_weights, frozen_base, storage_dtype
 from lowmembp.methods.registry import parse
 from lowmembp.plan.breakdown import split_peak
-from lowmembp.plan.combination import Peaks
+from lowmembp.plan.combination import Peaks, StepSource
 from lowmembp.plan.combos import combinations, key_of, option_grid
 from lowmembp.plan.models import resolve_model
-from lowmembp.plan.pool import modules_needed, run_rows
+from lowmembp.plan.pool import modules_needed, rows_of, run_rows
 from lowmembp.plan.progress import Bar
 from lowmembp.plan.search import largest_batch, largest_fitting
 from lowmembp.plan.sources import margin as margin_of, measured_ratios, parse_bytes
 
-__all__ = ["make_plan", "Plan", "evaluate", "WEIGHT_CHOICES", "AUTO_WEIGHTS"]
+__all__ = ["make_plan", "Plan", "evaluate", "evaluate_group", "WEIGHT_CHOICES", "AUTO_WEIGHTS"]
 
 FIND_CHOICES = ("batch", "seq-len")  # what a row searches for (make_plan's find=, --find)
 AUTO_WEIGHTS = "auto"
@@ -154,13 +159,13 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
                   extra=extra, more=more, find_seq_len=max_seq_len if "seq-len" in finds else None)
     grids = {c: option_grid(c, options) for c in combos}
     pairs = _weighted(combos, weights, dtype, skipped)
-    singles = [dict(common, method=c, options=o, optimizer=z, weights=w) for z in optimizers for c, w in pairs
-               if "+" not in c for o in grids[c]]
-    multis = [dict(common, method=c, options=o, optimizer=z, weights=w) for z in optimizers for c, w in pairs
-              if "+" in c for o in grids[c]]
-    bar = Bar(len(singles) + len(multis)) if progress == "bar" else None
+    jobs_ = _grouped([dict(common, method=c, options=o, optimizer=z, weights=w) for z in optimizers
+                      for c, w in pairs for o in grids[c]])
+    singles = [j for j in jobs_ if "+" not in j["method"]]
+    multis = [j for j in jobs_ if "+" in j["method"]]
+    bar = Bar(sum(map(rows_of, jobs_))) if progress == "bar" else None
     try:
-        rows, failed = run_rows(evaluate, singles, multis, jobs=jobs, start_method=start_method,
+        rows, failed = run_rows(evaluate_group, singles, multis, jobs=jobs, start_method=start_method,
                                 preload=modules_needed(spec, overrides, combos), progress=bar or progress)
     finally:
         if bar is not None:
@@ -190,8 +195,34 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
     return Plan(settings, rows, skipped, sources, time.perf_counter() - t0, load)
 
 
-def evaluate(job: dict) -> dict:
-    """One row: one combination's peak at the requested batch, its largest batch, its FLOPs (module doc)."""
+def _grouped(jobs: list[dict]) -> list[dict]:
+    """``jobs`` (one per row) with the rows that step the same model made one job: the same combination and
+    options, weights stored alike, any optimizer (``"variants"``: each row's ``(optimizer, weights)``, in order).
+    A job of one row is left as it is."""
+    groups: dict[tuple, list[dict]] = {}
+    for j in jobs:
+        key = (j["method"], tuple(sorted(j["options"].items())), storage_dtype(j["weights"]))
+        groups.setdefault(key, []).append(j)
+    return [g[0] if len(g) == 1 else dict(g[0], variants=[(j["optimizer"], j["weights"]) for j in g])
+            for g in groups.values()]
+
+
+def evaluate_group(job: dict) -> dict | list[dict]:
+    """:func:`evaluate` of a job, or, for a job of several ``"variants"`` (:func:`_grouped`), the list of their rows,
+    their fake steps shared (:class:`lowmembp.plan.combination.StepSource`)."""
+    variants = job.get("variants")
+    if not variants:
+        return evaluate(job)
+    stored = next((w for _, w in variants if w != "nf4"), variants[0][1])
+    source = StepSource(job["spec"], job["method"], layers=job["shallow"] or (None,), seq_len=job["seq_len"],
+                        dtype=job["dtype"], optimizers=[z for z, _ in variants], weights=stored,
+                        overrides=job["overrides"], **job["extra"], **job["options"])
+    return [evaluate(dict(job, optimizer=z, weights=w), source=source) for z, w in variants]
+
+
+def evaluate(job: dict, source: StepSource | None = None) -> dict:
+    """One row: one combination's peak at the requested batch, its largest batch, its FLOPs (module doc).
+    ``source``: fake steps shared with other rows of the same combination (:func:`evaluate_group`)."""
     t0, c0 = time.perf_counter(), time.process_time()
     method, opts, spec = job["method"], job["options"], job["spec"]
     optimizer, weights = job.get("optimizer", "adamw"), job.get("weights", "fp32")
@@ -203,7 +234,7 @@ def evaluate(job: dict) -> dict:
             warnings.simplefilter("ignore")
             peaks = Peaks(spec, method, shallow=job["shallow"], depth=job["depth"], seq_len=job["seq_len"],
                           dtype=job["dtype"], overrides=job["overrides"], weights=weights,
-                          optimizer=optimizer, **job["extra"], **opts)
+                          optimizer=optimizer, source=source, **job["extra"], **opts)
             first = peaks.direct(bs, flops=True)
             pk, cats = first["peak"]["bytes"], first["peak"]["by_category"]
             static = sum(cats.get(k, 0) for k in _STATIC)
@@ -266,7 +297,7 @@ def _checked(peaks: Peaks, best: int, cap: float, floor: int, max_batch: int) ->
 def _position_table(peaks: Peaks) -> int | None:
     """The longest sequence a text model's absolute position embeddings allow (BERT 512, RoBERTa 514 less its
     padding offset), None for rotary (LLaMA) or no config."""
-    model = next(iter(peaks.steps.values())).model
+    model = peaks.model
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "position_embedding_type", None) != "absolute":
         return None

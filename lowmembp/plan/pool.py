@@ -25,21 +25,23 @@ from typing import Callable
 
 from lowmembp.plan import worker
 
-__all__ = ["run_rows", "modules_needed", "START_METHODS"]
+__all__ = ["run_rows", "rows_of", "modules_needed", "START_METHODS"]
 
 START_METHODS = ("forkserver", "fork", "spawn")
 
 
-def run_rows(evaluate: Callable[[dict], dict], singles: list[dict], multis: list[dict], *, jobs: int,
+def run_rows(evaluate: Callable[[dict], dict | list[dict]], singles: list[dict], multis: list[dict], *, jobs: int,
              preload: list[str], start_method: str | None = None, progress=None) -> tuple[list[dict], dict]:
     """``(rows, failed)``: ``evaluate(job)`` of every single-method job and of every combination whose methods all
     succeeded alone (``failed``: method -> the reason its single row gave; baseline never fails a combination);
     ``progress(row)`` after each row run, ``progress.set_total(n)`` (when it has one) once combinations are dropped
-    (those not yet run: the count of rows run ends equal to the total)."""
+    (those not yet run: the count of rows run ends equal to the total). A job may give several rows (a list: one
+    combination's rows for several optimizers or weights, :func:`lowmembp.plan.evaluate_group`); its
+    ``"variants"`` then say how many."""
     multis = sorted(multis, key=lambda j: -len(_parts(j)))
     failed: dict[str, str] = {}
     rows: list[dict] = []
-    total = len(singles) + len(multis)
+    total = sum(map(rows_of, singles + multis))
     reported: set[int] = set()  # ids of the jobs whose rows progress() has seen
 
     def take(job: dict, row: dict) -> bool:
@@ -51,7 +53,7 @@ def run_rows(evaluate: Callable[[dict], dict], singles: list[dict], multis: list
                 gone = [j for j in multis if job["method"] in _parts(j) and not _parts(j) & set(failed)
                         and id(j) not in reported]  # those already counted stay counted: they ran
                 failed[row["method"]] = row["reason"]
-                total -= len(gone)
+                total -= sum(map(rows_of, gone))
                 new_failure = True
                 if hasattr(progress, "set_total"):
                     progress.set_total(total)
@@ -63,25 +65,34 @@ def run_rows(evaluate: Callable[[dict], dict], singles: list[dict], multis: list
             progress(row)
         return new_failure
 
+    def take_all(job: dict, out) -> bool:
+        """Keep ``job``'s row or rows; True when one is a single method's first failure."""
+        return any([take(job, row) for row in (out if isinstance(out, list) else [out])])
+
     with _pool(jobs, len(singles) + len(multis), preload, start_method) as pool:
         if pool is None:
             for job in singles + multis:
                 if "+" in job["method"] and _parts(job) & set(failed):
                     continue
-                take(job, evaluate(job))
+                take_all(job, evaluate(job))
         else:
             from concurrent.futures import as_completed
             futures = {pool.submit(evaluate, job): job for job in singles + multis}
             for fut in as_completed(futures):
                 if fut.cancelled():
                     continue
-                if take(futures[fut], fut.result()):
+                if take_all(futures[fut], fut.result()):
                     for f, j in futures.items():
                         if "+" in j["method"] and _parts(j) & set(failed):
                             f.cancel()
     # a combination that finished before one of its methods failed alone (on the other worker) goes too
     rows = [r for r in rows if not set(r["method"].split("+")) & set(failed)]
     return rows, failed
+
+
+def rows_of(job: dict) -> int:
+    """How many rows ``job`` gives: one, or one per (optimizer, weights) in its ``"variants"``."""
+    return len(job.get("variants") or (None,))
 
 
 def _parts(job: dict) -> set[str]:

@@ -172,10 +172,11 @@ class Steps:
                           tracker.peak_phase)
         return StepRun(batch_size, peak, counter.get_total_flops() if counter is not None else None, tracker.events)
 
-    def shard(self, peak: dict) -> dict:
-        """``peak`` with the weights as stored (NF4: :func:`lowmembp.estimator.weights.nf4_peak`) and as one rank's
-        under FSDP2 when ``world_size > 1`` (estimate's :func:`fsdp_peak`), else itself."""
-        if self.weights == "nf4":
+    def shard(self, peak: dict, weights: str | None = None) -> dict:
+        """``peak`` with the weights as stored (``weights``, default the built model's; NF4:
+        :func:`lowmembp.estimator.weights.nf4_peak`) and as one rank's under FSDP2 when ``world_size > 1``
+        (estimate's :func:`fsdp_peak`), else itself."""
+        if (weights or self.weights) == "nf4":
             peak = nf4_peak(peak, self.model)
         if self.world_size > 1:
             return fsdp_peak(peak, self.model, self.opt, self.blocks, self.world_size)
