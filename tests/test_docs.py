@@ -135,6 +135,27 @@ def test_docs_block_runs(block, tmp_path):
     run_block(block, tmp_path)
 
 
+def _included(target: str) -> str:
+    """The text a ``--8<--`` include brings: the whole file, its lines ``:start:end``, or its section ``:name``."""
+    path, _, sel = target.partition(":")
+    text = (ROOT / "results" / "reference" / path).read_text()
+    if re.fullmatch(r"[a-z][-_0-9a-z]*", sel):
+        start, end = f"<!-- --8<-- [start:{sel}] -->", f"<!-- --8<-- [end:{sel}] -->"
+        assert start in text and end in text, f"{target}: no section {sel!r}"
+        return text.split(start, 1)[1].split(end, 1)[0]
+    if sel:
+        first, _, last = sel.partition(":")
+        lines = text.splitlines()
+        return "\n".join(lines[int(first) - 1:int(last) if last else None])
+    return text
+
+
+def test_a_section_include_brings_only_its_part():
+    text = _included("tables/peers.md:velora")
+    assert "velora" in text and "cce (vs baseline)" not in text
+    assert _included("tables/peers.md:3:3").startswith("Machine: ")
+
+
 @pytest.mark.slow
 def test_mkdocs_build_strict(tmp_path):
     site = tmp_path / "site"
@@ -150,8 +171,7 @@ def test_mkdocs_build_strict(tmp_path):
             html_page = site / page.relative_to(DOCS).parent / "index.html"
         html = html_page.read_text() if html_page.is_file() else ""
         for m in INCLUDE.finditer(page.read_text()):
-            ref = (ROOT / "results" / "reference" / m.group(1).split(":", 1)[0]).read_text()
-            for _, _, rows in _tables(ref):
+            for _, _, rows in _tables(_included(m.group(1))):
                 for row in rows:
                     assert f"<td>{row[0]}</td>" in html or f">{row[0]}<" in html, (page.name, row[0])
 

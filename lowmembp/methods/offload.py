@@ -129,7 +129,7 @@ class Offloader:
         self.ledger = ledger
         self._stream = None
         self._outer = None
-        self._skip: dict[int, StorageWeakRef] = {}  # storage key -> a parameter's / buffer's storage
+        self._skip: set[int] = set()
         self._copies: dict = {}
 
     # -- one forward ------------------------------------------------------------------------------------------------
@@ -137,12 +137,11 @@ class Offloader:
         """Enter at the start of the offloaded forward: remember the outer hooks and the parameters' storages."""
         self._outer = top_saved_tensors_hooks()
         model = self.model_ref()
-        self._skip = {}
+        self._skip = set()
         if model is not None:
             for t in list(model.parameters()) + list(model.buffers()):
                 try:
-                    ref = StorageWeakRef(t.untyped_storage())
-                    self._skip[ref.cdata] = ref
+                    self._skip.add(StorageWeakRef(t.untyped_storage()).cdata)
                 except NotImplementedError:  # "Cannot access storage of ...": a tensor with none, nothing to skip
                     pass
         self._copies = {}
@@ -162,9 +161,8 @@ class Offloader:
             key = StorageWeakRef(t.untyped_storage()).cdata
         except NotImplementedError:  # a strided tensor without storage (functorch's wrappers): kept as it is
             return t
-        param = self._skip.get(key)
-        if param is not None and not param.expired():  # a dead parameter's address, reused by a new storage, is not
-            return t                                     # a parameter
+        if key in self._skip:
+            return t
         view = (key, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         entry = self._copies.get(view)
         held = entry[1]() if entry is not None and not entry[0].expired() else None

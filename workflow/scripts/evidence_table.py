@@ -181,8 +181,8 @@ def display(df: pd.DataFrame) -> pd.DataFrame:
                                      + ("" if d["optimizer"] == DEFAULT_OPTIMIZER else f", {d['optimizer']}")
                                      + f" (vs {d['compared_with']})"),
             "seeds": str(d["seeds"]),
-            f"{d['metric']}: compared → method": (f"{d['compared_mean']:.2f} → {d['method_mean']:.2f}"
-                                                   f"{' ' + metric_unit if metric_unit else ''}"),
+            "metric: compared → method": (f"{d['metric']} {d['compared_mean']:.2f} → {d['method_mean']:.2f}"
+                                          f"{' ' + metric_unit if metric_unit else ''}"),
             "mean change (95 % CI)": f"{num(d['change_mean'], unit)} {ci}",
             "margin": f"±{d['margin']:g} {unit}",
             "verdict": d["verdict"],

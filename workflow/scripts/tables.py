@@ -956,7 +956,7 @@ def lever_estimates_layout(df: pd.DataFrame, notes: Footnotes) -> list[Part]:
     for section, sub in df.groupby("section", sort=False):
         rows = []
         for d in sub.to_dict("records"):
-            row = ({"optimizer": d["optimizer"]} if section == "optimizers" else {"method": f"`{d['method']}`"})
+            row = ({"optimizer": d["optimizer"]} if section == "optimizers" else {"method": d["method"]})
             row.update({"peak (GiB)": _num(d["peak_GiB"], ".2f")})
             if section != "optimizers":
                 row["saved for backward (GiB)"] = _num(d["saved_GiB"], ".2f")
