@@ -6,28 +6,19 @@ section a docs page can include alone.
 from __future__ import annotations
 
 import os
-import platform
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cpu_model() -> str:
-    """``lscpu``'s model name (from /proc/cpuinfo), else the platform's processor string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_line(load: list[float]) -> str:
     import torch
 
-    return (f"{cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__}, load average (1 min) "
+    sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
+    from make_reference import cpu_name  # the reference set's own CPU line
+
+    return (f"{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, load average (1 min) "
             f"{min(load):.1f}–{max(load):.1f} during the run")
 
 
