@@ -44,7 +44,7 @@ from lowmembp.estimator.weights import FROZEN_BASE_METHODS, WEIGHTS, auto_weight
 from lowmembp.methods.registry import parse
 from lowmembp.plan.breakdown import split_peak
 from lowmembp.plan.combination import Peaks, StepSource
-from lowmembp.plan.combos import combinations, key_of, option_grid
+from lowmembp.plan.combos import combinations, default_max_methods, key_of, option_grid
 from lowmembp.plan.models import resolve_model
 from lowmembp.plan.pool import modules_needed, rows_of, run_rows
 from lowmembp.plan.progress import Bar
@@ -97,7 +97,7 @@ class Plan:
 
 def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int = "24GiB", seq_len: int | None = None,
          dtype: str | None = None, world_size: int = 1, methods: list[str] | None = None,
-         exclude: list[str] | None = None, max_methods: int | None = None,
+         exclude: list[str] | None = None, max_methods: int | str | None = None,
          options: dict[str, dict[str, list]] | None = None, margin: float | None = None,
          reserved: int | str | None = None, margin_file=None, runs=None, jobs: int = 1,
          overrides: dict | None = None, num_classes: int | None = None, image_size: int | None = None,
@@ -105,8 +105,11 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
          more_gpus: list[str | int] | None = None, weights: str | list[str] = AUTO_WEIGHTS, progress=None,
          start_method: str | None = None, optimizer: str | list[str] = "adamw",
          find: str | list[str] = "batch", max_seq_len: int = 1 << 20) -> Plan:
-    """Plan every valid method combination (see the module doc). ``methods``/``exclude``/``max_methods`` narrow the
-    combinations; ``options``: sweeps, ``{"tokentune": {"k": [16, 256]}}``; ``margin``/``reserved``: the allocator
+    """Plan every valid method combination (see the module doc). ``methods``/``exclude``/``max_methods`` choose the
+    combinations: by default those of at most :data:`lowmembp.plan.combos.DEFAULT_MAX_METHODS` methods, without the
+    variants of :func:`lowmembp.plan.combos.variants` (the parts of a composite, paper-figure variants); with
+    ``methods`` every combination of those; ``max_methods``: at most that many methods (``"all"``: no limit);
+    ``options``: sweeps, ``{"tokentune": {"k": [16, 256]}}``; ``margin``/``reserved``: the allocator
     fraction and the fixed reserve (default: ``results/gpu/margin.json`` if present, else rules of thumb);
     ``runs``: the runs.csv with measured step times; ``jobs``: worker processes; ``overrides``: model config changes
     (small test models); ``depth``: ``"auto"`` (extend 2- and 3-block builds) or ``"full"`` (estimate the whole
@@ -148,11 +151,12 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
                              f"context and workspaces ({mg['reserved_bytes'] / 2**20:.1f} MiB): no tensor would fit. "
                              f"Give the GPU's real memory, or a smaller reserve (--reserved / reserved=).")
     shallow, blocks, depth_note = _depth_mode(spec, overrides, depth)
+    limit = default_max_methods(methods, max_methods)
     if combos is not None:
-        skipped = {}
+        skipped, limit = {}, None
         combos = ["baseline"] + ["+".join(m.name for m in parse(c)) for c in combos if c != "baseline"]
     else:
-        combos, skipped = combinations(methods, exclude, max_methods)
+        combos, skipped = combinations(methods, exclude, limit, default=True)
     more = {str(g): (parse_bytes(g) - mg["reserved_bytes"]) / (1 + mg["fraction"]) for g in more_gpus or []}
     common = dict(spec=spec, batch_size=batch_size, seq_len=spec.seq_len, dtype=dtype, overrides=overrides,
                   shallow=shallow, depth=blocks, capacity=capacity, weights=weights, margin=mg, max_batch=max_batch,
@@ -182,6 +186,7 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
                 "find": finds,
                 "gpu_memory_bytes": budget,
                 "capacity_bytes": int(capacity), "world_size": world_size, "margin": mg, "combinations": len(rows),
+                "max_methods": limit,
                 "jobs": jobs}
     sources = {"peak": PEAK_SOURCE.format(depth=depth_note), "margin": mg["source"], "flops": FLOPS_SOURCE,
                "measured": (f"step_time_p50 / baseline's, same task, model, batch size and device, from {runs_file}"

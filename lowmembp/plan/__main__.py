@@ -11,6 +11,7 @@ import os
 import sys
 
 from lowmembp.estimator.step import DTYPES
+from lowmembp.plan.combos import ALL, DEFAULT_MAX_METHODS
 
 
 def main(argv: list[str] | None = None, start_method: str | None = None) -> int:
@@ -43,7 +44,9 @@ def main(argv: list[str] | None = None, start_method: str | None = None) -> int:
                          "lowmembp.estimator.step.fsdp_peak)")
     ap.add_argument("--methods", default=None, help="only combinations of these methods (comma-separated)")
     ap.add_argument("--exclude", default=None, help="leave these methods out (comma-separated)")
-    ap.add_argument("--max-methods", type=int, default=None, help="at most this many methods per combination")
+    ap.add_argument("--max-methods", type=_max_methods, default=None, metavar="N|all",
+                    help=f"at most N methods per combination, or all (default: {DEFAULT_MAX_METHODS} for the default "
+                         "plan, all for the combinations of --methods)")
     ap.add_argument("--option", action="append", default=[], metavar="METHOD.OPTION=V1[,V2]",
                     help="set or sweep a method option, e.g. tokentune.k=16,256 or lora.rank=64 (repeatable)")
     ap.add_argument("--margin", type=float, default=None,
@@ -88,6 +91,18 @@ def main(argv: list[str] | None = None, start_method: str | None = None) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _max_methods(text: str):
+    if text.strip().lower() == ALL:
+        return ALL
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"give a positive number or {ALL}, not {text!r}")
+    return n
 
 
 def _start_method() -> str | None:

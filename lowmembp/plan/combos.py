@@ -7,6 +7,11 @@ registry's ``parts`` of ``lowmembp``) is the composite itself and is listed once
 Options take the registry's defaults unless the caller sweeps them (``{"tokentune": {"k": [16, 256]}}``
 gives one row per value). A few methods cannot be estimated on fake tensors at all; they are skipped up front with
 the reason below, and any other method whose estimate fails is skipped with its error.
+
+The default plan (no ``methods`` given) is the combinations of at most :data:`DEFAULT_MAX_METHODS` methods, without
+the variants of :func:`variants` (the parts of a composite method, and the paper-figure variants of
+:data:`VARIANTS`): 60 rows for LLaMA-7B against 768 for every valid combination, which a plan gets with
+``max_methods="all"`` and the variants named in ``methods``. Naming ``methods`` plans every combination of them.
 """
 from __future__ import annotations
 
@@ -14,7 +19,15 @@ import itertools
 
 from lowmembp.methods.registry import list_methods, parse
 
-__all__ = ["NOT_ESTIMATED", "combinations", "option_grid", "key_of", "parse_option_sweeps"]
+__all__ = ["NOT_ESTIMATED", "VARIANTS", "DEFAULT_MAX_METHODS", "ALL", "combinations", "variants",
+           "default_max_methods", "option_grid", "key_of", "parse_option_sweeps"]
+
+DEFAULT_MAX_METHODS = 2  # methods per combination in the default plan (module doc)
+ALL = "all"              # max_methods without a limit
+# method -> why the default plan leaves it out (besides the parts of a composite method, see variants())
+VARIANTS = {
+    "mesa-gelu-ln": "Mesa on GELU/SiLU and the norms only (the LowMemoryBP paper's Fig. 1 comparison); mesa is planned",
+}
 
 # method -> why the fake-tensor estimate cannot say what it does
 NOT_ESTIMATED = {
@@ -32,11 +45,35 @@ def key_of(method: str) -> str:
     return "+".join(sorted(n.strip() for n in method.split("+")))
 
 
+def variants() -> dict[str, str]:
+    """The methods the default plan leaves out, with the reason: the parts of a composite method (the composite is
+    in: ``lowmembp`` for ``lowmembp-act`` and ``lowmembp-norm``) and :data:`VARIANTS`."""
+    out = {}
+    for name in sorted(list_methods()):
+        for part in parse(name)[0].parts:
+            out[part] = f"a part of {name}, which is planned whole"
+    out.update(VARIANTS)
+    return {n: f"{why}; name it in --methods to plan it" for n, why in out.items()}
+
+
+def default_max_methods(include: list[str] | None, max_methods: int | str | None) -> int | None:
+    """The limit of methods per combination: ``max_methods`` as given (``"all"``: none), else
+    :data:`DEFAULT_MAX_METHODS` for the default plan and none when ``include`` names the methods."""
+    if max_methods == ALL:
+        return None
+    if max_methods is None:
+        return DEFAULT_MAX_METHODS if include is None else None
+    if isinstance(max_methods, bool) or not isinstance(max_methods, int) or max_methods < 1:
+        raise ValueError(f"max_methods must be a positive integer or {ALL!r}, got {max_methods!r}")
+    return max_methods
+
+
 def combinations(include: list[str] | None = None, exclude: list[str] | None = None,
-                 max_methods: int | None = None) -> tuple[list[str], dict[str, str]]:
+                 max_methods: int | None = None, default: bool = False) -> tuple[list[str], dict[str, str]]:
     """``(combinations, skipped)``: every valid combination in application order (``"baseline"`` first), and the
     registry's methods left out with the reason. ``include``: only these methods; ``exclude``: not these;
-    ``max_methods``: at most that many methods in one combination."""
+    ``max_methods``: at most that many methods in one combination; ``default``: without ``include``, the default
+    plan's methods (no :func:`variants`)."""
     names = sorted(n for n in list_methods() if n != "baseline")
     for n in (include or []) + (exclude or []):
         if n not in names and n != "baseline":
@@ -44,6 +81,8 @@ def combinations(include: list[str] | None = None, exclude: list[str] | None = N
     skipped = {n: NOT_ESTIMATED[n] for n in names if n in NOT_ESTIMATED}
     if include is not None:
         skipped.update({n: "not asked for (--methods)" for n in names if n not in include and n not in skipped})
+    elif default:
+        skipped.update({n: why for n, why in variants().items() if n in names and n not in skipped})
     skipped.update({n: "left out (--exclude)" for n in exclude or [] if n not in skipped})
     usable = [n for n in names if n not in skipped]
     parts_of = {n: set(parse(n)[0].parts) for n in usable}

@@ -75,7 +75,9 @@ def text_table(p) -> str:
             f"  measured x: {src['measured']} (median over the (task, model, batch) groups; count in brackets)",
             f"  {LEGEND}",
             f"  weights: {s.get('weights_source', 'given')}",
-            f"{len(body)} combinations in {p.elapsed_s:.1f} s ({s['jobs']} job(s)"
+            f"{len(body)} combinations" + (f" of up to {s['max_methods']} methods (--max-methods N or all: more)"
+                                           if s.get("max_methods") else "")
+            + f" in {p.elapsed_s:.1f} s ({s['jobs']} job(s)"
             + (f", load average {p.load[0]:.2f}" if p.load else "")
             + f"; the rows took {sum(r.get('cpu_seconds', 0) for r in p.rows):.1f} CPU s)"]
     return "\n".join(out)

@@ -11,7 +11,8 @@ from lowmembp.estimator.step import estimate, estimate_by_depth
 from lowmembp.estimator.hf_config import hf_spec
 from lowmembp.methods.registry import parse
 from lowmembp.plan import make_plan
-from lowmembp.plan.combos import NOT_ESTIMATED, combinations, option_grid, parse_option_sweeps
+from lowmembp.plan.combos import (ALL, DEFAULT_MAX_METHODS, NOT_ESTIMATED, VARIANTS, combinations,
+                                  default_max_methods, option_grid, parse_option_sweeps, variants)
 from lowmembp.plan.models import resolve_model
 from lowmembp.plan.search import largest_batch
 from lowmembp.plan.sources import margin, measured_ratios, parse_bytes
@@ -144,6 +145,44 @@ def test_combinations_are_the_registrys():
     assert option_grid("lora+tokentune", sweeps) == [{"rank": 2, "k": 4}, {"rank": 2, "k": 8}]
     with pytest.raises(ValueError, match="no option"):
         option_grid("lora", {"lora": {"k": [1]}})
+
+
+def test_the_default_plan_is_short_combinations_without_variants():
+    every, _ = combinations()
+    default, skipped = combinations(max_methods=DEFAULT_MAX_METHODS, default=True)
+    left_out = variants()
+    assert {"lowmembp-act", "lowmembp-norm"} | set(VARIANTS) == set(left_out)   # the composite's parts, by the registry
+    assert "lowmembp" in default and all(v not in c.split("+") for c in default for v in left_out)
+    assert all(skipped[v] == why and "--methods" in why for v, why in left_out.items() if v not in NOT_ESTIMATED)
+    wanted = [c for c in every if c.count("+") < DEFAULT_MAX_METHODS and not set(c.split("+")) & set(left_out)]
+    assert default == wanted and len(default) < len(every)
+    named, _ = combinations(["lowmembp-act", "lora"], default=True)              # named: every combination of them
+    assert named == ["baseline", "lora", "lowmembp-act", "lora+lowmembp-act"]
+    assert default_max_methods(None, None) == DEFAULT_MAX_METHODS
+    assert default_max_methods(["lora"], None) is None and default_max_methods(None, ALL) is None
+    assert default_max_methods(None, 3) == 3
+    for bad in (0, -1, "2", 1.5, True):
+        with pytest.raises(ValueError, match="max_methods"):
+            default_max_methods(None, bad)
+
+
+def test_the_plan_and_the_command_line_state_and_take_the_limit(tiny_config, capsys):
+    from lowmembp.plan.__main__ import main
+
+    kw = dict(batch_size=2, seq_len=16, gpu_memory="4MiB", jobs=1, reserved=0)
+    p = make_plan(str(tiny_config), combos=["lora"], **kw)
+    assert p.settings["max_methods"] is None                                     # exact combinations: no limit
+    p = make_plan(str(tiny_config), methods=["lora", "checkpointing", "tokentune"], max_methods=1, **kw)
+    assert p.settings["max_methods"] == 1 and {r["method"] for r in p.rows} == {"baseline", "lora", "checkpointing",
+                                                                                 "tokentune"}
+    assert "4 combinations of up to 1 methods (--max-methods N or all: more)" in p.table()
+    args = ["--model", str(tiny_config), "--batch-size", "2", "--seq-len", "16", "--gpu-memory", "4MiB",
+            "--methods", "lora,checkpointing", "--jobs", "1", "--reserved", "0", "--json"]
+    assert main(args + ["--max-methods", "all"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["rows"]) == 4
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--max-methods", "0"])
+    assert e.value.code == 2 and "positive number or all" in capsys.readouterr().err
 
 
 def test_search_on_a_line_and_off_it():
