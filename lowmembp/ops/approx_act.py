@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from lowmembp.ops.backend import (CPU_BLOCK, backend_for, check_float_input, cpu_block, cpu_parallel, eager_cpu,
                                refuse_functorch_transforms)
+from lowmembp.ops import cpu_kernels
 from lowmembp.ops.approx_table import REGELU2_A, REGELU2_C, RESILU2_A, RESILU2_C, TABLE
 
 try:  # triton is optional on CPU-only installs; the reference path needs none of it
@@ -316,12 +317,13 @@ def _bwd_reference(dy: torch.Tensor, packed: torch.Tensor, s32) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ CPU fast path
-# The reference's arithmetic, bit for bit, with fewer passes over memory: the codes are computed block by block
-# (blocks small enough to stay in the core's cache, so that the several passes a block takes read cache, not
-# memory), the forward output is the native op's (one whole-tensor call, as the reference makes), and the backward
-# looks up four slopes per code byte and multiplies by dy block by block. Eager ATen ops only: no compiler at run
-# time, nothing to build at install, no warm-up. 2-bit codes of the kinds below; everything else (other bit widths,
-# non-finite inputs, big-endian machines) runs the reference.
+# The reference's arithmetic, bit for bit, with fewer passes over memory: the forward output is the native op's (one
+# whole-tensor call, as the reference makes), the packed codes one pass of the C kernels (lowmembp.ops.cpu_kernels,
+# compiled on first use), and the backward one C pass of dx = s[code]·dy. Without the C kernels (no compiler,
+# LOWMEMBP_CPU_KERNELS=0) the same bits come from eager ATen ops: the codes block by block (blocks small enough to
+# stay in the core's cache, so that the several passes a block takes read cache, not memory), the backward a lookup
+# of four slopes per code byte and a multiply by dy block by block. 2-bit codes of the kinds below; everything else
+# (other bit widths, non-finite inputs, big-endian machines) runs the reference.
 _CPU_BLOCK = CPU_BLOCK  # elements per block (a multiple of 64); blocks are spread over threads by cpu_parallel
 _MAGIC = float(1 << 23)  # k + 2^23 (k a small integer) has k in the low mantissa bits of its fp32 encoding
 _LOW_PRECISION_NATIVE = frozenset({"gelu", "silu", "relu"})  # native fp16/bf16 kernels compute in fp32
@@ -391,6 +393,15 @@ def _fwd_cpu(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
     n = flat.numel()
     nbytes = (n * bits + 7) // 8
     packed = torch.empty(nbytes + 1 if with_codes else 0, dtype=torch.uint8, device=x.device)
+    # one C pass: the packed codes (or only the finiteness check) of every element
+    bad = cpu_kernels.codes2(flat, thresholds, packed) if with_codes else cpu_kernels.nonfinite(flat)
+    if bad is not None:
+        if bad:  # some input NaN or ±inf: the reference (its output and flag byte follow the mathematics)
+            return _fwd_reference(x, kind, thresholds, with_codes)
+        if with_codes:
+            packed[nbytes] = 0
+        return y.reshape(x.shape), packed
+    # without the C kernels: the codes from eager ATen ops, block by block
     n4 = n - n % 4
     block = cpu_block(_CPU_BLOCK)
     sums = torch.zeros(n4 // block + 2, dtype=torch.float32)
@@ -436,6 +447,11 @@ def _bwd_cpu(dy: torch.Tensor, packed: torch.Tensor, s32) -> torch.Tensor:
         return _bwd_reference(dy, packed, s32)
     flat = dy.contiguous().reshape(-1)
     flag = int(packed[nbytes])
+    if flag == 0:  # one C pass; a NaN product in fp16 / bf16 is rounded by ATen's own ops below
+        dx = torch.empty(n, dtype=dy.dtype, device=dy.device)
+        nan = cpu_kernels.slopes2(flat, packed, _const_tensor(tuple(s32), dy.device), dx)
+        if nan is not None and not (nan and dy.dtype != torch.float32):
+            return dx.reshape(dy.shape)
     # the four slopes of each code byte, 16 bytes: one complex128 entry, so that one 1-D gather fetches all four
     table = _byte_table(tuple(s32), bits, dy.device)[flag].view(torch.complex128).reshape(256)
     dx = torch.empty(n, dtype=dy.dtype, device=dy.device)

@@ -1,0 +1,345 @@
+/* The CPU fast path's one-pass kernels (lowmembp.ops.cpu_kernels compiles this file on first use and loads it with
+ * ctypes). Plain C on float / uint16 / uint8 pointers, no Python or torch headers.
+ *
+ * Each kernel reproduces the PyTorch reference's arithmetic bit for bit: IEEE fp32 operations one at a time (the
+ * build passes -ffp-contract=off, so no multiply-add is fused, and never -ffast-math), fp16 / bf16 converted to fp32
+ * exactly and rounded back to nearest-even. NaN outputs are the one place where libraries differ (which operand's
+ * payload, which NaN a conversion writes): the kernels report them and the caller recomputes such a tensor with
+ * ATen's own ops.
+ *
+ * Threads: an OpenMP team of `threads` (the caller passes torch.get_num_threads()), each thread one contiguous range
+ * of whole 1024-element chunks (whole code bytes and cache lines per thread).
+ */
+#include <float.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD == 1 || FLT_EVAL_METHOD == 2 || FLT_EVAL_METHOD < 0
+#error "fp32 expressions must be evaluated in fp32 (FLT_EVAL_METHOD 0 or 16) for bit-exact results"
+#endif
+
+#define DT_F32 0
+#define DT_BF16 1
+#define DT_F16 2
+#define CHUNK 1024
+
+static inline float bits_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t f_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* fp16 -> fp32, exact (every fp16 value is an fp32 value; NaN payloads kept). */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t w = (uint32_t)h << 16;
+    uint32_t sign = w & 0x80000000u;
+    uint32_t two_w = w + w;
+    float normalized = bits_f((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    float denormalized = bits_f((two_w >> 17) | (126u << 23)) - 0.5f;
+    uint32_t r = two_w < (1u << 27) ? f_bits(denormalized) : f_bits(normalized);
+    return bits_f(sign | r);
+}
+
+/* fp32 -> fp16, round to nearest even, overflow to ±inf (NaN: the caller recomputes). */
+static inline uint16_t f32_to_f16(float f) {
+    float base = (bits_f(f_bits(f) & 0x7FFFFFFFu) * 0x1.0p+112f) * 0x1.0p-110f;
+    uint32_t w = f_bits(f);
+    uint32_t shl1_w = w + w;
+    uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    bias = bias < 0x71000000u ? 0x71000000u : bias;
+    base = bits_f((bias >> 1) + 0x07800000u) + base;
+    uint32_t b = f_bits(base);
+    uint32_t nonsign = ((b >> 13) & 0x00007C00u) + (b & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+static inline float bf16_to_f32(uint16_t h) { return bits_f((uint32_t)h << 16); }
+
+/* fp32 -> bf16, round to nearest even, overflow to ±inf (NaN: the caller recomputes). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f_bits(f);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float load_f(const void *p, int dtype, int64_t i) {
+    if (dtype == DT_F32) return ((const float *)p)[i];
+    if (dtype == DT_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    return f16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline void store_f(void *p, int dtype, int64_t i, float v) {
+    if (dtype == DT_F32) ((float *)p)[i] = v;
+    else if (dtype == DT_BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((uint16_t *)p)[i] = f32_to_f16(v);
+}
+
+/* non-finite: every exponent bit set (±inf, NaN) */
+static inline uint32_t nonfinite(const void *p, int dtype, int64_t i) {
+    if (dtype == DT_F32) return (((const uint32_t *)p)[i] & 0x7F800000u) == 0x7F800000u;
+    if (dtype == DT_BF16) return (((const uint16_t *)p)[i] & 0x7F80u) == 0x7F80u;
+    return (((const uint16_t *)p)[i] & 0x7C00u) == 0x7C00u;
+}
+
+/* the thread's range [lo, hi) of n elements: whole chunks, the last thread takes the rest */
+static inline void thread_range(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
+    int64_t chunks = (n + CHUNK - 1) / CHUNK;
+    int64_t per = (chunks + nt - 1) / nt;
+    *lo = t * per * CHUNK;
+    *hi = (t + 1) * per * CHUNK;
+    if (*lo > n) *lo = n;
+    if (*hi > n) *hi = n;
+}
+
+/* ---------------------------------------------------------------------------------------------- 2-bit codes */
+/* one function per input type (a loop with a type switch inside does not vectorise) */
+#define CODE(v) ((uint32_t)((v) > t0) + (uint32_t)((v) > t1) + (uint32_t)((v) > t2))
+#define DEFINE_CODES2(NAME, T, LOAD, NONFINITE)                                                                     \
+    static uint32_t NAME(const T *x, int64_t lo, int64_t hi, float t0, float t1, float t2, uint8_t *out) {          \
+        uint32_t bad = 0;                                                                                           \
+        int64_t full = lo + ((hi - lo) & ~(int64_t)3);                                                              \
+        int64_t j;                                                                                                  \
+        _Pragma("omp simd reduction(| : bad)")                                                                      \
+        for (j = lo / 4; j < full / 4; j++) {                                                                       \
+            T a = x[4 * j], b = x[4 * j + 1], c = x[4 * j + 2], d = x[4 * j + 3];                                   \
+            bad |= NONFINITE(a) | NONFINITE(b) | NONFINITE(c) | NONFINITE(d);                                       \
+            out[j] = (uint8_t)(CODE(LOAD(a)) | CODE(LOAD(b)) << 2 | CODE(LOAD(c)) << 4 | CODE(LOAD(d)) << 6);       \
+        }                                                                                                           \
+        if (full < hi) { /* the ragged end: missing elements are code 0 */                                         \
+            uint32_t byte = 0;                                                                                      \
+            for (int64_t i = full; i < hi; i++) {                                                                   \
+                bad |= NONFINITE(x[i]);                                                                             \
+                byte |= CODE(LOAD(x[i])) << (2 * (i - full));                                                       \
+            }                                                                                                       \
+            out[full / 4] = (uint8_t)byte;                                                                          \
+        }                                                                                                           \
+        return bad;                                                                                                 \
+    }
+
+static inline float id_f32(float v) { return v; }
+static inline uint32_t nonfinite_f32(float v) { return (f_bits(v) & 0x7F800000u) == 0x7F800000u; }
+static inline uint32_t nonfinite_bf16(uint16_t h) { return (h & 0x7F80u) == 0x7F80u; }
+static inline uint32_t nonfinite_f16(uint16_t h) { return (h & 0x7C00u) == 0x7C00u; }
+DEFINE_CODES2(codes2_f32, float, id_f32, nonfinite_f32)
+DEFINE_CODES2(codes2_bf16, uint16_t, bf16_to_f32, nonfinite_bf16)
+DEFINE_CODES2(codes2_f16, uint16_t, f16_to_f32, nonfinite_f16)
+
+static uint32_t codes2_range(const void *x, int dtype, int64_t lo, int64_t hi, float t0, float t1, float t2,
+                             uint8_t *out) {
+    if (dtype == DT_F32) return codes2_f32((const float *)x, lo, hi, t0, t1, t2, out);
+    if (dtype == DT_BF16) return codes2_bf16((const uint16_t *)x, lo, hi, t0, t1, t2, out);
+    return codes2_f16((const uint16_t *)x, lo, hi, t0, t1, t2, out);
+}
+
+/* 1 when some element of x is NaN or ±inf, else 0 */
+#define DEFINE_NONFINITE(NAME, T, NONFINITE)                                                                        \
+    static uint32_t NAME(const T *x, int64_t lo, int64_t hi) {                                                      \
+        uint32_t bad = 0;                                                                                           \
+        _Pragma("omp simd reduction(| : bad)")                                                                      \
+        for (int64_t i = lo; i < hi; i++) bad |= NONFINITE(x[i]);                                                   \
+        return bad;                                                                                                 \
+    }
+DEFINE_NONFINITE(nonfinite_range_f32, float, nonfinite_f32)
+DEFINE_NONFINITE(nonfinite_range_bf16, uint16_t, nonfinite_bf16)
+DEFINE_NONFINITE(nonfinite_range_f16, uint16_t, nonfinite_f16)
+
+static uint32_t nonfinite_range(const void *x, int dtype, int64_t lo, int64_t hi) {
+    if (dtype == DT_F32) return nonfinite_range_f32((const float *)x, lo, hi);
+    if (dtype == DT_BF16) return nonfinite_range_bf16((const uint16_t *)x, lo, hi);
+    return nonfinite_range_f16((const uint16_t *)x, lo, hi);
+}
+
+int lmbp_nonfinite(const void *x, int dtype, int64_t n, int threads) {
+    uint32_t bad = 0;
+    if (threads <= 1) return (int)nonfinite_range(x, dtype, 0, n);
+#pragma omp parallel num_threads(threads) reduction(| : bad)
+    {
+        int64_t lo, hi;
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        thread_range(n, t, nt, &lo, &hi);
+        if (lo < hi) bad |= nonfinite_range(x, dtype, lo, hi);
+    }
+    return (int)bad;
+}
+
+/* Packed 2-bit codes sum_j [x > t_j] of n elements (element i in byte i / 4, bits 2 (i % 4)); returns 1 when some
+ * element is NaN or ±inf (the codes are written either way), else 0. */
+int lmbp_codes2(const void *x, int dtype, int64_t n, float t0, float t1, float t2, uint8_t *out, int threads) {
+    uint32_t bad = 0;
+    if (threads <= 1) return (int)codes2_range(x, dtype, 0, n, t0, t1, t2, out);
+#pragma omp parallel num_threads(threads) reduction(| : bad)
+    {
+        int64_t lo, hi;
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        thread_range(n, t, nt, &lo, &hi);
+        if (lo < hi) bad |= codes2_range(x, dtype, lo, hi, t0, t1, t2, out);
+    }
+    return (int)bad;
+}
+
+/* ------------------------------------------------------------------------------------ dx = dy * slope[code] */
+/* 16 elements at a time: their four code bytes read as one word, each lane shifts out its code and selects */
+#define DEFINE_SLOPES2(NAME, T, LOAD, STORE)                                                                        \
+    static uint32_t NAME(const T *dy, const uint8_t *codes, int64_t lo, int64_t hi, const float *s, T *dx) {       \
+        uint32_t nan = 0;                                                                                           \
+        int64_t full = lo + ((hi - lo) & ~(int64_t)15);                                                             \
+        float s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];                                                           \
+        for (int64_t j = lo / 16; j < full / 16; j++) { /* 16 elements: four code bytes, one 32-bit word */         \
+            uint32_t w = (uint32_t)codes[4 * j] | (uint32_t)codes[4 * j + 1] << 8 |                                 \
+                         (uint32_t)codes[4 * j + 2] << 16 | (uint32_t)codes[4 * j + 3] << 24;                       \
+            _Pragma("omp simd reduction(| : nan)")                                                                  \
+            for (int k = 0; k < 16; k++) {                                                                          \
+                uint32_t m = 1u << (2 * k); /* a constant per lane: no variable shift needed */                     \
+                float sk = w & (m << 1) ? (w & m ? s3 : s2) : (w & m ? s1 : s0);                                    \
+                float v = sk * LOAD(dy[16 * j + k]);                                                                \
+                nan |= (uint32_t)(v != v);                                                                          \
+                dx[16 * j + k] = STORE(v);                                                                          \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int64_t i = full; i < hi; i++) {                                                                       \
+            float v = s[(codes[i / 4] >> (2 * (i % 4))) & 3u] * LOAD(dy[i]);                                        \
+            nan |= (uint32_t)(v != v);                                                                              \
+            dx[i] = STORE(v);                                                                                       \
+        }                                                                                                           \
+        return nan;                                                                                                 \
+    }
+
+DEFINE_SLOPES2(slopes2_f32, float, id_f32, id_f32)
+DEFINE_SLOPES2(slopes2_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_SLOPES2(slopes2_f16, uint16_t, f16_to_f32, f32_to_f16)
+
+static uint32_t slopes2_range(const void *dy, int dtype, const uint8_t *codes, int64_t lo, int64_t hi,
+                              const float *s, void *dx) {
+    if (dtype == DT_F32) return slopes2_f32((const float *)dy, codes, lo, hi, s, (float *)dx);
+    if (dtype == DT_BF16) return slopes2_bf16((const uint16_t *)dy, codes, lo, hi, s, (uint16_t *)dx);
+    return slopes2_f16((const uint16_t *)dy, codes, lo, hi, s, (uint16_t *)dx);
+}
+
+/* dx = s[code] * dy in fp32, rounded once to dy's dtype (dx has it too), over n elements with 2-bit codes `codes`
+ * and the four slopes `s`. Returns 1 when some product is NaN (its bits are ATen's only for fp32), else 0. */
+int lmbp_slopes2(const void *dy, int dtype, const uint8_t *codes, int64_t n, const float *s, void *dx, int threads) {
+    uint32_t nan = 0;
+    if (threads <= 1) return (int)slopes2_range(dy, dtype, codes, 0, n, s, dx);
+#pragma omp parallel num_threads(threads) reduction(| : nan)
+    {
+        int64_t lo, hi;
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        thread_range(n, t, nt, &lo, &hi);
+        if (lo < hi) nan |= slopes2_range(dy, dtype, codes, lo, hi, s, dx);
+    }
+    return (int)nan;
+}
+
+/* ------------------------------------------------------------------------------- Mesa's 8-bit quantiser */
+/* the counter-based uniform of element i: lowbias32(i * 0x9E3779B9 + seed), its top 24 bits times 2^-24 */
+static inline float hash_uniform(uint32_t i, uint32_t seed) {
+    uint32_t h = i * 0x9E3779B9u + seed;
+    h ^= h >> 16;
+    h *= 0x7FEB352Du;
+    h ^= h >> 15;
+    h *= 0x846CA68Bu;
+    h ^= h >> 16;
+    return (float)(h >> 8) * 0x1.0p-24f;
+}
+
+static uint32_t quantize8_range(const void *x, int dtype, int64_t lo, int64_t hi, int64_t inner, int64_t groups,
+                                const float *scale, const float *beta, uint32_t seed, uint8_t *out) {
+    uint32_t nan = 0;
+    int64_t i = lo;
+    while (i < hi) {
+        int64_t row = i / inner;
+        int64_t end = (row + 1) * inner < hi ? (row + 1) * inner : hi;
+        int64_t g = row % groups;
+        float sc = scale[g], b = beta[g];
+        int64_t k;
+#pragma omp simd reduction(| : nan)
+        for (k = i; k < end; k++) {
+            float v = (load_f(x, dtype, k) - b) * sc;
+            v = v + hash_uniform((uint32_t)k, seed);
+            nan |= (uint32_t)(v != v);
+            /* floor(v) clamped to [0, 255]: truncation is floor for v >= 0 */
+            out[k] = (uint8_t)(v >= 255.0f ? 255 : (v >= 0.0f ? (int32_t)v : 0));
+        }
+        i = end;
+    }
+    return nan;
+}
+
+/* Mesa's codes: clamp(floor((x - beta[g]) * scale[g] + u_i), 0, 255), g = (i / inner) % groups. Returns 1 when
+ * some value before the clamp is NaN (its code is ATen's conversion of NaN: the caller recomputes), else 0. */
+int lmbp_quantize8(const void *x, int dtype, int64_t n, int64_t inner, int64_t groups, const float *scale,
+                   const float *beta, uint32_t seed, uint8_t *out, int threads) {
+    uint32_t nan = 0;
+    if (threads <= 1) return (int)quantize8_range(x, dtype, 0, n, inner, groups, scale, beta, seed, out);
+#pragma omp parallel num_threads(threads) reduction(| : nan)
+    {
+        int64_t lo, hi;
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        thread_range(n, t, nt, &lo, &hi);
+        if (lo < hi) nan |= quantize8_range(x, dtype, lo, hi, inner, groups, scale, beta, seed, out);
+    }
+    return (int)nan;
+}
+
+static uint32_t dequantize8_range(const uint8_t *q, int64_t lo, int64_t hi, int64_t inner, int64_t groups,
+                                  const float *step, const float *beta, void *y, int dtype) {
+    uint32_t nan = 0;
+    int64_t i = lo;
+    while (i < hi) {
+        int64_t row = i / inner;
+        int64_t end = (row + 1) * inner < hi ? (row + 1) * inner : hi;
+        int64_t g = row % groups;
+        float st = step[g], b = beta[g];
+        int64_t k;
+#pragma omp simd reduction(| : nan)
+        for (k = i; k < end; k++) {
+            float v = (float)q[k] * st;
+            v = v + b;
+            nan |= (uint32_t)(v != v);
+            store_f(y, dtype, k, v);
+        }
+        i = end;
+    }
+    return nan;
+}
+
+/* Mesa's dequantised values q * step[g] + beta[g] in fp32, rounded once to `dtype`. Returns 1 when some value is
+ * NaN, else 0. */
+int lmbp_dequantize8(const uint8_t *q, int64_t n, int64_t inner, int64_t groups, const float *step,
+                     const float *beta, void *y, int dtype, int threads) {
+    uint32_t nan = 0;
+    if (threads <= 1) return (int)dequantize8_range(q, 0, n, inner, groups, step, beta, y, dtype);
+#pragma omp parallel num_threads(threads) reduction(| : nan)
+    {
+        int64_t lo, hi;
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        thread_range(n, t, nt, &lo, &hi);
+        if (lo < hi) nan |= dequantize8_range(q, lo, hi, inner, groups, step, beta, y, dtype);
+    }
+    return (int)nan;
+}
+
+/* fp32 -> `dtype` as the kernels round (for the tests) */
+void lmbp_round(const float *x, int64_t n, void *y, int dtype) {
+    for (int64_t i = 0; i < n; i++) store_f(y, dtype, i, x[i]);
+}
