@@ -337,13 +337,16 @@ def _scalars(values: tuple) -> list[torch.Tensor]:
     return _TABLES[key]
 
 
-def _native_act(x: torch.Tensor, kind: str) -> torch.Tensor:
+def _native_act(x: torch.Tensor, kind: str, tiny: bool) -> torch.Tensor:
     """The exact activation in x's dtype, equal to the reference's fp32 compute cast back: the same fp32 call for
     fp32 (and the kinds computed by composition), the native kernel for fp16 / bf16 of kinds whose reduced-precision
-    kernels load to fp32, run the fp32 formula and round once (tests/ops/test_cpu_fastpath.py checks the bits)."""
+    kernels load to fp32, run the fp32 formula and round once (tests/ops/test_cpu_fastpath.py and
+    tests/ops/test_cpu_kernels.py check the bits, the latter on every fp16 and bf16 value). ``tiny``: x is bf16 and
+    may hold nonzero values below 2⁻¹²⁴, where a native bf16 kernel may flush a subnormal result to zero (``F.gelu``
+    does on AVX512-BF16 CPUs): the fp32 formula then."""
     if x.dtype == torch.float32:
         return _exact_fp32(x, kind)
-    if kind in _LOW_PRECISION_NATIVE:
+    if kind in _LOW_PRECISION_NATIVE and not (tiny and x.dtype == torch.bfloat16):
         if kind == "gelu":
             return F.gelu(x)
         return F.silu(x) if kind == "silu" else torch.relu(x)
@@ -388,20 +391,21 @@ def _fwd_cpu(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
     if bits != 2 or sys.byteorder != "little" or x.numel() == 0:
         return _fwd_reference(x, kind, thresholds, with_codes)
     xc = x.contiguous()
-    y = _native_act(xc, kind)
     flat = xc.reshape(-1)
     n = flat.numel()
     nbytes = (n * bits + 7) // 8
     packed = torch.empty(nbytes + 1 if with_codes else 0, dtype=torch.uint8, device=x.device)
-    # one C pass: the packed codes (or only the finiteness check) of every element
-    bad = cpu_kernels.codes2(flat, thresholds, packed) if with_codes else cpu_kernels.nonfinite(flat)
-    if bad is not None:
-        if bad:  # some input NaN or ±inf: the reference (its output and flag byte follow the mathematics)
-            return _fwd_reference(x, kind, thresholds, with_codes)
+    # one C pass: the packed codes (or only the checks) of every element
+    seen = cpu_kernels.codes2(flat, thresholds, packed) if with_codes else cpu_kernels.check(flat)
+    if seen is not None:
+        if seen & cpu_kernels.NONFINITE:  # some input NaN or ±inf: the reference (its output and flag byte follow
+            return _fwd_reference(x, kind, thresholds, with_codes)  # the mathematics)
+        y = _native_act(xc, kind, tiny=bool(seen & cpu_kernels.TINY_BF16))
         if with_codes:
             packed[nbytes] = 0
         return y.reshape(x.shape), packed
     # without the C kernels: the codes from eager ATen ops, block by block
+    y = _native_act(xc, kind, tiny=xc.dtype == torch.bfloat16)
     n4 = n - n % 4
     block = cpu_block(_CPU_BLOCK)
     sums = torch.zeros(n4 // block + 2, dtype=torch.float32)

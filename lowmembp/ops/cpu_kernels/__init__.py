@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["ENV_SWITCH", "COMPILERS", "FLAGS", "cache_dir", "compiler", "library", "build_info", "codes2",
-           "nonfinite", "slopes2", "quantize8", "dequantize8", "round_to"]
+           "check", "slopes2", "quantize8", "dequantize8", "round_to"]
 
 ENV_SWITCH = "LOWMEMBP_CPU_KERNELS"  # "0" turns the C kernels off (the eager ATen ops run instead)
 COMPILERS = ("cc", "gcc", "clang")  # tried in this order when $CC is not set
@@ -122,7 +122,7 @@ def _build(folder: Path, cc: str) -> Path:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, i32, u32, f32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
     for name, args in (("lmbp_codes2", [p, i32, i64, f32, f32, f32, p, i32]),
-                       ("lmbp_nonfinite", [p, i32, i64, i32]),
+                       ("lmbp_check", [p, i32, i64, i32]),
                        ("lmbp_slopes2", [p, i32, p, i64, p, p, i32]),
                        ("lmbp_quantize8", [p, i32, i64, i64, i64, p, p, u32, p, i32]),
                        ("lmbp_dequantize8", [p, i64, i64, i64, p, p, p, i32, i32])):
@@ -174,9 +174,12 @@ def _threads(n: int) -> int:
 
 # ----------------------------------------------------------------------------------------------- the kernels
 # Each takes contiguous CPU tensors and returns None when the library is unavailable (the caller's eager ops run).
+NONFINITE, TINY_BF16 = 1, 2  # the bits that codes2 and check return
+
+
 def codes2(x: torch.Tensor, thresholds, out: torch.Tensor) -> int | None:
     """Packed 2-bit codes of contiguous ``x`` (``Σ_j [x > t_j]`` in fp32, element i in byte i // 4, bits 2·(i % 4))
-    into the first ``ceil(n / 4)`` bytes of ``out``; returns 1 if some element is NaN or ±inf, else 0."""
+    into the first ``ceil(n / 4)`` bytes of ``out``; returns :func:`check`'s bits of x."""
     lib = library()
     if lib is None or x.dtype not in _DTYPES:
         return None
@@ -185,13 +188,15 @@ def codes2(x: torch.Tensor, thresholds, out: torch.Tensor) -> int | None:
     return lib.lmbp_codes2(x.data_ptr(), _DTYPES[x.dtype], n, t0, t1, t2, out.data_ptr(), _threads(n))
 
 
-def nonfinite(x: torch.Tensor) -> int | None:
-    """1 if some element of contiguous ``x`` is NaN or ±inf, else 0."""
+def check(x: torch.Tensor) -> int | None:
+    """Bits about contiguous ``x``: :data:`NONFINITE` if some element is NaN or ±inf, :data:`TINY_BF16` if x is
+    bf16 and some element is nonzero and below 2⁻¹²⁴ in magnitude (a native bf16 activation kernel may flush its
+    result to zero there); 0 if neither."""
     lib = library()
     if lib is None or x.dtype not in _DTYPES:
         return None
     n = x.numel()
-    return lib.lmbp_nonfinite(x.data_ptr(), _DTYPES[x.dtype], n, _threads(n))
+    return lib.lmbp_check(x.data_ptr(), _DTYPES[x.dtype], n, _threads(n))
 
 
 def slopes2(dy: torch.Tensor, codes: torch.Tensor, slopes: torch.Tensor, dx: torch.Tensor) -> int | None:

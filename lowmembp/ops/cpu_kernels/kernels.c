@@ -62,25 +62,6 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline float load_f(const void *p, int dtype, int64_t i) {
-    if (dtype == DT_F32) return ((const float *)p)[i];
-    if (dtype == DT_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
-    return f16_to_f32(((const uint16_t *)p)[i]);
-}
-
-static inline void store_f(void *p, int dtype, int64_t i, float v) {
-    if (dtype == DT_F32) ((float *)p)[i] = v;
-    else if (dtype == DT_BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else ((uint16_t *)p)[i] = f32_to_f16(v);
-}
-
-/* non-finite: every exponent bit set (±inf, NaN) */
-static inline uint32_t nonfinite(const void *p, int dtype, int64_t i) {
-    if (dtype == DT_F32) return (((const uint32_t *)p)[i] & 0x7F800000u) == 0x7F800000u;
-    if (dtype == DT_BF16) return (((const uint16_t *)p)[i] & 0x7F80u) == 0x7F80u;
-    return (((const uint16_t *)p)[i] & 0x7C00u) == 0x7C00u;
-}
-
 /* the thread's range [lo, hi) of n elements: whole chunks, the last thread takes the rest */
 static inline void thread_range(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
     int64_t chunks = (n + CHUNK - 1) / CHUNK;
@@ -94,35 +75,40 @@ static inline void thread_range(int64_t n, int t, int nt, int64_t *lo, int64_t *
 /* ---------------------------------------------------------------------------------------------- 2-bit codes */
 /* one function per input type (a loop with a type switch inside does not vectorise) */
 #define CODE(v) ((uint32_t)((v) > t0) + (uint32_t)((v) > t1) + (uint32_t)((v) > t2))
-#define DEFINE_CODES2(NAME, T, LOAD, NONFINITE)                                                                     \
-    static uint32_t NAME(const T *x, int64_t lo, int64_t hi, float t0, float t1, float t2, uint8_t *out) {          \
-        uint32_t bad = 0;                                                                                           \
-        int64_t full = lo + ((hi - lo) & ~(int64_t)3);                                                              \
-        int64_t j;                                                                                                  \
-        _Pragma("omp simd reduction(| : bad)")                                                                      \
-        for (j = lo / 4; j < full / 4; j++) {                                                                       \
-            T a = x[4 * j], b = x[4 * j + 1], c = x[4 * j + 2], d = x[4 * j + 3];                                   \
-            bad |= NONFINITE(a) | NONFINITE(b) | NONFINITE(c) | NONFINITE(d);                                       \
-            out[j] = (uint8_t)(CODE(LOAD(a)) | CODE(LOAD(b)) << 2 | CODE(LOAD(c)) << 4 | CODE(LOAD(d)) << 6);       \
-        }                                                                                                           \
-        if (full < hi) { /* the ragged end: missing elements are code 0 */                                         \
-            uint32_t byte = 0;                                                                                      \
-            for (int64_t i = full; i < hi; i++) {                                                                   \
-                bad |= NONFINITE(x[i]);                                                                             \
-                byte |= CODE(LOAD(x[i])) << (2 * (i - full));                                                       \
-            }                                                                                                       \
-            out[full / 4] = (uint8_t)byte;                                                                          \
-        }                                                                                                           \
-        return bad;                                                                                                 \
+#define DEFINE_CODES2(NAME, T, LOAD, CHECK)                                                                            \
+    static uint32_t NAME(const T *x, int64_t lo, int64_t hi, float t0, float t1, float t2, uint8_t *out) {             \
+        uint32_t bad = 0;                                                                                              \
+        int64_t full = lo + ((hi - lo) & ~(int64_t)3);                                                                 \
+        int64_t j;                                                                                                     \
+        _Pragma("omp simd reduction(| : bad)")                                                                         \
+        for (j = lo / 4; j < full / 4; j++) {                                                                          \
+            T a = x[4 * j], b = x[4 * j + 1], c = x[4 * j + 2], d = x[4 * j + 3];                                      \
+            bad |= CHECK(a) | CHECK(b) | CHECK(c) | CHECK(d);                                                          \
+            out[j] = (uint8_t)(CODE(LOAD(a)) | CODE(LOAD(b)) << 2 | CODE(LOAD(c)) << 4 | CODE(LOAD(d)) << 6);          \
+        }                                                                                                              \
+        if (full < hi) { /* the ragged end: missing elements are code 0 */                                             \
+            uint32_t byte = 0;                                                                                         \
+            for (int64_t i = full; i < hi; i++) {                                                                      \
+                bad |= CHECK(x[i]);                                                                                    \
+                byte |= CODE(LOAD(x[i])) << (2 * (i - full));                                                          \
+            }                                                                                                          \
+            out[full / 4] = (uint8_t)byte;                                                                             \
+        }                                                                                                              \
+        return bad;                                                                                                    \
     }
 
+/* What the caller checks about the input, as bits: 1 = some element is NaN or ±inf; 2 = some bf16 element is
+ * nonzero and below 2^-124 in magnitude (native bf16 kernels may flush an activation's result there: the caller then
+ * computes it in fp32). */
 static inline float id_f32(float v) { return v; }
-static inline uint32_t nonfinite_f32(float v) { return (f_bits(v) & 0x7F800000u) == 0x7F800000u; }
-static inline uint32_t nonfinite_bf16(uint16_t h) { return (h & 0x7F80u) == 0x7F80u; }
-static inline uint32_t nonfinite_f16(uint16_t h) { return (h & 0x7C00u) == 0x7C00u; }
-DEFINE_CODES2(codes2_f32, float, id_f32, nonfinite_f32)
-DEFINE_CODES2(codes2_bf16, uint16_t, bf16_to_f32, nonfinite_bf16)
-DEFINE_CODES2(codes2_f16, uint16_t, f16_to_f32, nonfinite_f16)
+static inline uint32_t check_f32(float v) { return (f_bits(v) & 0x7F800000u) == 0x7F800000u; }
+static inline uint32_t check_bf16(uint16_t h) {
+    return (uint32_t)((h & 0x7F80u) == 0x7F80u) | (uint32_t)((h & 0x7F80u) <= (2u << 7) && (h & 0x7FFFu) != 0) << 1;
+}
+static inline uint32_t check_f16(uint16_t h) { return (h & 0x7C00u) == 0x7C00u; }
+DEFINE_CODES2(codes2_f32, float, id_f32, check_f32)
+DEFINE_CODES2(codes2_bf16, uint16_t, bf16_to_f32, check_bf16)
+DEFINE_CODES2(codes2_f16, uint16_t, f16_to_f32, check_f16)
 
 static uint32_t codes2_range(const void *x, int dtype, int64_t lo, int64_t hi, float t0, float t1, float t2,
                              uint8_t *out) {
@@ -131,27 +117,28 @@ static uint32_t codes2_range(const void *x, int dtype, int64_t lo, int64_t hi, f
     return codes2_f16((const uint16_t *)x, lo, hi, t0, t1, t2, out);
 }
 
-/* 1 when some element of x is NaN or ±inf, else 0 */
-#define DEFINE_NONFINITE(NAME, T, NONFINITE)                                                                        \
-    static uint32_t NAME(const T *x, int64_t lo, int64_t hi) {                                                      \
-        uint32_t bad = 0;                                                                                           \
-        _Pragma("omp simd reduction(| : bad)")                                                                      \
-        for (int64_t i = lo; i < hi; i++) bad |= NONFINITE(x[i]);                                                   \
-        return bad;                                                                                                 \
+/* the check bits of x alone (no codes) */
+#define DEFINE_CHECK(NAME, T, CHECK)                                                                                   \
+    static uint32_t NAME(const T *x, int64_t lo, int64_t hi) {                                                         \
+        uint32_t bad = 0;                                                                                              \
+        _Pragma("omp simd reduction(| : bad)")                                                                         \
+        for (int64_t i = lo; i < hi; i++) bad |= CHECK(x[i]);                                                          \
+        return bad;                                                                                                    \
     }
-DEFINE_NONFINITE(nonfinite_range_f32, float, nonfinite_f32)
-DEFINE_NONFINITE(nonfinite_range_bf16, uint16_t, nonfinite_bf16)
-DEFINE_NONFINITE(nonfinite_range_f16, uint16_t, nonfinite_f16)
+DEFINE_CHECK(check_range_f32, float, check_f32)
+DEFINE_CHECK(check_range_bf16, uint16_t, check_bf16)
+DEFINE_CHECK(check_range_f16, uint16_t, check_f16)
 
-static uint32_t nonfinite_range(const void *x, int dtype, int64_t lo, int64_t hi) {
-    if (dtype == DT_F32) return nonfinite_range_f32((const float *)x, lo, hi);
-    if (dtype == DT_BF16) return nonfinite_range_bf16((const uint16_t *)x, lo, hi);
-    return nonfinite_range_f16((const uint16_t *)x, lo, hi);
+static uint32_t check_range(const void *x, int dtype, int64_t lo, int64_t hi) {
+    if (dtype == DT_F32) return check_range_f32((const float *)x, lo, hi);
+    if (dtype == DT_BF16) return check_range_bf16((const uint16_t *)x, lo, hi);
+    return check_range_f16((const uint16_t *)x, lo, hi);
 }
 
-int lmbp_nonfinite(const void *x, int dtype, int64_t n, int threads) {
+/* the check bits of n elements */
+int lmbp_check(const void *x, int dtype, int64_t n, int threads) {
     uint32_t bad = 0;
-    if (threads <= 1) return (int)nonfinite_range(x, dtype, 0, n);
+    if (threads <= 1) return (int)check_range(x, dtype, 0, n);
 #pragma omp parallel num_threads(threads) reduction(| : bad)
     {
         int64_t lo, hi;
@@ -161,13 +148,13 @@ int lmbp_nonfinite(const void *x, int dtype, int64_t n, int threads) {
         nt = omp_get_num_threads();
 #endif
         thread_range(n, t, nt, &lo, &hi);
-        if (lo < hi) bad |= nonfinite_range(x, dtype, lo, hi);
+        if (lo < hi) bad |= check_range(x, dtype, lo, hi);
     }
     return (int)bad;
 }
 
-/* Packed 2-bit codes sum_j [x > t_j] of n elements (element i in byte i / 4, bits 2 (i % 4)); returns 1 when some
- * element is NaN or ±inf (the codes are written either way), else 0. */
+/* Packed 2-bit codes sum_j [x > t_j] of n elements (element i in byte i / 4, bits 2 (i % 4)); returns the check
+ * bits of x (the codes are written either way). */
 int lmbp_codes2(const void *x, int dtype, int64_t n, float t0, float t1, float t2, uint8_t *out, int threads) {
     uint32_t bad = 0;
     if (threads <= 1) return (int)codes2_range(x, dtype, 0, n, t0, t1, t2, out);
@@ -187,29 +174,29 @@ int lmbp_codes2(const void *x, int dtype, int64_t n, float t0, float t1, float t
 
 /* ------------------------------------------------------------------------------------ dx = dy * slope[code] */
 /* 16 elements at a time: their four code bytes read as one word, each lane shifts out its code and selects */
-#define DEFINE_SLOPES2(NAME, T, LOAD, STORE)                                                                        \
-    static uint32_t NAME(const T *dy, const uint8_t *codes, int64_t lo, int64_t hi, const float *s, T *dx) {       \
-        uint32_t nan = 0;                                                                                           \
-        int64_t full = lo + ((hi - lo) & ~(int64_t)15);                                                             \
-        float s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];                                                           \
-        for (int64_t j = lo / 16; j < full / 16; j++) { /* 16 elements: four code bytes, one 32-bit word */         \
-            uint32_t w = (uint32_t)codes[4 * j] | (uint32_t)codes[4 * j + 1] << 8 |                                 \
-                         (uint32_t)codes[4 * j + 2] << 16 | (uint32_t)codes[4 * j + 3] << 24;                       \
-            _Pragma("omp simd reduction(| : nan)")                                                                  \
-            for (int k = 0; k < 16; k++) {                                                                          \
-                uint32_t m = 1u << (2 * k); /* a constant per lane: no variable shift needed */                     \
-                float sk = w & (m << 1) ? (w & m ? s3 : s2) : (w & m ? s1 : s0);                                    \
-                float v = sk * LOAD(dy[16 * j + k]);                                                                \
-                nan |= (uint32_t)(v != v);                                                                          \
-                dx[16 * j + k] = STORE(v);                                                                          \
-            }                                                                                                       \
-        }                                                                                                           \
-        for (int64_t i = full; i < hi; i++) {                                                                       \
-            float v = s[(codes[i / 4] >> (2 * (i % 4))) & 3u] * LOAD(dy[i]);                                        \
-            nan |= (uint32_t)(v != v);                                                                              \
-            dx[i] = STORE(v);                                                                                       \
-        }                                                                                                           \
-        return nan;                                                                                                 \
+#define DEFINE_SLOPES2(NAME, T, LOAD, STORE)                                                                           \
+    static uint32_t NAME(const T *dy, const uint8_t *codes, int64_t lo, int64_t hi, const float *s, T *dx) {           \
+        uint32_t nan = 0;                                                                                              \
+        int64_t full = lo + ((hi - lo) & ~(int64_t)15);                                                                \
+        float s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];                                                              \
+        for (int64_t j = lo / 16; j < full / 16; j++) { /* 16 elements: four code bytes, one 32-bit word */            \
+            uint32_t w = (uint32_t)codes[4 * j] | (uint32_t)codes[4 * j + 1] << 8 |                                    \
+                         (uint32_t)codes[4 * j + 2] << 16 | (uint32_t)codes[4 * j + 3] << 24;                          \
+            _Pragma("omp simd reduction(| : nan)")                                                                     \
+            for (int k = 0; k < 16; k++) {                                                                             \
+                uint32_t m = 1u << (2 * k); /* a constant per lane: no variable shift needed */                        \
+                float sk = w & (m << 1) ? (w & m ? s3 : s2) : (w & m ? s1 : s0);                                       \
+                float v = sk * LOAD(dy[16 * j + k]);                                                                   \
+                nan |= (uint32_t)(v != v);                                                                             \
+                dx[16 * j + k] = STORE(v);                                                                             \
+            }                                                                                                          \
+        }                                                                                                              \
+        for (int64_t i = full; i < hi; i++) {                                                                          \
+            float v = s[(codes[i / 4] >> (2 * (i % 4))) & 3u] * LOAD(dy[i]);                                           \
+            nan |= (uint32_t)(v != v);                                                                                 \
+            dx[i] = STORE(v);                                                                                          \
+        }                                                                                                              \
+        return nan;                                                                                                    \
     }
 
 DEFINE_SLOPES2(slopes2_f32, float, id_f32, id_f32)
@@ -254,27 +241,36 @@ static inline float hash_uniform(uint32_t i, uint32_t seed) {
     return (float)(h >> 8) * 0x1.0p-24f;
 }
 
+#define DEFINE_QUANTIZE8(NAME, T, LOAD)                                                                                \
+    static uint32_t NAME(const T *x, int64_t lo, int64_t hi, int64_t inner, int64_t groups, const float *scale,        \
+                         const float *beta, uint32_t seed, uint8_t *out) {                                             \
+        uint32_t nan = 0;                                                                                              \
+        for (int64_t i = lo; i < hi;) { /* row by row: one group's scale and beta per row of `inner` elements */       \
+            int64_t row = i / inner;                                                                                   \
+            int64_t end = (row + 1) * inner < hi ? (row + 1) * inner : hi;                                             \
+            float sc = scale[row % groups], b = beta[row % groups];                                                    \
+            int64_t k;                                                                                                 \
+            _Pragma("omp simd reduction(| : nan)")                                                                     \
+            for (k = i; k < end; k++) {                                                                                \
+                float v = (LOAD(x[k]) - b) * sc;                                                                       \
+                v = v + hash_uniform((uint32_t)k, seed);                                                               \
+                nan |= (uint32_t)(v != v);                                                                             \
+                /* floor(v) clamped to [0, 255]: truncation is floor for v >= 0 */                                     \
+                out[k] = (uint8_t)(v >= 255.0f ? 255 : (v >= 0.0f ? (int32_t)v : 0));                                  \
+            }                                                                                                          \
+            i = end;                                                                                                   \
+        }                                                                                                              \
+        return nan;                                                                                                    \
+    }
+DEFINE_QUANTIZE8(quantize8_f32, float, id_f32)
+DEFINE_QUANTIZE8(quantize8_bf16, uint16_t, bf16_to_f32)
+DEFINE_QUANTIZE8(quantize8_f16, uint16_t, f16_to_f32)
+
 static uint32_t quantize8_range(const void *x, int dtype, int64_t lo, int64_t hi, int64_t inner, int64_t groups,
                                 const float *scale, const float *beta, uint32_t seed, uint8_t *out) {
-    uint32_t nan = 0;
-    int64_t i = lo;
-    while (i < hi) {
-        int64_t row = i / inner;
-        int64_t end = (row + 1) * inner < hi ? (row + 1) * inner : hi;
-        int64_t g = row % groups;
-        float sc = scale[g], b = beta[g];
-        int64_t k;
-#pragma omp simd reduction(| : nan)
-        for (k = i; k < end; k++) {
-            float v = (load_f(x, dtype, k) - b) * sc;
-            v = v + hash_uniform((uint32_t)k, seed);
-            nan |= (uint32_t)(v != v);
-            /* floor(v) clamped to [0, 255]: truncation is floor for v >= 0 */
-            out[k] = (uint8_t)(v >= 255.0f ? 255 : (v >= 0.0f ? (int32_t)v : 0));
-        }
-        i = end;
-    }
-    return nan;
+    if (dtype == DT_F32) return quantize8_f32((const float *)x, lo, hi, inner, groups, scale, beta, seed, out);
+    if (dtype == DT_BF16) return quantize8_bf16((const uint16_t *)x, lo, hi, inner, groups, scale, beta, seed, out);
+    return quantize8_f16((const uint16_t *)x, lo, hi, inner, groups, scale, beta, seed, out);
 }
 
 /* Mesa's codes: clamp(floor((x - beta[g]) * scale[g] + u_i), 0, 255), g = (i / inner) % groups. Returns 1 when
@@ -297,26 +293,35 @@ int lmbp_quantize8(const void *x, int dtype, int64_t n, int64_t inner, int64_t g
     return (int)nan;
 }
 
+#define DEFINE_DEQUANTIZE8(NAME, T, STORE)                                                                             \
+    static uint32_t NAME(const uint8_t *q, int64_t lo, int64_t hi, int64_t inner, int64_t groups,                      \
+                         const float *step, const float *beta, T *y) {                                                 \
+        uint32_t nan = 0;                                                                                              \
+        for (int64_t i = lo; i < hi;) {                                                                                \
+            int64_t row = i / inner;                                                                                   \
+            int64_t end = (row + 1) * inner < hi ? (row + 1) * inner : hi;                                             \
+            float st = step[row % groups], b = beta[row % groups];                                                     \
+            int64_t k;                                                                                                 \
+            _Pragma("omp simd reduction(| : nan)")                                                                     \
+            for (k = i; k < end; k++) {                                                                                \
+                float v = (float)q[k] * st;                                                                            \
+                v = v + b;                                                                                             \
+                nan |= (uint32_t)(v != v);                                                                             \
+                y[k] = STORE(v);                                                                                       \
+            }                                                                                                          \
+            i = end;                                                                                                   \
+        }                                                                                                              \
+        return nan;                                                                                                    \
+    }
+DEFINE_DEQUANTIZE8(dequantize8_f32, float, id_f32)
+DEFINE_DEQUANTIZE8(dequantize8_bf16, uint16_t, f32_to_bf16)
+DEFINE_DEQUANTIZE8(dequantize8_f16, uint16_t, f32_to_f16)
+
 static uint32_t dequantize8_range(const uint8_t *q, int64_t lo, int64_t hi, int64_t inner, int64_t groups,
                                   const float *step, const float *beta, void *y, int dtype) {
-    uint32_t nan = 0;
-    int64_t i = lo;
-    while (i < hi) {
-        int64_t row = i / inner;
-        int64_t end = (row + 1) * inner < hi ? (row + 1) * inner : hi;
-        int64_t g = row % groups;
-        float st = step[g], b = beta[g];
-        int64_t k;
-#pragma omp simd reduction(| : nan)
-        for (k = i; k < end; k++) {
-            float v = (float)q[k] * st;
-            v = v + b;
-            nan |= (uint32_t)(v != v);
-            store_f(y, dtype, k, v);
-        }
-        i = end;
-    }
-    return nan;
+    if (dtype == DT_F32) return dequantize8_f32(q, lo, hi, inner, groups, step, beta, (float *)y);
+    if (dtype == DT_BF16) return dequantize8_bf16(q, lo, hi, inner, groups, step, beta, (uint16_t *)y);
+    return dequantize8_f16(q, lo, hi, inner, groups, step, beta, (uint16_t *)y);
 }
 
 /* Mesa's dequantised values q * step[g] + beta[g] in fp32, rounded once to `dtype`. Returns 1 when some value is
@@ -341,5 +346,9 @@ int lmbp_dequantize8(const uint8_t *q, int64_t n, int64_t inner, int64_t groups,
 
 /* fp32 -> `dtype` as the kernels round (for the tests) */
 void lmbp_round(const float *x, int64_t n, void *y, int dtype) {
-    for (int64_t i = 0; i < n; i++) store_f(y, dtype, i, x[i]);
+    for (int64_t i = 0; i < n; i++) {
+        if (dtype == DT_F32) ((float *)y)[i] = x[i];
+        else if (dtype == DT_BF16) ((uint16_t *)y)[i] = f32_to_bf16(x[i]);
+        else ((uint16_t *)y)[i] = f32_to_f16(x[i]);
+    }
 }
