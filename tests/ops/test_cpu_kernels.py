@@ -5,6 +5,7 @@ Every comparison is of bits (NaN payloads included). The kernels are called dire
 ran) and through the fast-path functions; inputs are fresh random values mixed with the special ones: NaN, ±inf, −0,
 denormals, the thresholds themselves and their neighbours, values that overflow or round to a tie.
 """
+import ctypes
 import os
 import subprocess
 import sys
@@ -49,12 +50,29 @@ def gen():
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
 
 
-@pytest.fixture
-def kernels(monkeypatch):
-    """The loaded library (a test fails, not skips, when a compiler exists and the build does not work)."""
+@pytest.fixture(scope="module")
+def portable_library(tmp_path_factory):
+    """The kernels built with the portable flags alone (no -march=native: the plain C loops, not the AVX-512 ones)."""
+    if not HAVE_CC:
+        return None
+    old_sets = K._FLAG_SETS
+    K._FLAG_SETS = (K.FLAGS,)
+    try:
+        return K._declare(ctypes.CDLL(str(K._build(tmp_path_factory.mktemp("portable"), K.compiler()))))
+    finally:
+        K._FLAG_SETS = old_sets
+
+
+@pytest.fixture(params=["native", "portable"])
+def kernels(request, monkeypatch, portable_library):
+    """The loaded library, or the portable build in its place (a test fails, not skips, when a compiler exists and
+    the build does not work)."""
     monkeypatch.delenv(K.ENV_SWITCH, raising=False)
     lib = K.library()
     assert lib is not None, f"the C kernels did not build: {K.build_info()['reason']}"
+    if request.param == "portable":
+        monkeypatch.setitem(K._state, "lib", portable_library)
+        lib = portable_library
     return lib
 
 

@@ -13,6 +13,9 @@
 #include <float.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -110,11 +113,68 @@ DEFINE_CODES2(codes2_f32, float, id_f32, check_f32)
 DEFINE_CODES2(codes2_bf16, uint16_t, bf16_to_f32, check_bf16)
 DEFINE_CODES2(codes2_f16, uint16_t, f16_to_f32, check_f16)
 
+#if defined(__AVX512F__)
+/* AVX-512: 16 elements per step. The codes are a thermometer (x > t2 implies x > t1 implies x > t0; NaN fails all),
+ * so code bit 1 is [x > t1] and code bit 0 the parity [x > t0] ^ [x > t1] ^ [x > t2]: three compare masks give the
+ * two bit planes of 16 codes, which interleave into their 32-bit word of four code bytes. */
+static inline uint32_t spread16(uint32_t v) { /* bit k -> bit 2k */
+#if defined(__BMI2__)
+    return _pdep_u32(v, 0x55555555u);
+#endif
+    v = (v | v << 8) & 0x00FF00FFu;
+    v = (v | v << 4) & 0x0F0F0F0Fu;
+    v = (v | v << 2) & 0x33333333u;
+    return (v | v << 1) & 0x55555555u;
+}
+
+static inline uint32_t codes16(__m512 v, __m512 t0, __m512 t1, __m512 t2, __mmask16 *nonfinite) {
+    __mmask16 m0 = _mm512_cmp_ps_mask(v, t0, _CMP_GT_OQ);
+    __mmask16 m1 = _mm512_cmp_ps_mask(v, t1, _CMP_GT_OQ);
+    __mmask16 m2 = _mm512_cmp_ps_mask(v, t2, _CMP_GT_OQ);
+    /* |v| > FLT_MAX or unordered: ±inf and NaN */
+    *nonfinite |= _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);
+    return spread16((uint32_t)(m0 ^ m1 ^ m2)) | spread16((uint32_t)m1) << 1;
+}
+
+static uint32_t codes2_avx512(const void *x, int dtype, int64_t lo, int64_t hi, float t0, float t1, float t2,
+                              uint8_t *out, int64_t *done) {
+    __m512 v0 = _mm512_set1_ps(t0), v1 = _mm512_set1_ps(t1), v2 = _mm512_set1_ps(t2);
+    __mmask16 nonfinite = 0, tiny = 0;
+    int64_t full = lo + ((hi - lo) & ~(int64_t)15), i;
+    for (i = lo; i < full; i += 16) {
+        __m512 v;
+        _mm_prefetch((const char *)x + (i + 512) * (dtype == DT_F32 ? 4 : 2), _MM_HINT_T0);
+        if (dtype == DT_F32) {
+            v = _mm512_loadu_ps((const float *)x + i);
+        } else {
+            __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i)));
+            if (dtype == DT_BF16) {
+                v = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+                /* 1 <= (h & 0x7FFF) <= 0x17F: nonzero and below 2^-124 */
+                __m512i mag = _mm512_sub_epi32(_mm512_and_si512(h, _mm512_set1_epi32(0x7FFF)), _mm512_set1_epi32(1));
+                tiny |= _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(0x17F));
+            } else {
+                v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i)));
+            }
+        }
+        uint32_t word = codes16(v, v0, v1, v2, &nonfinite);
+        memcpy(out + i / 4, &word, 4);
+    }
+    *done = full;
+    return (uint32_t)(nonfinite != 0) | (uint32_t)(tiny != 0) << 1;
+}
+#endif
+
 static uint32_t codes2_range(const void *x, int dtype, int64_t lo, int64_t hi, float t0, float t1, float t2,
                              uint8_t *out) {
-    if (dtype == DT_F32) return codes2_f32((const float *)x, lo, hi, t0, t1, t2, out);
-    if (dtype == DT_BF16) return codes2_bf16((const uint16_t *)x, lo, hi, t0, t1, t2, out);
-    return codes2_f16((const uint16_t *)x, lo, hi, t0, t1, t2, out);
+    uint32_t bad = 0;
+#if defined(__AVX512F__)
+    bad = codes2_avx512(x, dtype, lo, hi, t0, t1, t2, out, &lo); /* the rest (under 16 elements) below */
+    if (lo == hi) return bad;
+#endif
+    if (dtype == DT_F32) return bad | codes2_f32((const float *)x, lo, hi, t0, t1, t2, out);
+    if (dtype == DT_BF16) return bad | codes2_bf16((const uint16_t *)x, lo, hi, t0, t1, t2, out);
+    return bad | codes2_f16((const uint16_t *)x, lo, hi, t0, t1, t2, out);
 }
 
 /* the check bits of x alone (no codes) */
@@ -203,11 +263,61 @@ DEFINE_SLOPES2(slopes2_f32, float, id_f32, id_f32)
 DEFINE_SLOPES2(slopes2_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_SLOPES2(slopes2_f16, uint16_t, f16_to_f32, f32_to_f16)
 
+#if defined(__AVX512F__)
+/* AVX-512: 16 elements per step; each lane shifts its code out of the broadcast word of four code bytes and picks
+ * its slope with one permute. Rounding to bf16 is the integer round-to-nearest-even of f32_to_bf16, to fp16 the
+ * hardware conversion (round to nearest even as well; NaN is reported, not compared). */
+static uint32_t slopes2_avx512(const void *dy, int dtype, const uint8_t *codes, int64_t lo, int64_t hi,
+                               const float *s, void *dx, int64_t *done) {
+    __m512 table = _mm512_setr_ps(s[0], s[1], s[2], s[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    __m512i three = _mm512_set1_epi32(3);
+    __mmask16 nan = 0;
+    int64_t full = lo + ((hi - lo) & ~(int64_t)15), i;
+    size_t es = dtype == DT_F32 ? 4 : 2;
+    for (i = lo; i < full; i += 16) {
+        _mm_prefetch((const char *)dy + (i + 512) * es, _MM_HINT_T0);
+        uint32_t w;
+        memcpy(&w, codes + i / 4, 4);
+        __m512i idx = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)w), shifts), three);
+        __m512 sk = _mm512_permutexvar_ps(idx, table);
+        __m512 d;
+        if (dtype == DT_F32) {
+            d = _mm512_loadu_ps((const float *)dy + i);
+        } else {
+            __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)dy + i));
+            d = dtype == DT_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                 : _mm512_cvtph_ps(h);
+        }
+        __m512 v = _mm512_mul_ps(sk, d);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        if (dtype == DT_F32) {
+            _mm512_storeu_ps((float *)dx + i, v);
+        } else if (dtype == DT_BF16) {
+            __m512i u = _mm512_castps_si512(v);
+            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            u = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)dx + i), _mm512_cvtepi32_epi16(u));
+        } else {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)dx + i),
+                                _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+    }
+    *done = full;
+    return nan != 0;
+}
+#endif
+
 static uint32_t slopes2_range(const void *dy, int dtype, const uint8_t *codes, int64_t lo, int64_t hi,
                               const float *s, void *dx) {
-    if (dtype == DT_F32) return slopes2_f32((const float *)dy, codes, lo, hi, s, (float *)dx);
-    if (dtype == DT_BF16) return slopes2_bf16((const uint16_t *)dy, codes, lo, hi, s, (uint16_t *)dx);
-    return slopes2_f16((const uint16_t *)dy, codes, lo, hi, s, (uint16_t *)dx);
+    uint32_t nan = 0;
+#if defined(__AVX512F__)
+    nan = slopes2_avx512(dy, dtype, codes, lo, hi, s, dx, &lo); /* the rest (under 16 elements) below */
+    if (lo == hi) return nan;
+#endif
+    if (dtype == DT_F32) return nan | slopes2_f32((const float *)dy, codes, lo, hi, s, (float *)dx);
+    if (dtype == DT_BF16) return nan | slopes2_bf16((const uint16_t *)dy, codes, lo, hi, s, (uint16_t *)dx);
+    return nan | slopes2_f16((const uint16_t *)dy, codes, lo, hi, s, (uint16_t *)dx);
 }
 
 /* dx = s[code] * dy in fp32, rounded once to dy's dtype (dx has it too), over n elements with 2-bit codes `codes`
