@@ -359,14 +359,17 @@ static inline float hash_uniform(uint32_t i, uint32_t seed) {
             int64_t row = i / inner;                                                                                   \
             int64_t end = (row + 1) * inner < hi ? (row + 1) * inner : hi;                                             \
             float sc = scale[row % groups], b = beta[row % groups];                                                    \
-            int64_t k;                                                                                                 \
+            const T *xr = x + i;                                                                                       \
+            uint8_t *qr = out + i;                                                                                     \
+            if (end - i > (1 << 30)) end = i + (1 << 30); /* 32-bit lanes: the index modulo 2^32 */                    \
+            uint32_t base = (uint32_t)i, len = (uint32_t)(end - i);                                                    \
             _Pragma("omp simd reduction(| : nan)")                                                                     \
-            for (k = i; k < end; k++) {                                                                                \
-                float v = (LOAD(x[k]) - b) * sc;                                                                       \
-                v = v + hash_uniform((uint32_t)k, seed);                                                               \
+            for (uint32_t k = 0; k < len; k++) {                                                                       \
+                float v = (LOAD(xr[k]) - b) * sc;                                                                      \
+                v = v + hash_uniform(base + k, seed);                                                                  \
                 nan |= (uint32_t)(v != v);                                                                             \
                 /* floor(v) clamped to [0, 255]: truncation is floor for v >= 0 */                                     \
-                out[k] = (uint8_t)(v >= 255.0f ? 255 : (v >= 0.0f ? (int32_t)v : 0));                                  \
+                qr[k] = (uint8_t)(v >= 255.0f ? 255 : (v >= 0.0f ? (int32_t)v : 0));                                   \
             }                                                                                                          \
             i = end;                                                                                                   \
         }                                                                                                              \
