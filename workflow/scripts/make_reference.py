@@ -53,6 +53,9 @@ def main(runs_csv, tables, repro, benchmarks, machine_out, runs_out, config, tab
         "",
         "    snakemake --cores all && snakemake --cores 1 reference",
         "",
+        "Beside them, made by their own commands, each named in its table: `evidence/` (config/evidence.yaml), the",
+        "reproductions of config/repro.yaml and `benchmarks/` (benchmarks/cpu_ops.py, benchmarks/cpu_steps.py).",
+        "",
         f"- device (from the records): {devices}",
         f"- CPU: {cpu_name()}, {os.cpu_count()} logical cores; "
         f"host {platform.node()}; Python {platform.python_version()}",
