@@ -174,11 +174,18 @@ def test_non_finite_equal_reference(kind, dtype, kernels, gen):
     assert_same(A.backward_cpu(dy, p, kind), A.backward_reference(dy, p, kind), "non-finite dy")
 
 
-@needs_cc
+@pytest.mark.parametrize("path", ["kernels", "eager"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_every_half_value_equals_reference(dtype, kernels):
-    """Every finite fp16 / bf16 value, in vectors and in a ragged tail: the native reduced-precision kernels (and
-    where they differ from the fp32 formula: bf16 below 2⁻¹²⁴) and the codes."""
+def test_every_half_value_equals_reference(dtype, path, monkeypatch):
+    """Every finite fp16 / bf16 value, in vectors and in a ragged tail, with the C kernels and with the eager ops: the
+    native reduced-precision kernels (and where they differ from the fp32 formula: bf16 below 2⁻¹²⁴) and the codes."""
+    if path == "kernels":
+        if not HAVE_CC:
+            pytest.skip("no C compiler ($CC, cc, gcc or clang) on this machine")
+        monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+        assert K.library() is not None, K.build_info()["reason"]
+    else:
+        monkeypatch.setenv(K.ENV_SWITCH, "0")
     x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     x = x[torch.isfinite(x)]
     for kind in A.KINDS:
@@ -238,7 +245,7 @@ def test_mesa_equals_reference(dtype, threads, kernels, gen):
         flat[:3] = torch.tensor([float("inf"), float("-inf"), -0.0], dtype=dtype)[: flat.numel()]
         scale, step, beta = 255.0 / (mx - mn).clamp_min(1e-12), (mx - mn) / 255.0, mn.clone()
         seed = int(torch.randint(0, 2**31 - 1, (), generator=gen))
-        for s in (seed, 0, 2**31 - 2):
+        for s in (seed, 0, 2**31 - 2) if x.numel() < K.MIN_PER_THREAD else (seed,):
             q0 = Q.quantize_ref(x, scale, beta, inner, groups, s)
             out = torch.empty(x.numel(), dtype=torch.uint8)
             assert K.quantize8(x.reshape(-1), inner, groups, scale, beta, s, out) == 0
@@ -268,6 +275,33 @@ def test_mesa_nan_equals_reference(dtype, kernels, gen):
     for o in (dtype, torch.float32):
         assert_same(Q.dequantize_cpu(q0, step, beta, inner, groups, o),
                     Q.dequantize_ref(q0, step, beta, inner, groups, o), "dequantised with a NaN step")
+
+
+# ------------------------------------------------------------------------------------------- the eager fallback
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_eager_fallback_equals_reference(dtype, threads, gen, monkeypatch):
+    """With the C kernels off, the eager ATen ops (small blocks: many block boundaries) give the same bits."""
+    monkeypatch.setenv(K.ENV_SWITCH, "0")
+    monkeypatch.setattr(A, "_CPU_BLOCK", 64)
+    monkeypatch.setattr(Q, "_CPU_BLOCK", 80)
+    for kind in A.KINDS:
+        for shape in SIZES[:-1] + [(3, 1001)]:
+            x = act_input(shape, dtype, gen, A._consts32(kind, 2)[0])
+            y0, p0 = A.forward_reference(x, kind)
+            y1, p1 = A.forward_cpu(x, kind)
+            assert_same(y1, y0, f"{kind} {shape} forward")
+            assert_same(p1, p0, f"{kind} {shape} codes")
+            dy = grad_input(shape, dtype, gen)
+            assert_same(A.backward_cpu(dy, p0, kind), A.backward_reference(dy, p0, kind), f"{kind} {shape} backward")
+    for shape, mode, wanted in MESA_CASES[:5]:
+        x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+        inner, groups = Q.group_layout(x, mode, wanted)
+        mn, mx = Q.group_min_max(x, inner, groups)
+        scale, step, beta = 255.0 / (mx - mn).clamp_min(1e-12), (mx - mn) / 255.0, mn.clone()
+        q0 = Q.quantize_ref(x, scale, beta, inner, groups, 11)
+        assert_same(Q.quantize_cpu(x, scale, beta, inner, groups, 11), q0, f"{shape} codes")
+        assert_same(Q.dequantize_cpu(q0, step, beta, inner, groups, dtype),
+                    Q.dequantize_ref(q0, step, beta, inner, groups, dtype), f"{shape} dequantised")
 
 
 # ----------------------------------------------------------------------------------- build, cache and fallback
