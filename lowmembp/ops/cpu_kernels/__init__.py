@@ -21,13 +21,12 @@ ctypes releases the GIL for the call. With torch's own OpenMP runtime loaded fir
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
 import shlex
 import shutil
-import subprocess
-import tempfile
 import threading
 import time
 import warnings
@@ -41,10 +40,11 @@ __all__ = ["ENV_SWITCH", "COMPILERS", "FLAGS", "cache_dir", "compiler", "library
 ENV_SWITCH = "LOWMEMBP_CPU_KERNELS"  # "0" turns the C kernels off (the eager ATen ops run instead)
 COMPILERS = ("cc", "gcc", "clang")  # tried in this order when $CC is not set
 SOURCE = Path(__file__).with_name("kernels.c")
-# bit-exact IEEE fp32: no fused multiply-add, no fast-math
-FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-fast-math")
-# the first that builds: the CPU's own instructions (on AVX-512 CPUs all 512 bits of them; GCC prefers 256 otherwise)
-_FLAG_SETS = (FLAGS + ("-march=native", "-mprefer-vector-width=512"), FLAGS + ("-march=native",), FLAGS)
+# bit-exact IEEE fp32: no fused multiply-add, no fast-math; OpenMP for the threads
+FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fopenmp")
+# the first that builds: the CPU's own instructions (on AVX-512 CPUs all 512 bits of them; GCC prefers 256 otherwise),
+# then the portable flags, then without OpenMP (one thread per call: a compiler without it, such as Apple's clang)
+_FLAG_SETS = (FLAGS + ("-march=native", "-mprefer-vector-width=512"), FLAGS + ("-march=native",), FLAGS, FLAGS[:-1])
 MIN_PER_THREAD = 1 << 16  # elements per thread below which a call runs on one thread
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -73,6 +73,7 @@ def compiler() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_id() -> str:
     """What ``-march=native`` depends on: the CPU's feature flags (Linux), else the platform's processor string."""
     try:
@@ -97,12 +98,17 @@ def _library_path(folder: Path, cc: str, flags: tuple) -> Path:
 
 def _build(folder: Path, cc: str) -> Path:
     """The cached library for this source, compiler and CPU, compiled now if it is not there yet."""
+    import subprocess
+    import tempfile
+
+    for flags in _FLAG_SETS:  # a library built before, by the first flag set that built
+        path = _library_path(folder, cc, flags)
+        if path.is_file():
+            return path
     folder.mkdir(parents=True, exist_ok=True)
     errors = []
     for flags in _FLAG_SETS:
         path = _library_path(folder, cc, flags)
-        if path.is_file():
-            return path
         fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=folder)
         os.close(fd)
         try:
