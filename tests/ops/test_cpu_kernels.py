@@ -211,6 +211,19 @@ def test_strided_input_equals_reference(dtype, kernels, gen):
 
 
 @needs_cc
+def test_kernels_take_strided_inputs_and_refuse_strided_outputs(kernels, gen):
+    t32 = A._consts32("gelu", 2)[0]
+    x = torch.randn(64, 33, generator=gen).t()  # strided: read through a contiguous copy
+    out = torch.empty(x.numel() // 4 + 1, dtype=torch.uint8)
+    assert K.codes2(x, t32, out) == 0
+    assert_same(out[:-1], A.forward_reference(x.contiguous(), "gelu")[1][:-1], "codes of a strided input")
+    with pytest.raises(ValueError, match="contiguous CPU torch.uint8 tensor"):
+        K.codes2(x, t32, torch.empty(2 * out.numel(), dtype=torch.uint8)[::2])
+    with pytest.raises(ValueError, match="at least"):
+        K.codes2(x, t32, out[:10])
+
+
+@needs_cc
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_rounding_equals_aten(dtype, kernels, gen):
     """fp32 -> fp16 / bf16 as the kernels round equals ATen's conversion on random bit patterns and the edges."""

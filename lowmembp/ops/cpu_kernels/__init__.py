@@ -180,7 +180,16 @@ def _threads(n: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- the kernels
-# Each takes contiguous CPU tensors and returns None when the library is unavailable (the caller's eager ops run).
+# Each takes CPU tensors (inputs made contiguous, outputs checked) and returns None when the library is unavailable
+# (the caller's eager ops run).
+def _check_tensor(t: torch.Tensor, at_least: int, dtype: torch.dtype) -> None:  # inputs too (their device)
+    """A tensor the kernel reads or writes by its data pointer: contiguous, on the CPU, of ``dtype``, big enough."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != dtype or t.numel() < at_least:
+        raise ValueError(f"lowmembp.ops.cpu_kernels: expected a contiguous CPU {dtype} tensor of at least "
+                         f"{at_least} elements, got {t.dtype} of shape {tuple(t.shape)} on {t.device} "
+                         f"(contiguous: {t.is_contiguous()})")
+
+
 NONFINITE, TINY_BF16 = 1, 2  # the bits that codes2 and check return
 
 
@@ -190,7 +199,10 @@ def codes2(x: torch.Tensor, thresholds, out: torch.Tensor) -> int | None:
     lib = library()
     if lib is None or x.dtype not in _DTYPES:
         return None
+    x = x.contiguous()
     n = x.numel()
+    _check_tensor(x, n, x.dtype)
+    _check_tensor(out, (n + 3) // 4, torch.uint8)
     t0, t1, t2 = thresholds
     return lib.lmbp_codes2(x.data_ptr(), _DTYPES[x.dtype], n, t0, t1, t2, out.data_ptr(), _threads(n))
 
@@ -202,7 +214,9 @@ def check(x: torch.Tensor) -> int | None:
     lib = library()
     if lib is None or x.dtype not in _DTYPES:
         return None
+    x = x.contiguous()
     n = x.numel()
+    _check_tensor(x, n, x.dtype)
     return lib.lmbp_check(x.data_ptr(), _DTYPES[x.dtype], n, _threads(n))
 
 
@@ -212,7 +226,12 @@ def slopes2(dy: torch.Tensor, codes: torch.Tensor, slopes: torch.Tensor, dx: tor
     lib = library()
     if lib is None or dy.dtype not in _DTYPES:
         return None
+    dy, codes, slopes = dy.contiguous(), codes.contiguous(), slopes.float().contiguous()
     n = dy.numel()
+    _check_tensor(dy, n, dy.dtype)
+    _check_tensor(codes, (n + 3) // 4, torch.uint8)
+    _check_tensor(slopes, 4, torch.float32)
+    _check_tensor(dx, n, dy.dtype)
     return lib.lmbp_slopes2(dy.data_ptr(), _DTYPES[dy.dtype], codes.data_ptr(), n, slopes.data_ptr(),
                             dx.data_ptr(), _threads(n))
 
@@ -224,7 +243,12 @@ def quantize8(x: torch.Tensor, inner: int, groups: int, scale: torch.Tensor, bet
     lib = library()
     if lib is None or x.dtype not in _DTYPES:
         return None
+    x, scale, beta = x.contiguous(), scale.float().contiguous(), beta.float().contiguous()
     n = x.numel()
+    _check_tensor(x, n, x.dtype)
+    _check_tensor(out, n, torch.uint8)
+    _check_tensor(scale, groups, torch.float32)
+    _check_tensor(beta, groups, torch.float32)
     return lib.lmbp_quantize8(x.data_ptr(), _DTYPES[x.dtype], n, inner, groups, scale.data_ptr(), beta.data_ptr(),
                               int(seed) & 0xFFFFFFFF, out.data_ptr(), _threads(n))
 
@@ -235,7 +259,12 @@ def dequantize8(codes: torch.Tensor, inner: int, groups: int, step: torch.Tensor
     lib = library()
     if lib is None or out.dtype not in _DTYPES:
         return None
+    codes, step, beta = codes.contiguous(), step.float().contiguous(), beta.float().contiguous()
     n = codes.numel()
+    _check_tensor(codes, n, torch.uint8)
+    _check_tensor(out, n, out.dtype)
+    _check_tensor(step, groups, torch.float32)
+    _check_tensor(beta, groups, torch.float32)
     return lib.lmbp_dequantize8(codes.data_ptr(), n, inner, groups, step.data_ptr(), beta.data_ptr(),
                                 out.data_ptr(), _DTYPES[out.dtype], _threads(n))
 
