@@ -14,6 +14,7 @@ other room builds on the ops.
 - :mod:`~lowmembp.ops.mesa_quant` / :mod:`~lowmembp.ops.mesa_layers`: ``EMAQuantizer``, ``quantize``,
   ``dequantize`` and the Mesa layers
 - :mod:`~lowmembp.ops.shared_linear`: ``linear_sharing_input``, ``CastWeightLinear``, ``share_lora_inputs``
+- :mod:`~lowmembp.ops.cpu_kernels`: the CPU fast path's C kernels (compiled on first use, loaded with ctypes)
 """
 from __future__ import annotations
 

@@ -29,8 +29,9 @@ implementations and registered autograd: ``torch.compile`` treats them as opaque
 interpreter is never traced), FakeTensorMode / meta tensors get the shapes from the fake implementation (paper-scale
 memory estimates; same ``ceil(N·bits/8) + 1`` saved bytes), and double backward works (the backward is linear in dy).
 Backends (``lowmembp.ops.backend.backend_for``): Triton kernels on CUDA tensors (and on CPU tensors under
-``TRITON_INTERPRET=1`` with ``LOWMEMBP_BACKEND=triton``), the CPU fast path on CPU tensors (:func:`forward_cpu`,
-:func:`backward_cpu`: the reference's arithmetic in cache-sized blocks, bit for bit equal to it), the PyTorch
+``TRITON_INTERPRET=1`` with ``LOWMEMBP_BACKEND=triton``), the CPU fast path on CPU tensors with
+``LOWMEMBP_BACKEND=cpu`` (:func:`forward_cpu`, :func:`backward_cpu`: the reference's arithmetic, bit for bit equal to
+it; the codes and the backward one pass each of the C kernels in :mod:`lowmembp.ops.cpu_kernels`), the PyTorch
 reference otherwise and under ``LOWMEMBP_BACKEND=torch``. All give bitwise-equal codes and gradients; Triton's
 forward outputs agree with the reference's to fp32 rounding of erf/exp/tanh.
 """
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 
 from lowmembp.ops.backend import (CPU_BLOCK, backend_for, check_float_input, cpu_block, cpu_parallel, eager_cpu,
                                refuse_functorch_transforms)
+from lowmembp.ops import cpu_kernels
 from lowmembp.ops.approx_table import REGELU2_A, REGELU2_C, RESILU2_A, RESILU2_C, TABLE
 
 try:  # triton is optional on CPU-only installs; the reference path needs none of it
@@ -316,12 +318,13 @@ def _bwd_reference(dy: torch.Tensor, packed: torch.Tensor, s32) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ CPU fast path
-# The reference's arithmetic, bit for bit, with fewer passes over memory: the codes are computed block by block
-# (blocks small enough to stay in the core's cache, so that the several passes a block takes read cache, not
-# memory), the forward output is the native op's (one whole-tensor call, as the reference makes), and the backward
-# looks up four slopes per code byte and multiplies by dy block by block. Eager ATen ops only: no compiler at run
-# time, nothing to build at install, no warm-up. 2-bit codes of the kinds below; everything else (other bit widths,
-# non-finite inputs, big-endian machines) runs the reference.
+# The reference's arithmetic, bit for bit, with fewer passes over memory: the forward output is the native op's (one
+# whole-tensor call, as the reference makes), the packed codes one pass of the C kernels (lowmembp.ops.cpu_kernels,
+# compiled on first use), and the backward one C pass of dx = s[code]·dy. Without the C kernels (no compiler,
+# LOWMEMBP_CPU_KERNELS=0) the same bits come from eager ATen ops: the codes block by block (blocks small enough to
+# stay in the core's cache, so that the several passes a block takes read cache, not memory), the backward a lookup
+# of four slopes per code byte and a multiply by dy block by block. 2-bit codes of the kinds below; everything else
+# (other bit widths, non-finite inputs, big-endian machines) runs the reference.
 _CPU_BLOCK = CPU_BLOCK  # elements per block (a multiple of 64); blocks are spread over threads by cpu_parallel
 _MAGIC = float(1 << 23)  # k + 2^23 (k a small integer) has k in the low mantissa bits of its fp32 encoding
 _LOW_PRECISION_NATIVE = frozenset({"gelu", "silu", "relu"})  # native fp16/bf16 kernels compute in fp32
@@ -335,13 +338,16 @@ def _scalars(values: tuple) -> list[torch.Tensor]:
     return _TABLES[key]
 
 
-def _native_act(x: torch.Tensor, kind: str) -> torch.Tensor:
+def _native_act(x: torch.Tensor, kind: str, tiny: bool) -> torch.Tensor:
     """The exact activation in x's dtype, equal to the reference's fp32 compute cast back: the same fp32 call for
     fp32 (and the kinds computed by composition), the native kernel for fp16 / bf16 of kinds whose reduced-precision
-    kernels load to fp32, run the fp32 formula and round once (tests/ops/test_cpu_fastpath.py checks the bits)."""
+    kernels load to fp32, run the fp32 formula and round once (tests/ops/test_cpu_fastpath.py and
+    tests/ops/test_cpu_kernels.py check the bits, the latter on every fp16 and bf16 value). ``tiny``: x is bf16 and
+    may hold nonzero values below 2⁻¹²⁴, where a native bf16 kernel may flush a subnormal result to zero (``F.gelu``
+    does on AVX512-BF16 CPUs): the fp32 formula then."""
     if x.dtype == torch.float32:
         return _exact_fp32(x, kind)
-    if kind in _LOW_PRECISION_NATIVE:
+    if kind in _LOW_PRECISION_NATIVE and not (tiny and x.dtype == torch.bfloat16):
         if kind == "gelu":
             return F.gelu(x)
         return F.silu(x) if kind == "silu" else torch.relu(x)
@@ -386,11 +392,21 @@ def _fwd_cpu(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
     if bits != 2 or sys.byteorder != "little" or x.numel() == 0:
         return _fwd_reference(x, kind, thresholds, with_codes)
     xc = x.contiguous()
-    y = _native_act(xc, kind)
     flat = xc.reshape(-1)
     n = flat.numel()
     nbytes = (n * bits + 7) // 8
     packed = torch.empty(nbytes + 1 if with_codes else 0, dtype=torch.uint8, device=x.device)
+    # one C pass: the packed codes (or only the checks) of every element
+    seen = cpu_kernels.codes2(flat, thresholds, packed) if with_codes else cpu_kernels.check(flat)
+    if seen is not None:
+        if seen & cpu_kernels.NONFINITE:  # some input NaN or ±inf: the reference (its output and flag byte follow
+            return _fwd_reference(x, kind, thresholds, with_codes)  # the mathematics)
+        y = _native_act(xc, kind, tiny=bool(seen & cpu_kernels.TINY_BF16))
+        if with_codes:
+            packed[nbytes] = 0
+        return y.reshape(x.shape), packed
+    # without the C kernels: the codes from eager ATen ops, block by block
+    y = _native_act(xc, kind, tiny=xc.dtype == torch.bfloat16)
     n4 = n - n % 4
     block = cpu_block(_CPU_BLOCK)
     sums = torch.zeros(n4 // block + 2, dtype=torch.float32)
@@ -436,6 +452,11 @@ def _bwd_cpu(dy: torch.Tensor, packed: torch.Tensor, s32) -> torch.Tensor:
         return _bwd_reference(dy, packed, s32)
     flat = dy.contiguous().reshape(-1)
     flag = int(packed[nbytes])
+    if flag == 0:  # one C pass; a NaN product in fp16 / bf16 is rounded by ATen's own ops below
+        dx = torch.empty(n, dtype=dy.dtype, device=dy.device)
+        nan = cpu_kernels.slopes2(flat, packed, _const_tensor(tuple(s32), dy.device), dx)
+        if nan is not None and not (nan and dy.dtype != torch.float32):
+            return dx.reshape(dy.shape)
     # the four slopes of each code byte, 16 bytes: one complex128 entry, so that one 1-D gather fetches all four
     table = _byte_table(tuple(s32), bits, dy.device)[flag].view(torch.complex128).reshape(256)
     dx = torch.empty(n, dtype=dy.dtype, device=dy.device)

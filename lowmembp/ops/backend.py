@@ -3,9 +3,11 @@
 Rule: Triton for CUDA tensors, the PyTorch reference for everything else. The environment variable
 ``LOWMEMBP_BACKEND`` forces one: ``triton`` (also on CPU tensors, which works only under Triton's interpreter,
 ``TRITON_INTERPRET=1`` set before triton is imported), ``torch`` (the reference) or ``cpu``: the CPU fast path (the
-reference's arithmetic in cache-sized blocks, bit for bit equal to it; CPU tensors only). The fast path is opt-in:
-its block temporaries make a real CPU step's peak differ from the reference's (and so from the fake-tensor
-estimate), and it is slower than the reference with two threads (docs/performance/cpu.md).
+reference's arithmetic, bit for bit equal to it; CPU tensors only): one-pass C kernels for the approximate
+activations' codes and Mesa's quantiser (:mod:`lowmembp.ops.cpu_kernels`, compiled on first use; eager ATen ops where
+no C compiler is found), the norms in cache-sized blocks. The fast path is opt-in: its temporaries make a real CPU
+step's peak differ from the reference's (and so from the fake-tensor estimate), and the norms' blocks are slower
+than the reference with two threads (docs/performance/cpu.md).
 """
 from __future__ import annotations
 

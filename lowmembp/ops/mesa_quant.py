@@ -46,9 +46,10 @@ the
 reference allocates the output only (uint8 codes, or the dequantised tensor), in one piece, as the Triton kernel
 does — no chunk loop, no temporaries.
 
-CPU fast path (:func:`quantize_cpu`, :func:`dequantize_cpu`, the default on CPU tensors): the reference's arithmetic,
-bit for bit, over cache-sized blocks of whole group rows with each group's scale and β broadcast and the hash in
-32-bit integers; ``LOWMEMBP_BACKEND=torch`` runs the chunked reference instead.
+CPU fast path (:func:`quantize_cpu`, :func:`dequantize_cpu`, with ``LOWMEMBP_BACKEND=cpu``): the reference's
+arithmetic, bit for bit, in one pass of the C kernels of :mod:`lowmembp.ops.cpu_kernels` (the hash in wrapping 32-bit
+integers, each group's scale and β per row), or, without a C compiler, in eager ATen ops over cache-sized blocks of
+whole group rows.
 
 Backend: Triton on CUDA tensors, the CPU fast path on CPU tensors, the PyTorch reference elsewhere
 (:func:`lowmembp.ops.backend.backend_for`). Kernels
@@ -73,6 +74,7 @@ from lowmembp.ops.backend import (
     is_shape_only,
 )
 from lowmembp._compat import unset_fake_temporarily
+from lowmembp.ops import cpu_kernels
 
 _WARN_EVERY_CUDA = 64  # a CUDA quantiser checks its skipped-update counter (a device sync) every this many calls
 
@@ -352,7 +354,9 @@ def dequantize_ref(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, 
 
 
 # ------------------------------------------------------------------------------------------------ CPU fast path
-# The reference's arithmetic, bit for bit, with far fewer and cheaper passes: blocks of whole group rows (``inner``
+# The reference's arithmetic, bit for bit, in one pass of the C kernels (lowmembp.ops.cpu_kernels, compiled on first
+# use: the hash in wrapping uint32 arithmetic, each group's scale and β per row of ``inner`` elements). Without them
+# (no compiler, LOWMEMBP_CPU_KERNELS=0) eager ATen ops give the same bits: blocks of whole group rows (``inner``
 # consecutive elements share a group) that stay in the core's cache, each group's scale and β broadcast over its row
 # (no per-element index or gather), and the hash in 32-bit integers (wrapping multiplies and adds are the reference's
 # arithmetic modulo 2³²; a masked arithmetic shift is its logical shift), in place in preallocated buffers.
@@ -423,7 +427,9 @@ def quantize_cpu(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner
     out = torch.empty(flat.shape, dtype=torch.uint8, device=x.device)
     if is_shape_only(x) or n == 0:
         return out.reshape(x.shape)
-    scale, beta = scale.float().reshape(-1), beta.float().reshape(-1)
+    scale, beta = scale.float().reshape(-1).contiguous(), beta.float().reshape(-1).contiguous()
+    if cpu_kernels.quantize8(flat, inner, groups, scale, beta, seed, out) == 0:  # one C pass (None: unavailable)
+        return out.reshape(x.shape)  # (1: a NaN before the clamp, whose code is ATen's conversion: the eager ops)
 
     def work(lo, hi, block):
         m = min(block, hi - lo)  # every block is at most this long
@@ -456,7 +462,10 @@ def dequantize_cpu(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, 
     out = torch.empty(flat.shape, dtype=dtype, device=codes.device)
     if is_shape_only(codes) or n == 0:
         return out.reshape(codes.shape)
-    step, beta = step.float().reshape(-1), beta.float().reshape(-1)
+    step, beta = step.float().reshape(-1).contiguous(), beta.float().reshape(-1).contiguous()
+    nan = cpu_kernels.dequantize8(flat, inner, groups, step, beta, out)  # one C pass (None: unavailable)
+    if nan == 0 or (nan == 1 and dtype == torch.float32):  # a NaN in fp16 / bf16: ATen's rounding, the eager ops
+        return out.reshape(codes.shape)
 
     def work(lo, hi, block):
         y = torch.empty(min(block, hi - lo), dtype=torch.float32)

@@ -1,0 +1,280 @@
+"""One-pass C kernels of the CPU fast path (``LOWMEMBP_BACKEND=cpu``): ReGELU2 / ReSiLU2's 2-bit codes and their
+backward, Mesa's 8-bit quantise and dequantise.
+
+The package ships ``kernels.c`` as source. The first call compiles it with the system C compiler (``$CC``, else the
+first of :data:`COMPILERS` on the ``PATH``) into a shared library cached under :func:`cache_dir` (named by a hash of
+the source, the flags, the compiler and the CPU, so another machine sharing the folder builds its own) and loads it
+with :mod:`ctypes`; later calls and later processes load the cached file. Plain C on float / uint16 / uint8 pointers,
+no Python or torch headers: the build takes a fraction of a second (:func:`build_info`). Building writes a temporary
+file and renames it into place, so processes building at the same time each load a complete library.
+
+``LOWMEMBP_CPU_KERNELS=0`` turns the kernels off. Without a compiler, or if the build fails, a RuntimeWarning says
+so once per process and every function here returns ``None``: the callers then run their eager ATen ops, which give
+the same bits.
+
+The kernels reproduce the PyTorch references' arithmetic bit for bit (IEEE fp32 operations one at a time: the build
+passes ``-ffp-contract=off`` and never a fast-math flag; fp16 / bf16 converted exactly and rounded to nearest even).
+Where a result holds a NaN whose bits ATen's conversions decide, a kernel reports it and the caller recomputes with
+its eager ops. Threads: an OpenMP team of ``torch.get_num_threads()`` per call, each thread one contiguous range;
+ctypes releases the GIL for the call. With torch's own OpenMP runtime loaded first, the library shares it.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["ENV_SWITCH", "COMPILERS", "FLAGS", "cache_dir", "compiler", "library", "build_info", "codes2",
+           "check", "slopes2", "quantize8", "dequantize8", "round_to"]
+
+ENV_SWITCH = "LOWMEMBP_CPU_KERNELS"  # "0" turns the C kernels off (the eager ATen ops run instead)
+COMPILERS = ("cc", "gcc", "clang")  # tried in this order when $CC is not set
+SOURCE = Path(__file__).with_name("kernels.c")
+# bit-exact IEEE fp32: no fused multiply-add, no fast-math; OpenMP for the threads
+FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fopenmp")
+# the first that builds: the CPU's own instructions (on AVX-512 CPUs all 512 bits of them; GCC prefers 256 otherwise),
+# then the portable flags, then without OpenMP (one thread per call: a compiler without it, such as Apple's clang)
+_FLAG_SETS = (FLAGS + ("-march=native", "-mprefer-vector-width=512"), FLAGS + ("-march=native",), FLAGS, FLAGS[:-1])
+MIN_PER_THREAD = 1 << 16  # elements per thread below which a call runs on one thread
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_lock = threading.Lock()
+_state: dict = {"lib": None, "tried": False, "compiles": 0, "seconds": None, "path": None, "reason": None}
+
+
+def cache_dir() -> Path:
+    """``$LOWMEMBP_CACHE_DIR``, else ``$XDG_CACHE_HOME/lowmembp``, else ``~/.cache/lowmembp``."""
+    env = os.environ.get("LOWMEMBP_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lowmembp"
+
+
+def compiler() -> str | None:
+    """The C compiler's path: ``$CC`` if set (its first word), else the first of :data:`COMPILERS` found; None if
+    there is none."""
+    cc = os.environ.get("CC", "").strip()
+    if cc:
+        return shutil.which(shlex.split(cc)[0])
+    for name in COMPILERS:
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on: the CPU's feature flags (Linux), else the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _library_path(folder: Path, cc: str, flags: tuple) -> Path:
+    st = os.stat(cc)
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), os.path.realpath(cc).encode(),
+                 f"{st.st_size}:{st.st_mtime_ns}".encode(), _cpu_id().encode(), platform.platform().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return folder / f"kernels-{key.hexdigest()[:20]}.so"
+
+
+def _build(folder: Path, cc: str) -> Path:
+    """The cached library for this source, compiler and CPU, compiled now if it is not there yet."""
+    import subprocess
+    import tempfile
+
+    for flags in _FLAG_SETS:  # a library built before, by the first flag set that built
+        path = _library_path(folder, cc, flags)
+        if path.is_file():
+            return path
+    folder.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in _FLAG_SETS:
+        path = _library_path(folder, cc, flags)
+        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=folder)
+        os.close(fd)
+        try:
+            start = time.perf_counter()
+            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+            if done.returncode == 0:
+                os.replace(tmp, path)  # atomic: a concurrent build's rename leaves a complete file either way
+                _state["compiles"] += 1
+                _state["seconds"] = time.perf_counter() - start
+                return path
+            errors.append(f"{cc} {' '.join(flags)}: {done.stderr.strip()[-400:]}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise RuntimeError("; ".join(errors))
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, i32, u32, f32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
+    for name, args in (("lmbp_codes2", [p, i32, i64, f32, f32, f32, p, i32]),
+                       ("lmbp_check", [p, i32, i64, i32]),
+                       ("lmbp_slopes2", [p, i32, p, i64, p, p, i32]),
+                       ("lmbp_quantize8", [p, i32, i64, i64, i64, p, p, u32, p, i32]),
+                       ("lmbp_dequantize8", [p, i64, i64, i64, p, p, p, i32, i32])):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, i32
+    lib.lmbp_round.argtypes, lib.lmbp_round.restype = [p, i64, p, i32], None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built on first use; None when turned off (``LOWMEMBP_CPU_KERNELS=0``) or when they
+    cannot be built (warned once per process)."""
+    if os.environ.get(ENV_SWITCH, "1").strip() == "0":
+        return None
+    if _state["tried"]:
+        return _state["lib"]
+    with _lock:
+        if not _state["tried"]:
+            try:
+                cc = compiler()
+                if cc is None:
+                    raise RuntimeError(f"no C compiler found ($CC or one of {', '.join(COMPILERS)} on the PATH)")
+                path = _build(cache_dir() / "cpu_kernels", cc)
+                _state["lib"], _state["path"] = _declare(ctypes.CDLL(str(path))), path
+            except Exception as e:  # no compiler, a failed build, an unloadable library: the eager ops run instead
+                _state["reason"] = str(e)
+                warnings.warn(f"lowmembp: the CPU fast path's C kernels are not available ({e}); its eager ATen "
+                              f"ops run instead (the same results, slower). Set {ENV_SWITCH}=0 to skip the build.",
+                              RuntimeWarning, stacklevel=3)
+            _state["tried"] = True
+    return _state["lib"]
+
+
+def build_info() -> dict:
+    """``{"path", "compiles", "seconds", "reason"}``: the loaded library's file, the builds this process ran and the
+    last one's wall time, and why the kernels are unavailable (None when they are)."""
+    return {k: _state[k] for k in ("path", "compiles", "seconds", "reason")}
+
+
+def _reset() -> None:
+    """Forget the loaded library (tests): the next :func:`library` call looks for it, or builds it, again."""
+    with _lock:
+        _state.update(lib=None, tried=False, path=None, reason=None)
+
+
+def _threads(n: int) -> int:
+    return max(1, min(torch.get_num_threads(), n // MIN_PER_THREAD))
+
+
+# ----------------------------------------------------------------------------------------------- the kernels
+# Each takes CPU tensors (inputs made contiguous, outputs checked) and returns None when the library is unavailable
+# (the caller's eager ops run).
+def _check_tensor(t: torch.Tensor, at_least: int, dtype: torch.dtype) -> None:  # inputs too (their device)
+    """A tensor the kernel reads or writes by its data pointer: contiguous, on the CPU, of ``dtype``, big enough."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != dtype or t.numel() < at_least:
+        raise ValueError(f"lowmembp.ops.cpu_kernels: expected a contiguous CPU {dtype} tensor of at least "
+                         f"{at_least} elements, got {t.dtype} of shape {tuple(t.shape)} on {t.device} "
+                         f"(contiguous: {t.is_contiguous()})")
+
+
+NONFINITE, TINY_BF16 = 1, 2  # the bits that codes2 and check return
+
+
+def codes2(x: torch.Tensor, thresholds, out: torch.Tensor) -> int | None:
+    """Packed 2-bit codes of contiguous ``x`` (``Σ_j [x > t_j]`` in fp32, element i in byte i // 4, bits 2·(i % 4))
+    into the first ``ceil(n / 4)`` bytes of ``out``; returns :func:`check`'s bits of x."""
+    lib = library()
+    if lib is None or x.dtype not in _DTYPES:
+        return None
+    x = x.contiguous()
+    n = x.numel()
+    _check_tensor(x, n, x.dtype)
+    _check_tensor(out, (n + 3) // 4, torch.uint8)
+    t0, t1, t2 = thresholds
+    return lib.lmbp_codes2(x.data_ptr(), _DTYPES[x.dtype], n, t0, t1, t2, out.data_ptr(), _threads(n))
+
+
+def check(x: torch.Tensor) -> int | None:
+    """Bits about contiguous ``x``: :data:`NONFINITE` if some element is NaN or ±inf, :data:`TINY_BF16` if x is
+    bf16 and some element is nonzero and below 2⁻¹²⁴ in magnitude (a native bf16 activation kernel may flush its
+    result to zero there); 0 if neither."""
+    lib = library()
+    if lib is None or x.dtype not in _DTYPES:
+        return None
+    x = x.contiguous()
+    n = x.numel()
+    _check_tensor(x, n, x.dtype)
+    return lib.lmbp_check(x.data_ptr(), _DTYPES[x.dtype], n, _threads(n))
+
+
+def slopes2(dy: torch.Tensor, codes: torch.Tensor, slopes: torch.Tensor, dx: torch.Tensor) -> int | None:
+    """``dx = s[code] · dy`` in fp32, rounded once to dy's dtype (dx's too), with 2-bit ``codes`` and the four fp32
+    ``slopes``; returns 1 if some product is NaN (its bits are ATen's for fp32 only), else 0."""
+    lib = library()
+    if lib is None or dy.dtype not in _DTYPES:
+        return None
+    dy, codes, slopes = dy.contiguous(), codes.contiguous(), slopes.float().contiguous()
+    n = dy.numel()
+    _check_tensor(dy, n, dy.dtype)
+    _check_tensor(codes, (n + 3) // 4, torch.uint8)
+    _check_tensor(slopes, 4, torch.float32)
+    _check_tensor(dx, n, dy.dtype)
+    return lib.lmbp_slopes2(dy.data_ptr(), _DTYPES[dy.dtype], codes.data_ptr(), n, slopes.data_ptr(),
+                            dx.data_ptr(), _threads(n))
+
+
+def quantize8(x: torch.Tensor, inner: int, groups: int, scale: torch.Tensor, beta: torch.Tensor, seed: int,
+              out: torch.Tensor) -> int | None:
+    """Mesa's codes ``clamp(floor((x − β[g])·scale[g] + u_i), 0, 255)`` into uint8 ``out``; returns 1 if some value
+    is NaN before the clamp (its code is ATen's conversion of NaN), else 0."""
+    lib = library()
+    if lib is None or x.dtype not in _DTYPES:
+        return None
+    x, scale, beta = x.contiguous(), scale.float().contiguous(), beta.float().contiguous()
+    n = x.numel()
+    _check_tensor(x, n, x.dtype)
+    _check_tensor(out, n, torch.uint8)
+    _check_tensor(scale, groups, torch.float32)
+    _check_tensor(beta, groups, torch.float32)
+    return lib.lmbp_quantize8(x.data_ptr(), _DTYPES[x.dtype], n, inner, groups, scale.data_ptr(), beta.data_ptr(),
+                              int(seed) & 0xFFFFFFFF, out.data_ptr(), _threads(n))
+
+
+def dequantize8(codes: torch.Tensor, inner: int, groups: int, step: torch.Tensor, beta: torch.Tensor,
+                out: torch.Tensor) -> int | None:
+    """Mesa's ``q·step[g] + β[g]`` in fp32, rounded once to out's dtype; returns 1 if some value is NaN, else 0."""
+    lib = library()
+    if lib is None or out.dtype not in _DTYPES:
+        return None
+    codes, step, beta = codes.contiguous(), step.float().contiguous(), beta.float().contiguous()
+    n = codes.numel()
+    _check_tensor(codes, n, torch.uint8)
+    _check_tensor(out, n, out.dtype)
+    _check_tensor(step, groups, torch.float32)
+    _check_tensor(beta, groups, torch.float32)
+    return lib.lmbp_dequantize8(codes.data_ptr(), n, inner, groups, step.data_ptr(), beta.data_ptr(),
+                                out.data_ptr(), _DTYPES[out.dtype], _threads(n))
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """fp32 ``x`` rounded to ``dtype`` as the kernels round their outputs (for the tests)."""
+    lib = library()
+    if lib is None:
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=dtype)
+    lib.lmbp_round(x.data_ptr(), x.numel(), out.data_ptr(), _DTYPES[dtype])
+    return out

@@ -1,0 +1,467 @@
+/* The CPU fast path's one-pass kernels (lowmembp.ops.cpu_kernels compiles this file on first use and loads it with
+ * ctypes). Plain C on float / uint16 / uint8 pointers, no Python or torch headers.
+ *
+ * Each kernel reproduces the PyTorch reference's arithmetic bit for bit: IEEE fp32 operations one at a time (the
+ * build passes -ffp-contract=off, so no multiply-add is fused, and never -ffast-math), fp16 / bf16 converted to fp32
+ * exactly and rounded back to nearest-even. NaN outputs are the one place where libraries differ (which operand's
+ * payload, which NaN a conversion writes): the kernels report them and the caller recomputes such a tensor with
+ * ATen's own ops.
+ *
+ * Threads: an OpenMP team of `threads` (the caller passes torch.get_num_threads()), each thread one contiguous range
+ * of whole 1024-element chunks (whole code bytes and cache lines per thread).
+ */
+#include <float.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD == 1 || FLT_EVAL_METHOD == 2 || FLT_EVAL_METHOD < 0
+#error "fp32 expressions must be evaluated in fp32 (FLT_EVAL_METHOD 0 or 16) for bit-exact results"
+#endif
+
+#define DT_F32 0
+#define DT_BF16 1
+#define DT_F16 2
+#define CHUNK 1024
+
+static inline float bits_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t f_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* fp16 -> fp32, exact (every fp16 value is an fp32 value; NaN payloads kept). */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t w = (uint32_t)h << 16;
+    uint32_t sign = w & 0x80000000u;
+    uint32_t two_w = w + w;
+    float normalized = bits_f((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    float denormalized = bits_f((two_w >> 17) | (126u << 23)) - 0.5f;
+    uint32_t r = two_w < (1u << 27) ? f_bits(denormalized) : f_bits(normalized);
+    return bits_f(sign | r);
+}
+
+/* fp32 -> fp16, round to nearest even, overflow to ±inf (NaN: the caller recomputes). */
+static inline uint16_t f32_to_f16(float f) {
+    float base = (bits_f(f_bits(f) & 0x7FFFFFFFu) * 0x1.0p+112f) * 0x1.0p-110f;
+    uint32_t w = f_bits(f);
+    uint32_t shl1_w = w + w;
+    uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    bias = bias < 0x71000000u ? 0x71000000u : bias;
+    base = bits_f((bias >> 1) + 0x07800000u) + base;
+    uint32_t b = f_bits(base);
+    uint32_t nonsign = ((b >> 13) & 0x00007C00u) + (b & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+static inline float bf16_to_f32(uint16_t h) { return bits_f((uint32_t)h << 16); }
+
+/* fp32 -> bf16, round to nearest even, overflow to ±inf (NaN: the caller recomputes). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f_bits(f);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* the thread's range [lo, hi) of n elements: whole chunks, the last thread takes the rest */
+static inline void thread_range(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
+    int64_t chunks = (n + CHUNK - 1) / CHUNK;
+    int64_t per = (chunks + nt - 1) / nt;
+    *lo = t * per * CHUNK;
+    *hi = (t + 1) * per * CHUNK;
+    if (*lo > n) *lo = n;
+    if (*hi > n) *hi = n;
+}
+
+/* ---------------------------------------------------------------------------------------------- 2-bit codes */
+/* one function per input type (a loop with a type switch inside does not vectorise) */
+#define CODE(v) ((uint32_t)((v) > t0) + (uint32_t)((v) > t1) + (uint32_t)((v) > t2))
+#define DEFINE_CODES2(NAME, T, LOAD, CHECK)                                                                            \
+    static uint32_t NAME(const T *x, int64_t lo, int64_t hi, float t0, float t1, float t2, uint8_t *out) {             \
+        uint32_t bad = 0;                                                                                              \
+        int64_t full = lo + ((hi - lo) & ~(int64_t)3);                                                                 \
+        int64_t j;                                                                                                     \
+        _Pragma("omp simd reduction(| : bad)")                                                                         \
+        for (j = lo / 4; j < full / 4; j++) {                                                                          \
+            T a = x[4 * j], b = x[4 * j + 1], c = x[4 * j + 2], d = x[4 * j + 3];                                      \
+            bad |= CHECK(a) | CHECK(b) | CHECK(c) | CHECK(d);                                                          \
+            out[j] = (uint8_t)(CODE(LOAD(a)) | CODE(LOAD(b)) << 2 | CODE(LOAD(c)) << 4 | CODE(LOAD(d)) << 6);          \
+        }                                                                                                              \
+        if (full < hi) { /* the ragged end: missing elements are code 0 */                                             \
+            uint32_t byte = 0;                                                                                         \
+            for (int64_t i = full; i < hi; i++) {                                                                      \
+                bad |= CHECK(x[i]);                                                                                    \
+                byte |= CODE(LOAD(x[i])) << (2 * (i - full));                                                          \
+            }                                                                                                          \
+            out[full / 4] = (uint8_t)byte;                                                                             \
+        }                                                                                                              \
+        return bad;                                                                                                    \
+    }
+
+/* What the caller checks about the input, as bits: 1 = some element is NaN or ±inf; 2 = some bf16 element is
+ * nonzero and below 2^-124 in magnitude (native bf16 kernels may flush an activation's result there: the caller then
+ * computes it in fp32). */
+static inline float id_f32(float v) { return v; }
+static inline uint32_t check_f32(float v) { return (f_bits(v) & 0x7F800000u) == 0x7F800000u; }
+static inline uint32_t check_bf16(uint16_t h) {
+    return (uint32_t)((h & 0x7F80u) == 0x7F80u) | (uint32_t)((h & 0x7F80u) <= (2u << 7) && (h & 0x7FFFu) != 0) << 1;
+}
+static inline uint32_t check_f16(uint16_t h) { return (h & 0x7C00u) == 0x7C00u; }
+DEFINE_CODES2(codes2_f32, float, id_f32, check_f32)
+DEFINE_CODES2(codes2_bf16, uint16_t, bf16_to_f32, check_bf16)
+DEFINE_CODES2(codes2_f16, uint16_t, f16_to_f32, check_f16)
+
+#if defined(__AVX512F__)
+/* AVX-512: 16 elements per step. The codes are a thermometer (x > t2 implies x > t1 implies x > t0; NaN fails all),
+ * so code bit 1 is [x > t1] and code bit 0 the parity [x > t0] ^ [x > t1] ^ [x > t2]: three compare masks give the
+ * two bit planes of 16 codes, which interleave into their 32-bit word of four code bytes. */
+static inline uint32_t spread16(uint32_t v) { /* bit k -> bit 2k */
+#if defined(__BMI2__)
+    return _pdep_u32(v, 0x55555555u);
+#endif
+    v = (v | v << 8) & 0x00FF00FFu;
+    v = (v | v << 4) & 0x0F0F0F0Fu;
+    v = (v | v << 2) & 0x33333333u;
+    return (v | v << 1) & 0x55555555u;
+}
+
+static inline uint32_t codes16(__m512 v, __m512 t0, __m512 t1, __m512 t2, __mmask16 *nonfinite) {
+    __mmask16 m0 = _mm512_cmp_ps_mask(v, t0, _CMP_GT_OQ);
+    __mmask16 m1 = _mm512_cmp_ps_mask(v, t1, _CMP_GT_OQ);
+    __mmask16 m2 = _mm512_cmp_ps_mask(v, t2, _CMP_GT_OQ);
+    /* |v| > FLT_MAX or unordered: ±inf and NaN */
+    *nonfinite |= _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);
+    return spread16((uint32_t)(m0 ^ m1 ^ m2)) | spread16((uint32_t)m1) << 1;
+}
+
+static uint32_t codes2_avx512(const void *x, int dtype, int64_t lo, int64_t hi, float t0, float t1, float t2,
+                              uint8_t *out, int64_t *done) {
+    __m512 v0 = _mm512_set1_ps(t0), v1 = _mm512_set1_ps(t1), v2 = _mm512_set1_ps(t2);
+    __mmask16 nonfinite = 0, tiny = 0;
+    int64_t full = lo + ((hi - lo) & ~(int64_t)15), i;
+    for (i = lo; i < full; i += 16) {
+        __m512 v;
+        _mm_prefetch((const char *)x + (i + 512) * (dtype == DT_F32 ? 4 : 2), _MM_HINT_T0);
+        if (dtype == DT_F32) {
+            v = _mm512_loadu_ps((const float *)x + i);
+        } else {
+            __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i)));
+            if (dtype == DT_BF16) {
+                v = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+                /* 1 <= (h & 0x7FFF) <= 0x17F: nonzero and below 2^-124 */
+                __m512i mag = _mm512_sub_epi32(_mm512_and_si512(h, _mm512_set1_epi32(0x7FFF)), _mm512_set1_epi32(1));
+                tiny |= _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(0x17F));
+            } else {
+                v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i)));
+            }
+        }
+        uint32_t word = codes16(v, v0, v1, v2, &nonfinite);
+        memcpy(out + i / 4, &word, 4);
+    }
+    *done = full;
+    return (uint32_t)(nonfinite != 0) | (uint32_t)(tiny != 0) << 1;
+}
+#endif
+
+static uint32_t codes2_range(const void *x, int dtype, int64_t lo, int64_t hi, float t0, float t1, float t2,
+                             uint8_t *out) {
+    uint32_t bad = 0;
+#if defined(__AVX512F__)
+    bad = codes2_avx512(x, dtype, lo, hi, t0, t1, t2, out, &lo); /* the rest (under 16 elements) below */
+    if (lo == hi) return bad;
+#endif
+    if (dtype == DT_F32) return bad | codes2_f32((const float *)x, lo, hi, t0, t1, t2, out);
+    if (dtype == DT_BF16) return bad | codes2_bf16((const uint16_t *)x, lo, hi, t0, t1, t2, out);
+    return bad | codes2_f16((const uint16_t *)x, lo, hi, t0, t1, t2, out);
+}
+
+/* the check bits of x alone (no codes) */
+#define DEFINE_CHECK(NAME, T, CHECK)                                                                                   \
+    static uint32_t NAME(const T *x, int64_t lo, int64_t hi) {                                                         \
+        uint32_t bad = 0;                                                                                              \
+        _Pragma("omp simd reduction(| : bad)")                                                                         \
+        for (int64_t i = lo; i < hi; i++) bad |= CHECK(x[i]);                                                          \
+        return bad;                                                                                                    \
+    }
+DEFINE_CHECK(check_range_f32, float, check_f32)
+DEFINE_CHECK(check_range_bf16, uint16_t, check_bf16)
+DEFINE_CHECK(check_range_f16, uint16_t, check_f16)
+
+static uint32_t check_range(const void *x, int dtype, int64_t lo, int64_t hi) {
+    if (dtype == DT_F32) return check_range_f32((const float *)x, lo, hi);
+    if (dtype == DT_BF16) return check_range_bf16((const uint16_t *)x, lo, hi);
+    return check_range_f16((const uint16_t *)x, lo, hi);
+}
+
+/* the check bits of n elements */
+int lmbp_check(const void *x, int dtype, int64_t n, int threads) {
+    uint32_t bad = 0;
+    if (threads <= 1) return (int)check_range(x, dtype, 0, n);
+#pragma omp parallel num_threads(threads) reduction(| : bad)
+    {
+        int64_t lo, hi;
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        thread_range(n, t, nt, &lo, &hi);
+        if (lo < hi) bad |= check_range(x, dtype, lo, hi);
+    }
+    return (int)bad;
+}
+
+/* Packed 2-bit codes sum_j [x > t_j] of n elements (element i in byte i / 4, bits 2 (i % 4)); returns the check
+ * bits of x (the codes are written either way). */
+int lmbp_codes2(const void *x, int dtype, int64_t n, float t0, float t1, float t2, uint8_t *out, int threads) {
+    uint32_t bad = 0;
+    if (threads <= 1) return (int)codes2_range(x, dtype, 0, n, t0, t1, t2, out);
+#pragma omp parallel num_threads(threads) reduction(| : bad)
+    {
+        int64_t lo, hi;
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        thread_range(n, t, nt, &lo, &hi);
+        if (lo < hi) bad |= codes2_range(x, dtype, lo, hi, t0, t1, t2, out);
+    }
+    return (int)bad;
+}
+
+/* ------------------------------------------------------------------------------------ dx = dy * slope[code] */
+/* 16 elements at a time: their four code bytes read as one word, each lane shifts out its code and selects */
+#define DEFINE_SLOPES2(NAME, T, LOAD, STORE)                                                                           \
+    static uint32_t NAME(const T *dy, const uint8_t *codes, int64_t lo, int64_t hi, const float *s, T *dx) {           \
+        uint32_t nan = 0;                                                                                              \
+        int64_t full = lo + ((hi - lo) & ~(int64_t)15);                                                                \
+        float s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];                                                              \
+        for (int64_t j = lo / 16; j < full / 16; j++) { /* 16 elements: four code bytes, one 32-bit word */            \
+            uint32_t w = (uint32_t)codes[4 * j] | (uint32_t)codes[4 * j + 1] << 8 |                                    \
+                         (uint32_t)codes[4 * j + 2] << 16 | (uint32_t)codes[4 * j + 3] << 24;                          \
+            _Pragma("omp simd reduction(| : nan)")                                                                     \
+            for (int k = 0; k < 16; k++) {                                                                             \
+                uint32_t m = 1u << (2 * k); /* a constant per lane: no variable shift needed */                        \
+                float sk = w & (m << 1) ? (w & m ? s3 : s2) : (w & m ? s1 : s0);                                       \
+                float v = sk * LOAD(dy[16 * j + k]);                                                                   \
+                nan |= (uint32_t)(v != v);                                                                             \
+                dx[16 * j + k] = STORE(v);                                                                             \
+            }                                                                                                          \
+        }                                                                                                              \
+        for (int64_t i = full; i < hi; i++) {                                                                          \
+            float v = s[(codes[i / 4] >> (2 * (i % 4))) & 3u] * LOAD(dy[i]);                                           \
+            nan |= (uint32_t)(v != v);                                                                                 \
+            dx[i] = STORE(v);                                                                                          \
+        }                                                                                                              \
+        return nan;                                                                                                    \
+    }
+
+DEFINE_SLOPES2(slopes2_f32, float, id_f32, id_f32)
+DEFINE_SLOPES2(slopes2_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_SLOPES2(slopes2_f16, uint16_t, f16_to_f32, f32_to_f16)
+
+#if defined(__AVX512F__)
+/* AVX-512: 16 elements per step; each lane shifts its code out of the broadcast word of four code bytes and picks
+ * its slope with one permute. Rounding to bf16 is the integer round-to-nearest-even of f32_to_bf16, to fp16 the
+ * hardware conversion (round to nearest even as well; NaN is reported, not compared). */
+static uint32_t slopes2_avx512(const void *dy, int dtype, const uint8_t *codes, int64_t lo, int64_t hi,
+                               const float *s, void *dx, int64_t *done) {
+    __m512 table = _mm512_setr_ps(s[0], s[1], s[2], s[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    __m512i three = _mm512_set1_epi32(3);
+    __mmask16 nan = 0;
+    int64_t full = lo + ((hi - lo) & ~(int64_t)15), i;
+    size_t es = dtype == DT_F32 ? 4 : 2;
+    for (i = lo; i < full; i += 16) {
+        _mm_prefetch((const char *)dy + (i + 512) * es, _MM_HINT_T0);
+        uint32_t w;
+        memcpy(&w, codes + i / 4, 4);
+        __m512i idx = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)w), shifts), three);
+        __m512 sk = _mm512_permutexvar_ps(idx, table);
+        __m512 d;
+        if (dtype == DT_F32) {
+            d = _mm512_loadu_ps((const float *)dy + i);
+        } else {
+            __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)dy + i));
+            d = dtype == DT_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                 : _mm512_cvtph_ps(h);
+        }
+        __m512 v = _mm512_mul_ps(sk, d);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        if (dtype == DT_F32) {
+            _mm512_storeu_ps((float *)dx + i, v);
+        } else if (dtype == DT_BF16) {
+            __m512i u = _mm512_castps_si512(v);
+            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            u = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)dx + i), _mm512_cvtepi32_epi16(u));
+        } else {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)dx + i),
+                                _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+    }
+    *done = full;
+    return nan != 0;
+}
+#endif
+
+static uint32_t slopes2_range(const void *dy, int dtype, const uint8_t *codes, int64_t lo, int64_t hi,
+                              const float *s, void *dx) {
+    uint32_t nan = 0;
+#if defined(__AVX512F__)
+    nan = slopes2_avx512(dy, dtype, codes, lo, hi, s, dx, &lo); /* the rest (under 16 elements) below */
+    if (lo == hi) return nan;
+#endif
+    if (dtype == DT_F32) return nan | slopes2_f32((const float *)dy, codes, lo, hi, s, (float *)dx);
+    if (dtype == DT_BF16) return nan | slopes2_bf16((const uint16_t *)dy, codes, lo, hi, s, (uint16_t *)dx);
+    return nan | slopes2_f16((const uint16_t *)dy, codes, lo, hi, s, (uint16_t *)dx);
+}
+
+/* dx = s[code] * dy in fp32, rounded once to dy's dtype (dx has it too), over n elements with 2-bit codes `codes`
+ * and the four slopes `s`. Returns 1 when some product is NaN (its bits are ATen's only for fp32), else 0. */
+int lmbp_slopes2(const void *dy, int dtype, const uint8_t *codes, int64_t n, const float *s, void *dx, int threads) {
+    uint32_t nan = 0;
+    if (threads <= 1) return (int)slopes2_range(dy, dtype, codes, 0, n, s, dx);
+#pragma omp parallel num_threads(threads) reduction(| : nan)
+    {
+        int64_t lo, hi;
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        thread_range(n, t, nt, &lo, &hi);
+        if (lo < hi) nan |= slopes2_range(dy, dtype, codes, lo, hi, s, dx);
+    }
+    return (int)nan;
+}
+
+/* ------------------------------------------------------------------------------- Mesa's 8-bit quantiser */
+/* the counter-based uniform of element i: lowbias32(i * 0x9E3779B9 + seed), its top 24 bits times 2^-24 */
+static inline float hash_uniform(uint32_t i, uint32_t seed) {
+    uint32_t h = i * 0x9E3779B9u + seed;
+    h ^= h >> 16;
+    h *= 0x7FEB352Du;
+    h ^= h >> 15;
+    h *= 0x846CA68Bu;
+    h ^= h >> 16;
+    return (float)(h >> 8) * 0x1.0p-24f;
+}
+
+#define DEFINE_QUANTIZE8(NAME, T, LOAD)                                                                                \
+    static uint32_t NAME(const T *x, int64_t lo, int64_t hi, int64_t inner, int64_t groups, const float *scale,        \
+                         const float *beta, uint32_t seed, uint8_t *out) {                                             \
+        uint32_t nan = 0;                                                                                              \
+        for (int64_t i = lo; i < hi;) { /* row by row: one group's scale and beta per row of `inner` elements */       \
+            int64_t row = i / inner;                                                                                   \
+            int64_t end = (row + 1) * inner < hi ? (row + 1) * inner : hi;                                             \
+            float sc = scale[row % groups], b = beta[row % groups];                                                    \
+            const T *xr = x + i;                                                                                       \
+            uint8_t *qr = out + i;                                                                                     \
+            if (end - i > (1 << 30)) end = i + (1 << 30); /* 32-bit lanes: the index modulo 2^32 */                    \
+            uint32_t base = (uint32_t)i, len = (uint32_t)(end - i);                                                    \
+            _Pragma("omp simd reduction(| : nan)")                                                                     \
+            for (uint32_t k = 0; k < len; k++) {                                                                       \
+                float v = (LOAD(xr[k]) - b) * sc;                                                                      \
+                v = v + hash_uniform(base + k, seed);                                                                  \
+                nan |= (uint32_t)(v != v);                                                                             \
+                /* floor(v) clamped to [0, 255]: truncation is floor for v >= 0 */                                     \
+                qr[k] = (uint8_t)(v >= 255.0f ? 255 : (v >= 0.0f ? (int32_t)v : 0));                                   \
+            }                                                                                                          \
+            i = end;                                                                                                   \
+        }                                                                                                              \
+        return nan;                                                                                                    \
+    }
+DEFINE_QUANTIZE8(quantize8_f32, float, id_f32)
+DEFINE_QUANTIZE8(quantize8_bf16, uint16_t, bf16_to_f32)
+DEFINE_QUANTIZE8(quantize8_f16, uint16_t, f16_to_f32)
+
+static uint32_t quantize8_range(const void *x, int dtype, int64_t lo, int64_t hi, int64_t inner, int64_t groups,
+                                const float *scale, const float *beta, uint32_t seed, uint8_t *out) {
+    if (dtype == DT_F32) return quantize8_f32((const float *)x, lo, hi, inner, groups, scale, beta, seed, out);
+    if (dtype == DT_BF16) return quantize8_bf16((const uint16_t *)x, lo, hi, inner, groups, scale, beta, seed, out);
+    return quantize8_f16((const uint16_t *)x, lo, hi, inner, groups, scale, beta, seed, out);
+}
+
+/* Mesa's codes: clamp(floor((x - beta[g]) * scale[g] + u_i), 0, 255), g = (i / inner) % groups. Returns 1 when
+ * some value before the clamp is NaN (its code is ATen's conversion of NaN: the caller recomputes), else 0. */
+int lmbp_quantize8(const void *x, int dtype, int64_t n, int64_t inner, int64_t groups, const float *scale,
+                   const float *beta, uint32_t seed, uint8_t *out, int threads) {
+    uint32_t nan = 0;
+    if (threads <= 1) return (int)quantize8_range(x, dtype, 0, n, inner, groups, scale, beta, seed, out);
+#pragma omp parallel num_threads(threads) reduction(| : nan)
+    {
+        int64_t lo, hi;
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        thread_range(n, t, nt, &lo, &hi);
+        if (lo < hi) nan |= quantize8_range(x, dtype, lo, hi, inner, groups, scale, beta, seed, out);
+    }
+    return (int)nan;
+}
+
+#define DEFINE_DEQUANTIZE8(NAME, T, STORE)                                                                             \
+    static uint32_t NAME(const uint8_t *q, int64_t lo, int64_t hi, int64_t inner, int64_t groups,                      \
+                         const float *step, const float *beta, T *y) {                                                 \
+        uint32_t nan = 0;                                                                                              \
+        for (int64_t i = lo; i < hi;) {                                                                                \
+            int64_t row = i / inner;                                                                                   \
+            int64_t end = (row + 1) * inner < hi ? (row + 1) * inner : hi;                                             \
+            float st = step[row % groups], b = beta[row % groups];                                                     \
+            int64_t k;                                                                                                 \
+            _Pragma("omp simd reduction(| : nan)")                                                                     \
+            for (k = i; k < end; k++) {                                                                                \
+                float v = (float)q[k] * st;                                                                            \
+                v = v + b;                                                                                             \
+                nan |= (uint32_t)(v != v);                                                                             \
+                y[k] = STORE(v);                                                                                       \
+            }                                                                                                          \
+            i = end;                                                                                                   \
+        }                                                                                                              \
+        return nan;                                                                                                    \
+    }
+DEFINE_DEQUANTIZE8(dequantize8_f32, float, id_f32)
+DEFINE_DEQUANTIZE8(dequantize8_bf16, uint16_t, f32_to_bf16)
+DEFINE_DEQUANTIZE8(dequantize8_f16, uint16_t, f32_to_f16)
+
+static uint32_t dequantize8_range(const uint8_t *q, int64_t lo, int64_t hi, int64_t inner, int64_t groups,
+                                  const float *step, const float *beta, void *y, int dtype) {
+    if (dtype == DT_F32) return dequantize8_f32(q, lo, hi, inner, groups, step, beta, (float *)y);
+    if (dtype == DT_BF16) return dequantize8_bf16(q, lo, hi, inner, groups, step, beta, (uint16_t *)y);
+    return dequantize8_f16(q, lo, hi, inner, groups, step, beta, (uint16_t *)y);
+}
+
+/* Mesa's dequantised values q * step[g] + beta[g] in fp32, rounded once to `dtype`. Returns 1 when some value is
+ * NaN, else 0. */
+int lmbp_dequantize8(const uint8_t *q, int64_t n, int64_t inner, int64_t groups, const float *step,
+                     const float *beta, void *y, int dtype, int threads) {
+    uint32_t nan = 0;
+    if (threads <= 1) return (int)dequantize8_range(q, 0, n, inner, groups, step, beta, y, dtype);
+#pragma omp parallel num_threads(threads) reduction(| : nan)
+    {
+        int64_t lo, hi;
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        thread_range(n, t, nt, &lo, &hi);
+        if (lo < hi) nan |= dequantize8_range(q, lo, hi, inner, groups, step, beta, y, dtype);
+    }
+    return (int)nan;
+}
+
+/* fp32 -> `dtype` as the kernels round (for the tests) */
+void lmbp_round(const float *x, int64_t n, void *y, int dtype) {
+    for (int64_t i = 0; i < n; i++) {
+        if (dtype == DT_F32) ((float *)y)[i] = x[i];
+        else if (dtype == DT_BF16) ((uint16_t *)y)[i] = f32_to_bf16(x[i]);
+        else ((uint16_t *)y)[i] = f32_to_f16(x[i]);
+    }
+}
