@@ -56,6 +56,7 @@ from torch import nn
 from lowmembp.ops.backend import (CPU_BLOCK, backend_for, check_float_input, cpu_block, cpu_parallel, eager_cpu,
                                refuse_functorch_transforms)
 from lowmembp._compat import fused_rms_norm
+from lowmembp.ops import cpu_kernels
 
 try:
     import triton
@@ -255,25 +256,76 @@ def ms_norm_fwd_cpu(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dty
 
 
 def ms_norm_bwd_cpu(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str, dx_dtype: torch.dtype):
-    """CPU fast path of :func:`ms_norm_bwd_ref` (same signature, same bits): its ops, row block by row block."""
+    """CPU fast path of :func:`ms_norm_bwd_ref` (same signature, same bits): its element-wise work in two C passes
+    around ATen's row sums (:mod:`lowmembp.ops.cpu_kernels`), else its ops row block by row block."""
     is_rms = _check_kind(kind)
     n = y.shape[-1]
     if not (_cpu_fast(y, n) and g.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and rstd.dtype == torch.float32):
+            and rstd.dtype == torch.float32 and dx_dtype in (torch.float32, torch.bfloat16, torch.float16)):
         return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
     if not (g.is_contiguous() and y.is_contiguous()):  # strided rows: the reference's sums follow the layout
         return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
     g2d, y2d = g.reshape(-1, n), y.reshape(-1, n)
-    rows = y2d.shape[0]
-    r2d = rstd.reshape(rows, 1)
-    dx = torch.empty((rows, n), dtype=dx_dtype, device=y.device)
+    dx = torch.empty(y2d.shape, dtype=dx_dtype, device=y.device)
+    if cpu_kernels.library() is not None and cpu_kernels.addcmul_fused() is not None:
+        nan = (_bwd_kernels_whole if _BWD_WHOLE and torch.get_num_threads() > 1 else _bwd_kernels_blocks)(
+            g2d, y2d, rstd.reshape(-1).contiguous(), is_rms, dx)
+        if nan:  # a NaN's bits are ATen's only by chance: the reference decides them
+            return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
+    else:
+        _bwd_eager_blocks(g2d, y2d, rstd.reshape(-1, 1), is_rms, dx)
+    return dx.reshape(y.shape)
+
+
+_BWD_WHOLE = True
+
+
+def _bwd_kernels_whole(g2d, y2d, rstd, is_rms, dx) -> int:
+    rows, n = y2d.shape
+    buf = torch.empty((rows, n), dtype=torch.float32)
+    gf = None if is_rms or g2d.dtype == torch.float32 else torch.empty((rows, n), dtype=torch.float32)
+    cpu_kernels.norm_prod(g2d, y2d, buf, gf)
+    mgy = buf.sum(-1).div_(n)
+    mg = None if is_rms else (g2d if gf is None else gf).mean(-1)
+    del buf, gf
+    return cpu_kernels.norm_bwd(g2d, y2d, mgy, mg, rstd, dx)
+
+
+def _bwd_kernels_blocks(g2d, y2d, rstd, is_rms, dx) -> int:
+    """The two C passes (one thread each) and ATen's row sums, row block by row block over the threads."""
+    rows, n = y2d.shape
+    step = _row_block(n)
+    flags = []
+
+    def work(lo, hi):
+        m = min(step, hi - lo)
+        buf = torch.empty((m, n), dtype=torch.float32)
+        gbuf = None if is_rms or g2d.dtype == torch.float32 else torch.empty((m, n), dtype=torch.float32)
+        nan = 0
+        for r in range(lo, hi, step):
+            e = min(r + step, hi)
+            k = e - r
+            cpu_kernels.norm_prod(g2d[r:e], y2d[r:e], buf, gbuf, threads=1)
+            mgy = buf[:k].sum(-1).div_(n)  # the reference's buf.sum(-1, keepdim=True).div_(n)
+            mg = None if is_rms else (g2d[r:e] if gbuf is None else gbuf[:k]).mean(-1)
+            nan |= cpu_kernels.norm_bwd(g2d[r:e], y2d[r:e], mgy, mg, rstd[r:e], dx[r:e], threads=1)
+        flags.append(nan)
+
+    cpu_parallel(rows, step, work, 2 * step)
+    return int(any(flags))
+
+
+def _bwd_eager_blocks(g2d, y2d, r2d, is_rms, dx) -> None:
+    """The reference's ops row block by row block (without the C kernels)."""
+    rows, n = y2d.shape
+    dx_dtype = dx.dtype
     step = _row_block(n)
 
     def work(lo, hi):
         m = min(step, hi - lo)
         buf = torch.empty((m, n), dtype=torch.float32)
-        gbuf = torch.empty((m, n), dtype=torch.float32) if g.dtype != torch.float32 else None
-        ybuf = torch.empty((m, n), dtype=torch.float32) if y.dtype != torch.float32 else None
+        gbuf = torch.empty((m, n), dtype=torch.float32) if g2d.dtype != torch.float32 else None
+        ybuf = torch.empty((m, n), dtype=torch.float32) if y2d.dtype != torch.float32 else None
         for r in range(lo, hi, step):
             k = min(step, hi - r)
             gf = g2d[r:r + k] if gbuf is None else gbuf[:k].copy_(g2d[r:r + k])
@@ -289,7 +341,6 @@ def ms_norm_bwd_cpu(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: 
                 dx[r:r + k].copy_(d.mul_(r2d[r:r + k]))
 
     cpu_parallel(rows, step, work, 2 * step)
-    return dx.reshape(y.shape)
 
 
 def ms_norm_bytes(rows: int, n: int, x_dtype: torch.dtype, y_dtype: torch.dtype, kind: str = "layernorm"):

@@ -1,5 +1,5 @@
 """One-pass C kernels of the CPU fast path (``LOWMEMBP_BACKEND=cpu``): ReGELU2 / ReSiLU2's 2-bit codes and their
-backward, Mesa's 8-bit quantise and dequantise.
+backward, Mesa's 8-bit quantise and dequantise, the element-wise passes of the MS-norms' backward and their casts.
 
 The package ships ``kernels.c`` as source. The first call compiles it with the system C compiler (``$CC``, else the
 first of :data:`COMPILERS` on the ``PATH``) into a shared library cached under :func:`cache_dir` (named by a hash of
@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["ENV_SWITCH", "COMPILERS", "FLAGS", "cache_dir", "compiler", "library", "build_info", "codes2",
-           "check", "slopes2", "quantize8", "dequantize8", "round_to"]
+           "check", "slopes2", "quantize8", "dequantize8", "round_to",
+           "norm_prod", "norm_bwd", "cast", "addcmul_fused"]
 
 ENV_SWITCH = "LOWMEMBP_CPU_KERNELS"  # "0" turns the C kernels off (the eager ATen ops run instead)
 COMPILERS = ("cc", "gcc", "clang")  # tried in this order when $CC is not set
@@ -132,10 +133,13 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                        ("lmbp_check", [p, i32, i64, i32]),
                        ("lmbp_slopes2", [p, i32, p, i64, p, p, i32]),
                        ("lmbp_quantize8", [p, i32, i64, i64, i64, p, p, u32, p, i32]),
-                       ("lmbp_dequantize8", [p, i64, i64, i64, p, p, p, i32, i32])):
+                       ("lmbp_dequantize8", [p, i64, i64, i64, p, p, p, i32, i32]),
+                       ("lmbp_norm_bwd", [p, i32, p, i32, i64, i64, p, p, p, p, i32, i32, i32]),
+                       ("lmbp_cast", [p, i32, i64, p, i32, i32])):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, i32
     lib.lmbp_round.argtypes, lib.lmbp_round.restype = [p, i64, p, i32], None
+    lib.lmbp_norm_prod.argtypes, lib.lmbp_norm_prod.restype = [p, i32, p, i32, i64, p, p, i32], None
     return lib
 
 
@@ -278,3 +282,81 @@ def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     out = torch.empty(x.shape, dtype=dtype)
     lib.lmbp_round(x.data_ptr(), x.numel(), out.data_ptr(), _DTYPES[dtype])
     return out
+
+
+# ----------------------------------------------------------------------------------------------- MS-norms
+# The element-wise passes of ``lowmembp.ops.ms_norm.ms_norm_bwd_cpu`` (its row sums stay ATen's) and the casts of
+# ``ms_norm_fwd_cpu``. ``threads`` is the OpenMP team (1 where the caller splits the work over threads itself).
+def norm_prod(g: torch.Tensor, y: torch.Tensor, prod: torch.Tensor, gcopy: torch.Tensor | None = None,
+              threads: int | None = None) -> bool:
+    """``prod = fp32(g) * fp32(y)`` element by element (the reference's ``gf * yf``), and ``gcopy = fp32(g)``
+    when given, into the first ``g.numel()`` elements of the fp32 outputs; False when the library is unavailable."""
+    lib = library()
+    if lib is None or g.dtype not in _DTYPES or y.dtype not in _DTYPES:
+        return False
+    g, y = g.contiguous(), y.contiguous()
+    n = g.numel()
+    _check_tensor(y, n, y.dtype)
+    _check_tensor(prod, n, torch.float32)
+    if gcopy is not None:
+        _check_tensor(gcopy, n, torch.float32)
+    lib.lmbp_norm_prod(g.data_ptr(), _DTYPES[g.dtype], y.data_ptr(), _DTYPES[y.dtype], n, prod.data_ptr(),
+                       None if gcopy is None else gcopy.data_ptr(), _threads(n) if threads is None else threads)
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def addcmul_fused() -> bool | None:
+    """How this torch's CPU ``torch.addcmul(s, a, m, value=-1)`` rounds ``s − a·m`` in fp32: True if once (its
+    build contracted the multiply and the add into a fused multiply-add), False if twice (product, then sum), None
+    if neither or if its vectorised loop and its scalar loop (one element) differ (the C pass then does not run)."""
+    s = torch.tensor([1.0, -3.0, 0.1, 7.5] * 16, dtype=torch.float32)
+    a = torch.tensor([1 + 2**-12, 1 + 2**-20, 3.3, -0.7] * 16, dtype=torch.float32)
+    m = torch.tensor([1 + 2**-13, 1 - 2**-21, 0.31, 10.3] * 16, dtype=torch.float32)
+    exact = (s.double() - a.double() * m.double()).float()  # one rounding (the product is exact in float64)
+    twice = s - a * m
+    answers = set()
+    for k in (1, s.numel()):  # one element: the scalar loop; 64: the vectorised loop
+        got = torch.addcmul(s[:k], a[:k], m[:k], value=-1.0).view(torch.int32)
+        answers.add("once" if torch.equal(got, exact[:k].view(torch.int32)) else
+                    "twice" if torch.equal(got, twice[:k].view(torch.int32)) else "other")
+    if len(answers) != 1 or "other" in answers:
+        return None
+    return answers.pop() == "once"
+
+
+def norm_bwd(g: torch.Tensor, y: torch.Tensor, mgy: torch.Tensor, mg: torch.Tensor | None, rstd: torch.Tensor,
+             dx: torch.Tensor, threads: int | None = None) -> int | None:
+    """``dx = ((g − y·mgy[r]) − mg[r])·rstd[r]`` in fp32 over the rows r of ``y``'s last dimension (``mg`` None:
+    no mean term), rounded once to dx's dtype: the reference's ``addcmul(gf, yf, mgy, value=-1)``, ``sub_(mean)``
+    and ``mul_(rstd)``, rounded as :func:`addcmul_fused` says. Returns 1 if some dx is NaN (its bits are ATen's only
+    by chance), else 0; None when the library is unavailable or ATen's addcmul rounds neither way."""
+    lib = library()
+    fused = addcmul_fused()
+    if lib is None or fused is None or g.dtype not in _DTYPES or y.dtype not in _DTYPES or dx.dtype not in _DTYPES:
+        return None
+    g, y = g.contiguous(), y.contiguous()
+    n = y.shape[-1] if y.dim() else 1
+    rows = y.numel() // n if n else 0
+    _check_tensor(g, y.numel(), g.dtype)
+    _check_tensor(dx, y.numel(), dx.dtype)
+    for t in (mgy, rstd) if mg is None else (mgy, mg, rstd):
+        _check_tensor(t, rows, torch.float32)
+    return lib.lmbp_norm_bwd(g.data_ptr(), _DTYPES[g.dtype], y.data_ptr(), _DTYPES[y.dtype], rows, n,
+                             mgy.data_ptr(), None if mg is None else mg.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
+                             _DTYPES[dx.dtype], int(fused), _threads(y.numel()) if threads is None else threads)
+
+
+def cast(x: torch.Tensor, out: torch.Tensor, threads: int | None = None) -> int | None:
+    """``out = x`` converted (fp16 / bf16 to fp32 exactly, fp32 to fp16 / bf16 rounded to nearest even; one side
+    fp32) into the first ``x.numel()`` elements of ``out``. Returns 1 if some value is NaN (a rounded NaN's bits are
+    ATen's only by chance), else 0; None when the library is unavailable or the pair is not one of these."""
+    lib = library()
+    if lib is None or x.dtype not in _DTYPES or out.dtype not in _DTYPES or \
+            (x.dtype == torch.float32) == (out.dtype == torch.float32):
+        return None
+    x = x.contiguous()
+    n = x.numel()
+    _check_tensor(out, n, out.dtype)
+    return lib.lmbp_cast(x.data_ptr(), _DTYPES[x.dtype], n, out.data_ptr(), _DTYPES[out.dtype],
+                         _threads(n) if threads is None else threads)

@@ -465,3 +465,185 @@ void lmbp_round(const float *x, int64_t n, void *y, int dtype) {
         else ((uint16_t *)y)[i] = f32_to_f16(x[i]);
     }
 }
+
+/* ------------------------------------------------------------------------------ MS-LayerNorm / MS-RMSNorm */
+/* The element-wise passes of the norms' backward (lowmembp.ops.ms_norm.ms_norm_bwd_cpu); their row sums stay ATen's
+ * (its summation order decides the bits), between the two passes. One loop per input type pair (a loop with a type
+ * switch inside does not vectorise). */
+#define DEFINE_NORM_PROD(NAME, TG, LOADG, TY, LOADY)                                                                   \
+    static void NAME(const TG *g, const TY *y, int64_t lo, int64_t hi, float *prod, float *gcopy) {                    \
+        int64_t i;                                                                                                     \
+        if (gcopy) {                                                                                                   \
+            _Pragma("omp simd")                                                                                        \
+            for (i = lo; i < hi; i++) {                                                                                \
+                float gv = LOADG(g[i]);                                                                                \
+                gcopy[i] = gv;                                                                                         \
+                prod[i] = gv * LOADY(y[i]);                                                                            \
+            }                                                                                                          \
+        } else {                                                                                                       \
+            _Pragma("omp simd")                                                                                        \
+            for (i = lo; i < hi; i++) prod[i] = LOADG(g[i]) * LOADY(y[i]);                                             \
+        }                                                                                                              \
+    }
+DEFINE_NORM_PROD(norm_prod_f32_f32, float, id_f32, float, id_f32)
+DEFINE_NORM_PROD(norm_prod_f32_bf16, float, id_f32, uint16_t, bf16_to_f32)
+DEFINE_NORM_PROD(norm_prod_f32_f16, float, id_f32, uint16_t, f16_to_f32)
+DEFINE_NORM_PROD(norm_prod_bf16_f32, uint16_t, bf16_to_f32, float, id_f32)
+DEFINE_NORM_PROD(norm_prod_bf16_bf16, uint16_t, bf16_to_f32, uint16_t, bf16_to_f32)
+DEFINE_NORM_PROD(norm_prod_bf16_f16, uint16_t, bf16_to_f32, uint16_t, f16_to_f32)
+DEFINE_NORM_PROD(norm_prod_f16_f32, uint16_t, f16_to_f32, float, id_f32)
+DEFINE_NORM_PROD(norm_prod_f16_bf16, uint16_t, f16_to_f32, uint16_t, bf16_to_f32)
+DEFINE_NORM_PROD(norm_prod_f16_f16, uint16_t, f16_to_f32, uint16_t, f16_to_f32)
+
+typedef void (*norm_prod_fn)(const void *, const void *, int64_t, int64_t, float *, float *);
+static const norm_prod_fn NORM_PROD[3][3] = {
+    {(norm_prod_fn)norm_prod_f32_f32, (norm_prod_fn)norm_prod_f32_bf16, (norm_prod_fn)norm_prod_f32_f16},
+    {(norm_prod_fn)norm_prod_bf16_f32, (norm_prod_fn)norm_prod_bf16_bf16, (norm_prod_fn)norm_prod_bf16_f16},
+    {(norm_prod_fn)norm_prod_f16_f32, (norm_prod_fn)norm_prod_f16_bf16, (norm_prod_fn)norm_prod_f16_f16}};
+
+/* prod = fp32(g) * fp32(y) over n elements (the reference's gf * yf), and gcopy = fp32(g) unless gcopy is NULL. */
+void lmbp_norm_prod(const void *g, int gdtype, const void *y, int ydtype, int64_t n, float *prod, float *gcopy,
+                    int threads) {
+    norm_prod_fn fn = NORM_PROD[gdtype][ydtype];
+    if (threads <= 1) {
+        fn(g, y, 0, n, prod, gcopy);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t lo, hi;
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        thread_range(n, t, nt, &lo, &hi);
+        if (lo < hi) fn(g, y, lo, hi, prod, gcopy);
+    }
+}
+
+/* dx = ((g - y * mgy[r]) - mg[r]) * rstd[r], row r of n elements, rounded once to dx's dtype: the reference's
+ * addcmul(gf, yf, mgy, value=-1), its sub_(mean) (LayerNorm; mg NULL for RMSNorm) and mul_(rstd), one fp32 operation
+ * at a time. ATen's CPU addcmul is self + value * t1 * t2, and (-1 * y) is -y exactly; where torch's build contracts
+ * it into a fused multiply-add (the caller probes ATen and passes fused = 1) it is fmaf(-y, m, g) with one rounding,
+ * else g - (y * m) with two. */
+#define NORM_BWD_LOOP(LOADG, LOADY, STORE, DIFF, MEAN)                                                                 \
+    _Pragma("omp simd reduction(| : nan)")                                                                             \
+    for (i = 0; i < n; i++) {                                                                                          \
+        float gv = LOADG(gr[i]), yv = LOADY(yr[i]);                                                                    \
+        float v = DIFF;                                                                                                \
+        v = MEAN;                                                                                                      \
+        v = v * s;                                                                                                     \
+        nan |= (uint32_t)(v != v);                                                                                     \
+        dr[i] = STORE(v);                                                                                              \
+    }
+#define DEFINE_NORM_BWD(NAME, TG, LOADG, TY, LOADY, TD, STORE)                                                         \
+    static uint32_t NAME(const TG *g, const TY *y, int64_t r0, int64_t r1, int64_t n, const float *mgy,               \
+                         const float *mg, const float *rstd, TD *dx, int fused) {                                      \
+        uint32_t nan = 0;                                                                                              \
+        for (int64_t r = r0; r < r1; r++) {                                                                            \
+            const TG *gr = g + r * n;                                                                                  \
+            const TY *yr = y + r * n;                                                                                  \
+            TD *dr = dx + r * n;                                                                                       \
+            float m = mgy[r], s = rstd[r], mean = mg ? mg[r] : 0.0f;                                                   \
+            int64_t i;                                                                                                 \
+            if (mg && fused) {                                                                                         \
+                NORM_BWD_LOOP(LOADG, LOADY, STORE, __builtin_fmaf(-yv, m, gv), v - mean)                               \
+            } else if (mg) {                                                                                           \
+                NORM_BWD_LOOP(LOADG, LOADY, STORE, gv - yv * m, v - mean)                                              \
+            } else if (fused) {                                                                                        \
+                NORM_BWD_LOOP(LOADG, LOADY, STORE, __builtin_fmaf(-yv, m, gv), v)                                      \
+            } else {                                                                                                   \
+                NORM_BWD_LOOP(LOADG, LOADY, STORE, gv - yv * m, v)                                                     \
+            }                                                                                                          \
+        }                                                                                                              \
+        return nan;                                                                                                    \
+    }
+#define DEFINE_NORM_BWD_DX(G, TG, LOADG, Y, TY, LOADY)                                                                 \
+    DEFINE_NORM_BWD(norm_bwd_##G##_##Y##_f32, TG, LOADG, TY, LOADY, float, id_f32)                                    \
+    DEFINE_NORM_BWD(norm_bwd_##G##_##Y##_bf16, TG, LOADG, TY, LOADY, uint16_t, f32_to_bf16)                           \
+    DEFINE_NORM_BWD(norm_bwd_##G##_##Y##_f16, TG, LOADG, TY, LOADY, uint16_t, f32_to_f16)
+DEFINE_NORM_BWD_DX(f32, float, id_f32, f32, float, id_f32)
+DEFINE_NORM_BWD_DX(f32, float, id_f32, bf16, uint16_t, bf16_to_f32)
+DEFINE_NORM_BWD_DX(f32, float, id_f32, f16, uint16_t, f16_to_f32)
+DEFINE_NORM_BWD_DX(bf16, uint16_t, bf16_to_f32, f32, float, id_f32)
+DEFINE_NORM_BWD_DX(bf16, uint16_t, bf16_to_f32, bf16, uint16_t, bf16_to_f32)
+DEFINE_NORM_BWD_DX(bf16, uint16_t, bf16_to_f32, f16, uint16_t, f16_to_f32)
+DEFINE_NORM_BWD_DX(f16, uint16_t, f16_to_f32, f32, float, id_f32)
+DEFINE_NORM_BWD_DX(f16, uint16_t, f16_to_f32, bf16, uint16_t, bf16_to_f32)
+DEFINE_NORM_BWD_DX(f16, uint16_t, f16_to_f32, f16, uint16_t, f16_to_f32)
+
+typedef uint32_t (*norm_bwd_fn)(const void *, const void *, int64_t, int64_t, int64_t, const float *, const float *,
+                                const float *, void *, int);
+#define NORM_BWD_ROW(G, Y)                                                                                             \
+    {(norm_bwd_fn)norm_bwd_##G##_##Y##_f32, (norm_bwd_fn)norm_bwd_##G##_##Y##_bf16,                                   \
+     (norm_bwd_fn)norm_bwd_##G##_##Y##_f16}
+static const norm_bwd_fn NORM_BWD[3][3][3] = {
+    {NORM_BWD_ROW(f32, f32), NORM_BWD_ROW(f32, bf16), NORM_BWD_ROW(f32, f16)},
+    {NORM_BWD_ROW(bf16, f32), NORM_BWD_ROW(bf16, bf16), NORM_BWD_ROW(bf16, f16)},
+    {NORM_BWD_ROW(f16, f32), NORM_BWD_ROW(f16, bf16), NORM_BWD_ROW(f16, f16)}};
+
+/* The backward's second pass over `rows` rows of n elements (above; fused: addcmul's rounding); the threads split
+ * the rows. Returns 1 when
+ * some dx is NaN (its bits are ATen's only by chance: the caller recomputes), else 0. */
+int lmbp_norm_bwd(const void *g, int gdtype, const void *y, int ydtype, int64_t rows, int64_t n, const float *mgy,
+                  const float *mg, const float *rstd, void *dx, int dxdtype, int fused, int threads) {
+    norm_bwd_fn fn = NORM_BWD[gdtype][ydtype][dxdtype];
+    uint32_t nan = 0;
+    if (threads <= 1) return (int)fn(g, y, 0, rows, n, mgy, mg, rstd, dx, fused);
+#pragma omp parallel num_threads(threads) reduction(| : nan)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        int64_t per = (rows + nt - 1) / nt, r0 = t * per, r1 = r0 + per < rows ? r0 + per : rows;
+        if (r0 < r1) nan |= fn(g, y, r0, r1, n, mgy, mg, rstd, dx, fused);
+    }
+    return (int)nan;
+}
+
+/* y = x converted to `ydtype` (fp16 / bf16 -> fp32 exactly; fp32 -> fp16 / bf16 rounded to nearest even), n
+ * elements. Returns 1 when some value is NaN (a rounded NaN's bits are ATen's only by chance), else 0. */
+#define DEFINE_CAST(NAME, TX, LOAD, TY, STORE)                                                                         \
+    static uint32_t NAME(const TX *x, int64_t lo, int64_t hi, TY *y) {                                                 \
+        uint32_t nan = 0;                                                                                              \
+        int64_t i;                                                                                                     \
+        _Pragma("omp simd reduction(| : nan)")                                                                         \
+        for (i = lo; i < hi; i++) {                                                                                    \
+            float v = LOAD(x[i]);                                                                                      \
+            nan |= (uint32_t)(v != v);                                                                                 \
+            y[i] = STORE(v);                                                                                           \
+        }                                                                                                              \
+        return nan;                                                                                                    \
+    }
+DEFINE_CAST(cast_bf16_f32, uint16_t, bf16_to_f32, float, id_f32)
+DEFINE_CAST(cast_f16_f32, uint16_t, f16_to_f32, float, id_f32)
+DEFINE_CAST(cast_f32_bf16, float, id_f32, uint16_t, f32_to_bf16)
+DEFINE_CAST(cast_f32_f16, float, id_f32, uint16_t, f32_to_f16)
+
+static uint32_t cast_range(const void *x, int xdtype, int64_t lo, int64_t hi, void *y, int ydtype) {
+    if (xdtype == DT_BF16) return cast_bf16_f32((const uint16_t *)x, lo, hi, (float *)y);
+    if (xdtype == DT_F16) return cast_f16_f32((const uint16_t *)x, lo, hi, (float *)y);
+    if (ydtype == DT_BF16) return cast_f32_bf16((const float *)x, lo, hi, (uint16_t *)y);
+    return cast_f32_f16((const float *)x, lo, hi, (uint16_t *)y);
+}
+
+/* one of x, y is fp32 and the other fp16 / bf16 */
+int lmbp_cast(const void *x, int xdtype, int64_t n, void *y, int ydtype, int threads) {
+    uint32_t nan = 0;
+    if (threads <= 1) return (int)cast_range(x, xdtype, 0, n, y, ydtype);
+#pragma omp parallel num_threads(threads) reduction(| : nan)
+    {
+        int64_t lo, hi;
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        thread_range(n, t, nt, &lo, &hi);
+        if (lo < hi) nan |= cast_range(x, xdtype, lo, hi, y, ydtype);
+    }
+    return (int)nan;
+}
