@@ -217,6 +217,7 @@ def ms_norm_bwd_ref(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: 
 # block, strided rows (whose sums ATen orders by the layout), float64 and empty inputs run the reference.
 _CPU_BLOCK = CPU_BLOCK  # elements per block; the blocks are spread over threads by cpu_parallel
 _CPU_MAX_N = CPU_BLOCK  # wider rows: the reference (a block holds at least one row)
+_KERNEL_BLOCK = 1 << 16  # elements per pass of the C kernels on one thread (fp32 g, y and g·y: 768 KiB)
 
 
 def _row_block(n: int) -> int:
@@ -228,18 +229,23 @@ def _cpu_fast(t: torch.Tensor, n: int) -> bool:
 
 
 def ms_norm_fwd_cpu(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype | None = None):
-    """CPU fast path of :func:`ms_norm_fwd_ref` (same signature, same bits)."""
+    """CPU fast path of :func:`ms_norm_fwd_ref` (same signature, same bits): its casts in C
+    (:mod:`lowmembp.ops.cpu_kernels`) around ATen's fp32 norm, else its ops row block by row block."""
     _check_kind(kind)
     out_dtype = out_dtype or x.dtype
     n = x.shape[-1]
     if not _cpu_fast(x, n) or (x.dtype == torch.float32 and out_dtype == torch.float32):
         return ms_norm_fwd_ref(x, kind, eps, out_dtype)  # fp32 in and out: the reference is one native call already
-    if not x.is_contiguous():  # the reference's row statistics of a strided input follow its layout: keep them
-        return ms_norm_fwd_ref(x, kind, eps, out_dtype)
+    if not x.is_contiguous() or out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return ms_norm_fwd_ref(x, kind, eps, out_dtype)  # a strided input's row statistics follow its layout
     x2d = x.reshape(-1, n)
     rows = x2d.shape[0]
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    if cpu_kernels.library() is not None:
+        if _fwd_kernels(x2d, kind, eps, y, rstd):  # a NaN: its bits (and its row's rstd) are the reference's
+            return ms_norm_fwd_ref(x, kind, eps, out_dtype)
+        return y.reshape(x.shape), rstd
     step = _row_block(n)
 
     def work(lo, hi):
@@ -255,6 +261,36 @@ def ms_norm_fwd_cpu(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dty
     return y.reshape(x.shape), rstd
 
 
+def _kernel_rows(n: int) -> int:
+    """Rows per pass of the C kernels: on one thread a block that stays in the core's cache; on more, every row (one
+    OpenMP region per pass and one native parallel call per ATen op: no many short regions to wait at)."""
+    return max(1, _KERNEL_BLOCK // n) if torch.get_num_threads() == 1 else -1
+
+
+def _fwd_kernels(x2d, kind, eps, y, rstd) -> int:
+    """The forward with the C casts: x to fp32, ATen's fp32 norm (the reference's call), fp32 to y's dtype; 1 if
+    some value is NaN, else 0."""
+    rows, n = x2d.shape
+    step = _kernel_rows(n)
+    step = rows if step < 0 else step
+    threads = None if step == rows else 1
+    xbuf = None if x2d.dtype == torch.float32 else torch.empty((min(step, rows), n), dtype=torch.float32)
+    for r in range(0, rows, step):
+        e = min(r + step, rows)
+        xb = x2d[r:e]
+        if xbuf is not None:
+            if cpu_kernels.cast(xb, xbuf, threads):
+                return 1
+            xb = xbuf[:e - r]
+        yb, rb = ms_norm_fwd_ref(xb, kind, eps, torch.float32)  # fp32 in and out: the native call alone
+        if y.dtype == torch.float32:
+            y[r:e].copy_(yb)
+        elif cpu_kernels.cast(yb, y[r:e], threads):
+            return 1
+        rstd[r:e].copy_(rb)
+    return 0
+
+
 def ms_norm_bwd_cpu(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str, dx_dtype: torch.dtype):
     """CPU fast path of :func:`ms_norm_bwd_ref` (same signature, same bits): its element-wise work in two C passes
     around ATen's row sums (:mod:`lowmembp.ops.cpu_kernels`), else its ops row block by row block."""
@@ -268,51 +304,32 @@ def ms_norm_bwd_cpu(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: 
     g2d, y2d = g.reshape(-1, n), y.reshape(-1, n)
     dx = torch.empty(y2d.shape, dtype=dx_dtype, device=y.device)
     if cpu_kernels.library() is not None and cpu_kernels.addcmul_fused() is not None:
-        nan = (_bwd_kernels_whole if _BWD_WHOLE and torch.get_num_threads() > 1 else _bwd_kernels_blocks)(
-            g2d, y2d, rstd.reshape(-1).contiguous(), is_rms, dx)
-        if nan:  # a NaN's bits are ATen's only by chance: the reference decides them
-            return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
+        if _bwd_kernels(g2d, y2d, rstd.reshape(-1).contiguous(), is_rms, dx):
+            return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)  # a NaN's bits are ATen's only by chance
     else:
         _bwd_eager_blocks(g2d, y2d, rstd.reshape(-1, 1), is_rms, dx)
     return dx.reshape(y.shape)
 
 
-_BWD_WHOLE = True
-
-
-def _bwd_kernels_whole(g2d, y2d, rstd, is_rms, dx) -> int:
+def _bwd_kernels(g2d, y2d, rstd, is_rms, dx) -> int:
+    """The backward with the C passes: the product g·y (and LayerNorm's fp32 copy of a 16-bit g), ATen's row sums,
+    the fused rest; 1 if some dx is NaN, else 0."""
     rows, n = y2d.shape
-    buf = torch.empty((rows, n), dtype=torch.float32)
-    gf = None if is_rms or g2d.dtype == torch.float32 else torch.empty((rows, n), dtype=torch.float32)
-    cpu_kernels.norm_prod(g2d, y2d, buf, gf)
-    mgy = buf.sum(-1).div_(n)
-    mg = None if is_rms else (g2d if gf is None else gf).mean(-1)
-    del buf, gf
-    return cpu_kernels.norm_bwd(g2d, y2d, mgy, mg, rstd, dx)
-
-
-def _bwd_kernels_blocks(g2d, y2d, rstd, is_rms, dx) -> int:
-    """The two C passes (one thread each) and ATen's row sums, row block by row block over the threads."""
-    rows, n = y2d.shape
-    step = _row_block(n)
-    flags = []
-
-    def work(lo, hi):
-        m = min(step, hi - lo)
-        buf = torch.empty((m, n), dtype=torch.float32)
-        gbuf = None if is_rms or g2d.dtype == torch.float32 else torch.empty((m, n), dtype=torch.float32)
-        nan = 0
-        for r in range(lo, hi, step):
-            e = min(r + step, hi)
-            k = e - r
-            cpu_kernels.norm_prod(g2d[r:e], y2d[r:e], buf, gbuf, threads=1)
-            mgy = buf[:k].sum(-1).div_(n)  # the reference's buf.sum(-1, keepdim=True).div_(n)
-            mg = None if is_rms else (g2d[r:e] if gbuf is None else gbuf[:k]).mean(-1)
-            nan |= cpu_kernels.norm_bwd(g2d[r:e], y2d[r:e], mgy, mg, rstd[r:e], dx[r:e], threads=1)
-        flags.append(nan)
-
-    cpu_parallel(rows, step, work, 2 * step)
-    return int(any(flags))
+    step = _kernel_rows(n)
+    step = rows if step < 0 else step
+    threads = None if step == rows else 1
+    m = min(step, rows)
+    buf = torch.empty((m, n), dtype=torch.float32)
+    gbuf = None if is_rms or g2d.dtype == torch.float32 else torch.empty((m, n), dtype=torch.float32)
+    nan = 0
+    for r in range(0, rows, step):
+        e = min(r + step, rows)
+        gb, yb = g2d[r:e], y2d[r:e]
+        cpu_kernels.norm_prod(gb, yb, buf, gbuf, threads)
+        mgy = buf[:e - r].sum(-1).div_(n)  # the reference's buf.sum(-1, keepdim=True).div_(n)
+        mg = None if is_rms else (gb if gbuf is None else gbuf[:e - r]).mean(-1)  # its gf.mean(-1)
+        nan |= cpu_kernels.norm_bwd(gb, yb, mgy, mg, rstd[r:e], dx[r:e], threads)
+    return nan
 
 
 def _bwd_eager_blocks(g2d, y2d, r2d, is_rms, dx) -> None:
