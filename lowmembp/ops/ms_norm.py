@@ -317,18 +317,19 @@ def _bwd_kernels(g2d, y2d, rstd, is_rms, dx) -> int:
     rows, n = y2d.shape
     step = _kernel_rows(n)
     step = rows if step < 0 else step
-    threads = None if step == rows else 1
     m = min(step, rows)
     buf = torch.empty((m, n), dtype=torch.float32)
     gbuf = None if is_rms or g2d.dtype == torch.float32 else torch.empty((m, n), dtype=torch.float32)
+    prod_rows, bwd_rows = cpu_kernels.norm_bwd_passes(g2d, y2d, rstd, dx, buf, gbuf, None if step == rows else 1)
     nan = 0
     for r in range(0, rows, step):
         e = min(r + step, rows)
-        gb, yb = g2d[r:e], y2d[r:e]
-        cpu_kernels.norm_prod(gb, yb, buf, gbuf, threads)
-        mgy = buf[:e - r].sum(-1).div_(n)  # the reference's buf.sum(-1, keepdim=True).div_(n)
-        mg = None if is_rms else (gb if gbuf is None else gbuf[:e - r]).mean(-1)  # its gf.mean(-1)
-        nan |= cpu_kernels.norm_bwd(gb, yb, mgy, mg, rstd[r:e], dx[r:e], threads)
+        prod_rows(r, e)
+        k = e - r
+        # ATen's row sums (the reference's buf.sum(-1) and gf.mean(-1), which is gf.sum(-1) / n); C divides by n
+        sgy = buf[:k].sum(-1)
+        sg = None if is_rms else (g2d[r:e] if gbuf is None else gbuf[:k]).sum(-1)
+        nan |= bwd_rows(r, e, sgy, sg)
     return nan
 
 

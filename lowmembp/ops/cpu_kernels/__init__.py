@@ -325,11 +325,12 @@ def addcmul_fused() -> bool | None:
     return answers.pop() == "once"
 
 
-def norm_bwd(g: torch.Tensor, y: torch.Tensor, mgy: torch.Tensor, mg: torch.Tensor | None, rstd: torch.Tensor,
+def norm_bwd(g: torch.Tensor, y: torch.Tensor, sgy: torch.Tensor, sg: torch.Tensor | None, rstd: torch.Tensor,
              dx: torch.Tensor, threads: int | None = None) -> int | None:
-    """``dx = ((g − y·mgy[r]) − mg[r])·rstd[r]`` in fp32 over the rows r of ``y``'s last dimension (``mg`` None:
-    no mean term), rounded once to dx's dtype: the reference's ``addcmul(gf, yf, mgy, value=-1)``, ``sub_(mean)``
-    and ``mul_(rstd)``, rounded as :func:`addcmul_fused` says. Returns 1 if some dx is NaN (its bits are ATen's only
+    """``dx = ((g − y·(sgy[r] / n)) − sg[r] / n)·rstd[r]`` in fp32 over the rows r of ``y``'s last dimension of n
+    elements, from the fp32 row sums ``sgy`` of g·y and ``sg`` of g (None: no mean term), rounded once to dx's
+    dtype: the reference's ``sum(-1).div_(n)``, ``addcmul(gf, yf, mgy, value=-1)``, ``sub_(mean)`` (ATen's CPU
+    mean is its sum divided by n) and ``mul_(rstd)``, the addcmul rounded as :func:`addcmul_fused` says. Returns 1 if some dx is NaN (its bits are ATen's only
     by chance), else 0; None when the library is unavailable or ATen's addcmul rounds neither way."""
     lib = library()
     fused = addcmul_fused()
@@ -340,10 +341,10 @@ def norm_bwd(g: torch.Tensor, y: torch.Tensor, mgy: torch.Tensor, mg: torch.Tens
     rows = y.numel() // n if n else 0
     _check_tensor(g, y.numel(), g.dtype)
     _check_tensor(dx, y.numel(), dx.dtype)
-    for t in (mgy, rstd) if mg is None else (mgy, mg, rstd):
+    for t in (sgy, rstd) if sg is None else (sgy, sg, rstd):
         _check_tensor(t, rows, torch.float32)
     return lib.lmbp_norm_bwd(g.data_ptr(), _DTYPES[g.dtype], y.data_ptr(), _DTYPES[y.dtype], rows, n,
-                             mgy.data_ptr(), None if mg is None else mg.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
+                             sgy.data_ptr(), None if sg is None else sg.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
                              _DTYPES[dx.dtype], int(fused), _threads(y.numel()) if threads is None else threads)
 
 
@@ -360,3 +361,50 @@ def cast(x: torch.Tensor, out: torch.Tensor, threads: int | None = None) -> int 
     _check_tensor(out, n, out.dtype)
     return lib.lmbp_cast(x.data_ptr(), _DTYPES[x.dtype], n, out.data_ptr(), _DTYPES[out.dtype],
                          _threads(n) if threads is None else threads)
+
+
+def norm_bwd_passes(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, dx: torch.Tensor, prod: torch.Tensor,
+                    gcopy: torch.Tensor | None, threads: int | None = None):
+    """:func:`norm_prod` and :func:`norm_bwd` over row ranges of 2-D ``g``, ``y`` and ``dx`` (rows of ``y``'s last
+    dimension), checked once here: returns ``(prod_rows, bwd_rows)`` where ``prod_rows(r, e)`` writes rows [r, e)'s
+    products (and fp32 copies of g) to the first rows of ``prod`` (and ``gcopy``) and ``bwd_rows(r, e, sgy, sg)``
+    writes their dx from those rows' fp32 sums ``sgy`` and ``sg`` (None: RMSNorm; :func:`norm_bwd`) and returns 1
+    if some dx is NaN;
+    None when the library is unavailable or ATen's addcmul rounds neither way (:func:`addcmul_fused`). The per-call
+    cost is a ctypes call: for loops over row blocks."""
+    lib = library()
+    fused = addcmul_fused()
+    if lib is None or fused is None or any(t.dtype not in _DTYPES for t in (g, y, dx)):
+        return None
+    rows, n = y.shape
+    for t, dt in ((g, g.dtype), (y, y.dtype), (dx, dx.dtype)):
+        _check_tensor(t, rows * n, dt)
+    _check_tensor(rstd, rows, torch.float32)
+    _check_tensor(prod, 0, torch.float32)
+    if gcopy is not None:
+        _check_tensor(gcopy, prod.numel(), torch.float32)
+    cap = prod.numel() // max(n, 1)
+    gd, yd, dd = _DTYPES[g.dtype], _DTYPES[y.dtype], _DTYPES[dx.dtype]
+    gp, yp, dp, rp, pp = g.data_ptr(), y.data_ptr(), dx.data_ptr(), rstd.data_ptr(), prod.data_ptr()
+    cp = None if gcopy is None else gcopy.data_ptr()
+    gs, ys, ds = g.element_size() * n, y.element_size() * n, dx.element_size() * n
+    prod_fn, bwd_fn = lib.lmbp_norm_prod, lib.lmbp_norm_bwd
+
+    def team(k: int) -> int:
+        return _threads(k * n) if threads is None else threads
+
+    def prod_rows(r: int, e: int) -> None:
+        if not 0 <= r <= e <= rows or e - r > cap:
+            raise ValueError(f"rows [{r}, {e}) out of [0, {rows}) or over the buffer's {cap}")
+        prod_fn(gp + r * gs, gd, yp + r * ys, yd, (e - r) * n, pp, cp, team(e - r))
+
+    def bwd_rows(r: int, e: int, sgy: torch.Tensor, sg: torch.Tensor | None) -> int:
+        if not 0 <= r <= e <= rows:
+            raise ValueError(f"rows [{r}, {e}) out of [0, {rows})")
+        _check_tensor(sgy, e - r, torch.float32)
+        if sg is not None:
+            _check_tensor(sg, e - r, torch.float32)
+        return bwd_fn(gp + r * gs, gd, yp + r * ys, yd, e - r, n, sgy.data_ptr(),
+                      None if sg is None else sg.data_ptr(), rp + 4 * r, dp + r * ds, dd, int(fused), team(e - r))
+
+    return prod_rows, bwd_rows

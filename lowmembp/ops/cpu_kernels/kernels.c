@@ -522,9 +522,10 @@ void lmbp_norm_prod(const void *g, int gdtype, const void *y, int ydtype, int64_
     }
 }
 
-/* dx = ((g - y * mgy[r]) - mg[r]) * rstd[r], row r of n elements, rounded once to dx's dtype: the reference's
- * addcmul(gf, yf, mgy, value=-1), its sub_(mean) (LayerNorm; mg NULL for RMSNorm) and mul_(rstd), one fp32 operation
- * at a time. ATen's CPU addcmul is self + value * t1 * t2, and (-1 * y) is -y exactly; where torch's build contracts
+/* dx = ((g - y * mgy) - mg) * rstd[r], row r of n elements, rounded once to dx's dtype, with the means
+ * mgy = sgy[r] / n and mg = sg[r] / n of ATen's row sums (the reference's sum(-1).div_(n) and mean(-1), which ATen's
+ * CPU mean computes as sum_out then div_(n), fp32 division): the reference's addcmul(gf, yf, mgy, value=-1), its
+ * sub_(mean) (LayerNorm; sg NULL for RMSNorm) and mul_(rstd), one fp32 operation at a time. ATen's CPU addcmul is self + value * t1 * t2, and (-1 * y) is -y exactly; where torch's build contracts
  * it into a fused multiply-add (the caller probes ATen and passes fused = 1) it is fmaf(-y, m, g) with one rounding,
  * else g - (y * m) with two. */
 #define NORM_BWD_LOOP(LOADG, LOADY, STORE, DIFF, MEAN)                                                                 \
@@ -538,14 +539,16 @@ void lmbp_norm_prod(const void *g, int gdtype, const void *y, int ydtype, int64_
         dr[i] = STORE(v);                                                                                              \
     }
 #define DEFINE_NORM_BWD(NAME, TG, LOADG, TY, LOADY, TD, STORE)                                                         \
-    static uint32_t NAME(const TG *g, const TY *y, int64_t r0, int64_t r1, int64_t n, const float *mgy,               \
-                         const float *mg, const float *rstd, TD *dx, int fused) {                                      \
+    static uint32_t NAME(const TG *g, const TY *y, int64_t r0, int64_t r1, int64_t n, const float *sgy,               \
+                         const float *sg, const float *rstd, TD *dx, int fused) {                                      \
         uint32_t nan = 0;                                                                                              \
+        const float nf = (float)n;                                                                                     \
+        const float *mg = sg;                                                                                          \
         for (int64_t r = r0; r < r1; r++) {                                                                            \
             const TG *gr = g + r * n;                                                                                  \
             const TY *yr = y + r * n;                                                                                  \
             TD *dr = dx + r * n;                                                                                       \
-            float m = mgy[r], s = rstd[r], mean = mg ? mg[r] : 0.0f;                                                   \
+            float m = sgy[r] / nf, s = rstd[r], mean = mg ? mg[r] / nf : 0.0f;                                         \
             int64_t i;                                                                                                 \
             if (mg && fused) {                                                                                         \
                 NORM_BWD_LOOP(LOADG, LOADY, STORE, __builtin_fmaf(-yv, m, gv), v - mean)                               \
@@ -586,11 +589,11 @@ static const norm_bwd_fn NORM_BWD[3][3][3] = {
 /* The backward's second pass over `rows` rows of n elements (above; fused: addcmul's rounding); the threads split
  * the rows. Returns 1 when
  * some dx is NaN (its bits are ATen's only by chance: the caller recomputes), else 0. */
-int lmbp_norm_bwd(const void *g, int gdtype, const void *y, int ydtype, int64_t rows, int64_t n, const float *mgy,
-                  const float *mg, const float *rstd, void *dx, int dxdtype, int fused, int threads) {
+int lmbp_norm_bwd(const void *g, int gdtype, const void *y, int ydtype, int64_t rows, int64_t n, const float *sgy,
+                  const float *sg, const float *rstd, void *dx, int dxdtype, int fused, int threads) {
     norm_bwd_fn fn = NORM_BWD[gdtype][ydtype][dxdtype];
     uint32_t nan = 0;
-    if (threads <= 1) return (int)fn(g, y, 0, rows, n, mgy, mg, rstd, dx, fused);
+    if (threads <= 1) return (int)fn(g, y, 0, rows, n, sgy, sg, rstd, dx, fused);
 #pragma omp parallel num_threads(threads) reduction(| : nan)
     {
         int t = 0, nt = 1;
@@ -599,7 +602,7 @@ int lmbp_norm_bwd(const void *g, int gdtype, const void *y, int ydtype, int64_t 
         nt = omp_get_num_threads();
 #endif
         int64_t per = (rows + nt - 1) / nt, r0 = t * per, r1 = r0 + per < rows ? r0 + per : rows;
-        if (r0 < r1) nan |= fn(g, y, r0, r1, n, mgy, mg, rstd, dx, fused);
+        if (r0 < r1) nan |= fn(g, y, r0, r1, n, sgy, sg, rstd, dx, fused);
     }
     return (int)nan;
 }
