@@ -1,0 +1,264 @@
+"""The MS-norms' C passes (lowmembp.ops.cpu_kernels: norm_prod, norm_bwd, cast) and the CPU fast path built on them
+(ms_norm_fwd_cpu / ms_norm_bwd_cpu) equal the PyTorch references (ms_norm_fwd_ref / ms_norm_bwd_ref) bit for bit.
+
+Every comparison is of bits. Inputs are fresh random values, in every dtype pair the fast path takes, with rows of
+1, 3, 7, 768, 4096 and 5000 elements and 1, 3 and 1576 rows, some mixed with NaN, ±inf and values whose products
+overflow; on one thread and on two, with the native and the portable build of the kernels, and without them
+(``LOWMEMBP_CPU_KERNELS=0``, no compiler).
+"""
+import itertools
+import os
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+
+from lowmembp.ops import cpu_kernels as K
+from lowmembp.ops import ms_norm as M
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+HAVE_CC = K.compiler() is not None
+needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler ($CC, cc, gcc or clang) on this machine")
+WIDTHS = (1, 3, 7, 768, 4096, 5000)
+# (rows, width): every width with 1 and 3 rows, 1576 rows of the narrower ones
+SHAPES = [(r, n) for n in WIDTHS for r in (1, 3)] + [(1576, n) for n in (1, 3, 7, 768)]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor, what: str = ""):
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    diff = int((bits(a) != bits(b)).sum())
+    assert diff == 0, f"{what}: {diff} of {a.numel()} elements differ in their bits"
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
+
+
+@pytest.fixture(scope="module")
+def portable_library(tmp_path_factory):
+    """The kernels built with the portable flags alone (no -march=native: plain C, fmaf from the C library)."""
+    if not HAVE_CC:
+        return None
+    import ctypes
+    old_sets = K._FLAG_SETS
+    K._FLAG_SETS = (K.FLAGS,)
+    try:
+        return K._declare(ctypes.CDLL(str(K._build(tmp_path_factory.mktemp("portable"), K.compiler()))))
+    finally:
+        K._FLAG_SETS = old_sets
+
+
+@pytest.fixture(params=["native", "portable"])
+def kernels(request, monkeypatch, portable_library):
+    """The loaded library, or the portable build in its place; a test fails (not skips) where a compiler exists and
+    the build does not work."""
+    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+    lib = K.library()
+    assert lib is not None, f"the C kernels did not build: {K.build_info()['reason']}"
+    if request.param == "portable":
+        monkeypatch.setitem(K._state, "lib", portable_library)
+        lib = portable_library
+    return request.param
+
+
+def rows_of(shape, dtype, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen) * scale).to(dtype)
+
+
+def with_specials(t: torch.Tensor, gen, count: int = 6) -> torch.Tensor:
+    """``t`` with ``count`` random elements set to NaN, ±inf, ±max of its dtype and 0."""
+    info = torch.finfo(t.dtype)
+    vals = torch.tensor([float("nan"), float("inf"), float("-inf"), info.max, -info.max, 0.0], dtype=t.dtype)
+    flat = t.reshape(-1)
+    k = min(count, flat.numel())
+    flat[torch.randperm(flat.numel(), generator=gen)[:k]] = vals[torch.randint(len(vals), (k,), generator=gen)]
+    return t
+
+
+def check_bwd(g, y, rstd, kind, dx_dtype, what, expect_kernel=True):
+    """The fast path's dx equals the reference's; for finite inputs also that the C passes produced it (the
+    reference is not called)."""
+    want = M.ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
+    if expect_kernel:
+        with mock.patch.object(M, "ms_norm_bwd_ref", side_effect=AssertionError("the reference ran")):
+            got = M.ms_norm_bwd_cpu(g, y, rstd, kind, dx_dtype)
+    else:
+        got = M.ms_norm_bwd_cpu(g, y, rstd, kind, dx_dtype)
+    assert_same(got, want, what)
+
+
+# ------------------------------------------------------------------------------------------------ ATen's addcmul
+def test_addcmul_probe_says_how_aten_rounds(gen):
+    """The probe's answer matches ATen's addcmul on random values: one rounding (fused) or two."""
+    fused = K.addcmul_fused()
+    assert fused is not None, "ATen's addcmul rounds neither as one fused multiply-add nor as two operations"
+    for k in (1, 7, 1000):
+        s, a = torch.randn(k, generator=gen), torch.randn(k, generator=gen)
+        m = torch.randn(k, generator=gen)
+        want = (s.double() - a.double() * m.double()).float() if fused else s - a * m
+        got = torch.addcmul(s, a, m, value=-1.0)
+        # one rounding from float64 is two roundings in rare ties; the random values have none with near certainty
+        assert_same(got, want, f"addcmul of {k} elements, fused={fused}")
+
+
+# -------------------------------------------------------------------------------------------------- the backward
+@needs_cc
+@pytest.mark.parametrize("g_dtype, y_dtype", list(itertools.product(DTYPES, DTYPES)),
+                         ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("kind", M.KINDS)
+def test_bwd_equals_reference(kind, g_dtype, y_dtype, threads, gen, monkeypatch):
+    """Every dtype pair of g and y, every dx dtype, every shape; the C passes ran (no fallback)."""
+    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+    for (rows, n), dx_dtype in itertools.product(SHAPES, DTYPES):
+        if rows * n > 10**5 and dx_dtype != y_dtype:  # the big shapes: the dx dtype of y
+            continue
+        g, y = rows_of((rows, n), g_dtype, gen, 2.0), rows_of((rows, n), y_dtype, gen)
+        rstd = torch.rand(rows, generator=gen) + 0.5
+        check_bwd(g, y, rstd, kind, dx_dtype, f"{kind} {rows}x{n} g {g_dtype} y {y_dtype} dx {dx_dtype}")
+
+
+@needs_cc
+@pytest.mark.parametrize("kind", M.KINDS)
+def test_bwd_small_blocks_and_portable_build_equal_reference(kind, kernels, threads, gen, monkeypatch):
+    """Many block boundaries (blocks of 64 elements) and the portable build (no vector instructions)."""
+    monkeypatch.setattr(M, "_KERNEL_BLOCK", 64)
+    for (rows, n), (g_dtype, y_dtype, dx_dtype) in itertools.product(
+            [(3, 7), (50, 13), (5, 768), (2, 5000)], [(torch.float32,) * 3, (torch.bfloat16,) * 3,
+                                                      (torch.float16,) * 3, (torch.bfloat16, torch.float32,
+                                                                             torch.float16)]):
+        g, y = rows_of((rows, n), g_dtype, gen, 2.0), rows_of((rows, n), y_dtype, gen)
+        rstd = torch.rand(rows, generator=gen) + 0.5
+        check_bwd(g, y, rstd, kind, dx_dtype, f"{kernels} {kind} {rows}x{n} {g_dtype} {y_dtype} {dx_dtype}")
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", M.KINDS)
+def test_bwd_non_finite_and_overflow_equal_reference(kind, dtype, threads, gen, monkeypatch):
+    """NaN, ±inf, ±max in g and in y (products that overflow, rows whose sums are inf or NaN): the same bits."""
+    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+    for rows, n in [(1, 1), (3, 7), (3, 768), (1, 5000), (40, 768)]:
+        for where in ("g", "y", "both"):
+            g, y = rows_of((rows, n), dtype, gen, 2.0), rows_of((rows, n), dtype, gen)
+            if where in ("g", "both"):
+                with_specials(g, gen)
+            if where in ("y", "both"):
+                with_specials(y, gen)
+            rstd = torch.rand(rows, generator=gen) + 0.5
+            for dx_dtype in DTYPES:
+                check_bwd(g, y, rstd, kind, dx_dtype, f"{kind} {rows}x{n} {dtype} specials in {where}",
+                          expect_kernel=False)
+    big = torch.full((2, 768), torch.finfo(dtype).max, dtype=dtype)  # finite inputs, every product overflows
+    check_bwd(big, big, torch.ones(2), kind, dtype, f"{kind} all max", expect_kernel=False)
+
+
+@needs_cc
+def test_bwd_kernel_calls_equal_reference_steps(kernels, gen):
+    """The kernels called directly: norm_prod is the reference's gf * yf (and gf), norm_bwd its addcmul, sub_ and
+    mul_ from the row sums."""
+    rows, n = 5, 333
+    for g_dtype, y_dtype, dx_dtype in itertools.product(DTYPES, DTYPES, DTYPES):
+        g, y = rows_of((rows, n), g_dtype, gen, 2.0), rows_of((rows, n), y_dtype, gen)
+        rstd = torch.rand(rows, generator=gen) + 0.5
+        gf, yf = g.float(), y.float()
+        prod, gcopy = torch.empty(rows * n + 3), torch.empty(rows * n + 3)
+        assert K.norm_prod(g, y, prod, gcopy)
+        assert_same(prod[:rows * n].view(rows, n), gf * yf, "g * y")
+        assert_same(gcopy[:rows * n].view(rows, n), gf, "fp32 g")
+        sgy, sg = (gf * yf).sum(-1), gf.sum(-1)
+        for mean in (True, False):
+            dx = torch.empty((rows, n), dtype=dx_dtype)
+            assert K.norm_bwd(g, y, sgy, sg if mean else None, rstd, dx) == 0
+            want = torch.addcmul(gf, yf, sgy.div(n)[:, None], value=-1.0)
+            if mean:
+                want.sub_(gf.mean(-1, keepdim=True))
+            assert_same(dx, want.mul_(rstd[:, None]).to(dx_dtype), f"dx {g_dtype} {y_dtype} {dx_dtype} mean={mean}")
+    nan = torch.full((2, 4), float("nan"))
+    assert K.norm_bwd(nan, nan, torch.zeros(2), None, torch.ones(2), torch.empty(2, 4)) == 1, "a NaN not reported"
+
+
+# --------------------------------------------------------------------------------------------------- the forward
+@needs_cc
+@pytest.mark.parametrize("x_dtype, out_dtype", [(a, b) for a in DTYPES for b in DTYPES if (a, b) != (torch.float32,) * 2],
+                         ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("kind", M.KINDS)
+def test_fwd_equals_reference(kind, x_dtype, out_dtype, threads, gen, monkeypatch):
+    """The C casts around ATen's fp32 norm: y and rstd equal the reference's, with and without special values."""
+    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+    for rows, n in SHAPES + [(3, 768)]:
+        x = rows_of((rows, n), x_dtype, gen, 3.0)
+        if (rows, n) == (3, 768):
+            with_specials(x, gen)
+        y0, r0 = M.ms_norm_fwd_ref(x, kind, 1e-5, out_dtype)
+        y1, r1 = M.ms_norm_fwd_cpu(x, kind, 1e-5, out_dtype)
+        assert_same(y1, y0, f"{kind} {rows}x{n} y")
+        assert_same(r1, r0, f"{kind} {rows}x{n} rstd")
+
+
+@needs_cc
+def test_cast_rounds_as_aten(kernels, gen):
+    x = torch.cat([torch.randn(5000, generator=gen) * 1e3, torch.tensor([65504.0, 65520.0, 1e39, -0.0, 2**-140])])
+    for dtype in (torch.bfloat16, torch.float16):
+        out = torch.empty(x.numel(), dtype=dtype)
+        assert K.cast(x, out) == 0
+        assert_same(out, x.to(dtype), f"fp32 to {dtype}")
+        back = torch.empty(x.numel())
+        assert K.cast(out, back) == 0
+        assert_same(back, out.float(), f"{dtype} to fp32")
+    assert K.cast(torch.tensor([1.0, float("nan")]), torch.empty(2, dtype=torch.bfloat16)) == 1
+    assert K.cast(x, torch.empty(x.numel())) is None  # fp32 to fp32: not a cast it does
+
+
+# ---------------------------------------------------------------------------------------------- the fallbacks
+def _eager_cases(gen):
+    for kind, (rows, n), dtype in itertools.product(M.KINDS, [(3, 7), (40, 768), (1, 5000)], DTYPES):
+        x = rows_of((rows, n), dtype, gen, 3.0)
+        g = rows_of((rows, n), dtype, gen)
+        yield kind, x, g
+
+
+def test_switched_off_runs_the_eager_ops(threads, gen, monkeypatch):
+    monkeypatch.setenv(K.ENV_SWITCH, "0")
+    assert K.library() is None
+    for kind, x, g in _eager_cases(gen):
+        y0, r0 = M.ms_norm_fwd_ref(x, kind, 1e-5)
+        y1, r1 = M.ms_norm_fwd_cpu(x, kind, 1e-5)
+        assert_same(y1, y0, f"{kind} {x.shape} {x.dtype} y")
+        assert_same(r1, r0, f"{kind} {x.shape} {x.dtype} rstd")
+        for dx_dtype in DTYPES:
+            check_bwd(g, y0, r0, kind, dx_dtype, f"{kind} {x.shape} {x.dtype} dx {dx_dtype}")
+
+
+def test_no_compiler_runs_the_eager_ops(tmp_path, monkeypatch, gen):
+    saved = dict(K._state)
+    monkeypatch.setenv("LOWMEMBP_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+    monkeypatch.setenv("CC", "lowmembp-no-such-compiler")
+    K._reset()
+    try:
+        with pytest.warns(RuntimeWarning, match="no C compiler"):
+            assert K.library() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for kind, x, g in _eager_cases(gen):
+                y0, r0 = M.ms_norm_fwd_ref(x, kind, 1e-5)
+                y1, r1 = M.ms_norm_fwd_cpu(x, kind, 1e-5)
+                assert_same(y1, y0, f"{kind} {x.shape} {x.dtype} y")
+                assert_same(r1, r0, f"{kind} {x.shape} {x.dtype} rstd")
+                check_bwd(g, y0, r0, kind, x.dtype, f"{kind} {x.shape} {x.dtype} dx")
+    finally:
+        K._state.update(saved)
