@@ -193,7 +193,8 @@ def test_bwd_kernel_calls_equal_reference_steps(kernels, gen):
 
 # --------------------------------------------------------------------------------------------------- the forward
 @needs_cc
-@pytest.mark.parametrize("x_dtype, out_dtype", [(a, b) for a in DTYPES for b in DTYPES if (a, b) != (torch.float32,) * 2],
+@pytest.mark.parametrize("x_dtype, out_dtype", [(a, b) for a, b in itertools.product(DTYPES, DTYPES)
+                                                 if (a, b) != (torch.float32, torch.float32)],
                          ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("kind", M.KINDS)
 def test_fwd_equals_reference(kind, x_dtype, out_dtype, threads, gen, monkeypatch):
@@ -207,6 +208,20 @@ def test_fwd_equals_reference(kind, x_dtype, out_dtype, threads, gen, monkeypatc
         y1, r1 = M.ms_norm_fwd_cpu(x, kind, 1e-5, out_dtype)
         assert_same(y1, y0, f"{kind} {rows}x{n} y")
         assert_same(r1, r0, f"{kind} {rows}x{n} rstd")
+
+
+@needs_cc
+@pytest.mark.parametrize("kind", M.KINDS)
+def test_fwd_small_blocks_and_portable_build_equal_reference(kind, kernels, threads, gen, monkeypatch):
+    monkeypatch.setattr(M, "_KERNEL_BLOCK_FWD", 64)
+    for (rows, n), (x_dtype, out_dtype) in itertools.product(
+            [(3, 7), (50, 13), (5, 768), (2, 5000)],
+            [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.bfloat16)]):
+        x = rows_of((rows, n), x_dtype, gen, 3.0)
+        y0, r0 = M.ms_norm_fwd_ref(x, kind, 1e-5, out_dtype)
+        y1, r1 = M.ms_norm_fwd_cpu(x, kind, 1e-5, out_dtype)
+        assert_same(y1, y0, f"{kernels} {kind} {rows}x{n} {x_dtype} {out_dtype} y")
+        assert_same(r1, r0, f"{kernels} {kind} {rows}x{n} {x_dtype} {out_dtype} rstd")
 
 
 @needs_cc

@@ -330,8 +330,9 @@ def norm_bwd(g: torch.Tensor, y: torch.Tensor, sgy: torch.Tensor, sg: torch.Tens
     """``dx = ((g − y·(sgy[r] / n)) − sg[r] / n)·rstd[r]`` in fp32 over the rows r of ``y``'s last dimension of n
     elements, from the fp32 row sums ``sgy`` of g·y and ``sg`` of g (None: no mean term), rounded once to dx's
     dtype: the reference's ``sum(-1).div_(n)``, ``addcmul(gf, yf, mgy, value=-1)``, ``sub_(mean)`` (ATen's CPU
-    mean is its sum divided by n) and ``mul_(rstd)``, the addcmul rounded as :func:`addcmul_fused` says. Returns 1 if some dx is NaN (its bits are ATen's only
-    by chance), else 0; None when the library is unavailable or ATen's addcmul rounds neither way."""
+    mean is its sum divided by n) and ``mul_(rstd)``, the addcmul rounded as :func:`addcmul_fused` says. Returns 1
+    if some dx is NaN (its bits are ATen's only by chance), else 0; None when the library is unavailable or ATen's
+    addcmul rounds neither way."""
     lib = library()
     fused = addcmul_fused()
     if lib is None or fused is None or g.dtype not in _DTYPES or y.dtype not in _DTYPES or dx.dtype not in _DTYPES:
