@@ -25,9 +25,10 @@ input as given: ``lowmembp.ops.shared_linear.linear_sharing_input`` does (a trai
 saves its own 16-bit copy; a frozen one saves no input).
 
 Backends (``lowmembp.ops.backend.backend_for``): Triton kernels on CUDA tensors (one program per few rows, a block of
-next_power_of_2(N) columns, 64-bit row offsets), on CPU tensors the CPU fast path (the reference's ops over blocks of
-rows that stay in cache, bit for bit equal to it: ``ms_norm_fwd_cpu`` / ``ms_norm_bwd_cpu``), the PyTorch reference
-elsewhere and under ``LOWMEMBP_BACKEND=torch`` (vectorised: ``native_layer_norm`` / ``_fused_rms_norm`` on fp32).
+next_power_of_2(N) columns, 64-bit row offsets), on CPU tensors the CPU fast path (the reference's element-wise work
+in C passes around its ATen row sums and norm, bit for bit equal to it: ``ms_norm_fwd_cpu`` / ``ms_norm_bwd_cpu``),
+the PyTorch reference elsewhere and under ``LOWMEMBP_BACKEND=torch`` (vectorised: ``native_layer_norm`` /
+``_fused_rms_norm`` on fp32).
 Rows wider than ``MAX_TRITON_N`` use the reference too.
 
 The op is a ``torch.library`` custom op (``lowmembp::ms_norm_fwd`` / ``lowmembp::ms_norm_bwd``, fake implementations
@@ -210,11 +211,17 @@ def ms_norm_bwd_ref(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: 
 
 
 # ------------------------------------------------------------------------------------------------ CPU fast path
-# The reference's arithmetic, bit for bit, over blocks of whole rows small enough to stay in the core's cache: the
-# reference's several passes (casts, products, row sums) then read cache instead of memory, and no full-size fp32
-# temporary is written. Every row is computed by the same ops as in the reference (its statistics do not depend on
-# the other rows of the call), so the results are the same bits (tests/ops/test_cpu_fastpath.py). Rows too wide for a
-# block, strided rows (whose sums ATen orders by the layout), float64 and empty inputs run the reference.
+# The reference's arithmetic, bit for bit. Its element-wise work runs in C (lowmembp.ops.cpu_kernels): the backward's
+# g·y product (with LayerNorm's fp32 copy of a 16-bit g) in one pass, and the addcmul, mean subtraction, rstd product
+# and rounding to dx's dtype in a second; the forward's casts around ATen's fp32 norm. Every row reduction stays
+# ATen's (the row sums between the two passes, the norm itself): a C sum would not have ATen's summation order. On one
+# thread the passes go over blocks of whole rows that stay in the core's cache (every row's statistics are the same
+# ATen op on the same row, whichever block holds it); on more, over the whole tensor (one OpenMP region per C pass,
+# one native parallel ATen call per sum). A NaN in the result (whose bits ATen's conversions decide) recomputes the
+# call with the reference. Without the C kernels the reference's own ops run over row blocks spread over threads by
+# cpu_parallel. Either way the results are the same bits (tests/ops/test_cpu_fastpath.py,
+# tests/ops/test_cpu_norm_kernels.py). Rows too wide for a block, strided rows (whose sums ATen orders by the
+# layout), float64 and empty inputs run the reference.
 _CPU_BLOCK = CPU_BLOCK  # elements per block; the blocks are spread over threads by cpu_parallel
 _CPU_MAX_N = CPU_BLOCK  # wider rows: the reference (a block holds at least one row)
 # elements per pass of the C kernels on one thread (measured best on a 2 MiB L2): backward (fp32 g, y, g·y: 768 KiB)
