@@ -311,6 +311,8 @@ def ms_norm_bwd_cpu(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: 
     if not (g.is_contiguous() and y.is_contiguous()):  # strided rows: the reference's sums follow the layout
         return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
     g2d, y2d = g.reshape(-1, n), y.reshape(-1, n)
+    if rstd.numel() != y2d.shape[0] or g2d.shape != y2d.shape:  # the reference's reshape says what is wrong
+        return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
     dx = torch.empty(y2d.shape, dtype=dx_dtype, device=y.device)
     if cpu_kernels.library() is not None and cpu_kernels.addcmul_fused() is not None:
         if _bwd_kernels(g2d, y2d, rstd.reshape(-1).contiguous(), is_rms, dx):
