@@ -46,6 +46,7 @@ FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fop
 # the first that builds: the CPU's own instructions (on AVX-512 CPUs all 512 bits of them; GCC prefers 256 otherwise),
 # then the portable flags, then without OpenMP (one thread per call: a compiler without it, such as Apple's clang)
 _FLAG_SETS = (FLAGS + ("-march=native", "-mprefer-vector-width=512"), FLAGS + ("-march=native",), FLAGS, FLAGS[:-1])
+LIBS = ("-lm",)  # linked after the source: fmaf, which the norms' pass calls where ATen's addcmul fuses
 MIN_PER_THREAD = 1 << 16  # elements per thread below which a call runs on one thread
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -114,7 +115,7 @@ def _build(folder: Path, cc: str) -> Path:
         os.close(fd)
         try:
             start = time.perf_counter()
-            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True)
             if done.returncode == 0:
                 os.replace(tmp, path)  # atomic: a concurrent build's rename leaves a complete file either way
                 _state["compiles"] += 1
