@@ -66,6 +66,7 @@ import torch.nn as nn
 
 from lowmembp.ops.backend import (
     CPU_BLOCK,
+    SUPPORTED_FLOAT_DTYPES,
     backend_for,
     check_float_input,
     cpu_block,
@@ -91,6 +92,20 @@ _GOLDEN = 0x9E3779B9
 _H1 = 0x7FEB352D
 _H2 = 0x846CA68B
 _MIN_RANGE = 1e-12  # a constant group (α = 0) quantises to β exactly
+_fused_pack = True
+
+
+def fused_pack_enabled() -> bool:
+    """Whether :meth:`EMAQuantizer.pack` runs its one-call CPU path where it can (default True)."""
+    return _fused_pack
+
+
+def set_fused_pack(enabled: bool) -> bool:
+    """Turn :meth:`EMAQuantizer.pack`'s one-call CPU path on or off (off: the ATen ops of :func:`group_min_max`,
+    :func:`ema_update` and :func:`quantize`, the same bits); returns the previous setting."""
+    global _fused_pack
+    old, _fused_pack = _fused_pack, bool(enabled)
+    return old
 
 
 # ----------------------------------------------------------------------------------------------------------- groups
@@ -582,6 +597,12 @@ class EMAQuantizer(nn.Module):
                 raise ValueError(f"EMAQuantizer built for {self.alpha.numel()} heads got {groups} heads")
             # fewer channel groups than asked (gcd): resize once, before the first update
             self._resize(groups, x.device)
+        seed = None
+        if self.training and fused_pack_enabled() and self._fusable(x):
+            seed = draw_seed_tensor()  # the one draw of the call, as quantize makes it below
+            qt = self._pack_cpu(x.detach(), inner, groups, seed)
+            if qt is not None:
+                return qt
         with torch.no_grad():
             mn, mx = group_min_max(x, inner, groups)
             if self.training:
@@ -596,7 +617,41 @@ class EMAQuantizer(nn.Module):
                 started = self.count > 0
                 alpha = torch.where(started, self.alpha, mx - mn)
                 beta = torch.where(started, self.beta, mn)
-        return quantize(x, alpha, beta, inner, groups)
+        return quantize(x, alpha, beta, inner, groups, seed)
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`_pack_cpu` may run: a plain eager CPU tensor on the CPU fast path, fp32 CPU ranges, int64
+        counters, and no data-parallel group of more than one process (whose statistics are all-reduced)."""
+        if not eager_cpu(x) or x.numel() == 0 or x.dtype not in SUPPORTED_FLOAT_DTYPES:
+            return False
+        a, b, c, k = self.alpha, self.beta, self.count, self.skipped
+        if not (a.dtype is b.dtype is torch.float32 and c.dtype is k.dtype is torch.int64):
+            return False
+        if not (a.device.type == b.device.type == c.device.type == k.device.type == "cpu"):
+            return False
+        dist = torch.distributed
+        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+    def _pack_cpu(self, x: torch.Tensor, inner: int, groups: int, seed: torch.Tensor) -> QTensor | None:
+        """Training-mode :meth:`pack` in one C call (:func:`lowmembp.ops.cpu_kernels.mesa_pack8`): the same ranges,
+        counters, codes, step and β bit for bit as :func:`group_min_max`, :func:`ema_update` and :func:`quantize`.
+        None where the ATen ops must run instead (no C kernels; a -0.0 at a group's min or max), nothing changed."""
+        xc = x.contiguous()
+        codes = torch.empty(x.shape, dtype=torch.uint8)
+        step, beta, scale = torch.empty(groups), torch.empty(groups), torch.empty(groups)
+        s = int(seed)
+        flags = cpu_kernels.mesa_pack8(xc, inner, groups, self.alpha, self.beta, self.count, self.skipped,
+                                       self.momentum, _MIN_RANGE, s, step, beta, scale, codes)
+        if flags is None or flags & cpu_kernels.PACK8_AMBIGUOUS:
+            return None
+        self._updated = True
+        if flags & cpu_kernels.PACK8_NAN:  # a NaN code: ATen's conversion decides it (the eager ops)
+            codes = quantize_cpu(xc, scale, beta, inner, groups, s)
+        if not self._warned:
+            self._calls += 1
+            if flags & cpu_kernels.PACK8_SKIPPED:
+                self._warn_skipped()
+        return QTensor(codes, step, beta, inner, groups, x.dtype)
 
     def _maybe_warn(self, x: torch.Tensor) -> None:
         """Warn once if a batch's statistics were non-finite (CPU: every call; CUDA: every 64th, one sync)."""
@@ -606,11 +661,14 @@ class EMAQuantizer(nn.Module):
         if x.device.type != "cpu" and self._calls % _WARN_EVERY_CUDA:
             return
         if int(self.skipped) > 0:
-            self._warned = True
-            warnings.warn(f"mesa EMAQuantizer({self.extra_repr()}): a batch with non-finite statistics (inf/NaN, "
-                          f"or a range that overflows fp32) was seen; it did not update the EMA ranges, which keep "
-                          f"their last finite values (skipped updates so far: {int(self.skipped)}; this warning is "
-                          f"shown once per quantiser)", RuntimeWarning, stacklevel=4)
+            self._warn_skipped()
+
+    def _warn_skipped(self) -> None:
+        self._warned = True
+        warnings.warn(f"mesa EMAQuantizer({self.extra_repr()}): a batch with non-finite statistics (inf/NaN, "
+                      f"or a range that overflows fp32) was seen; it did not update the EMA ranges, which keep "
+                      f"their last finite values (skipped updates so far: {int(self.skipped)}; this warning is "
+                      f"shown once per quantiser)", RuntimeWarning, stacklevel=5)
 
     def _resize(self, groups: int, device) -> None:
         if getattr(self, "_updated", False):
