@@ -351,27 +351,80 @@ static inline float hash_uniform(uint32_t i, uint32_t seed) {
     return (float)(h >> 8) * 0x1.0p-24f;
 }
 
+/* Short rows (inner < SHORT_ROW) whose group pattern, inner * groups elements, fits PATTERN_MAX: the pattern's
+ * per-group values expanded per element (and repeated to at least SHORT_ROW elements), so that the element loops run
+ * over whole patterns, without a group lookup or a short loop per row. */
+#define SHORT_ROW 256
+#define PATTERN_MAX 4096
+static inline int64_t pattern_length(int64_t inner, int64_t groups) {
+    int64_t period = inner * groups;
+    if (inner >= SHORT_ROW || period > PATTERN_MAX) return 0;
+    return period >= SHORT_ROW ? period : period * ((SHORT_ROW + period - 1) / period);
+}
+static inline void expand_pattern(const float *a, const float *b, int64_t inner, int64_t groups, int64_t len,
+                                  float *pa, float *pb) {
+    int64_t period = inner * groups;
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t k = 0; k < inner; k++) {
+            pa[g * inner + k] = a[g];
+            pb[g * inner + k] = b[g];
+        }
+    }
+    for (int64_t j = period; j < len; j++) {
+        pa[j] = pa[j - period];
+        pb[j] = pb[j - period];
+    }
+}
+
+#define QUANTIZE8_ELEMENT(LOAD, X, SC, B, INDEX)                                                                       \
+    {                                                                                                                  \
+        float v = (LOAD(X) - (B)) * (SC);                                                                              \
+        v = v + hash_uniform(INDEX, seed);                                                                             \
+        nan |= (uint32_t)(v != v);                                                                                     \
+        /* floor(v) clamped to [0, 255]: truncation is floor for v >= 0 */                                             \
+        q = (uint8_t)(v >= 255.0f ? 255 : (v >= 0.0f ? (int32_t)v : 0));                                              \
+    }
 #define DEFINE_QUANTIZE8(NAME, T, LOAD)                                                                                \
     static uint32_t NAME(const T *x, int64_t lo, int64_t hi, int64_t inner, int64_t groups, const float *scale,        \
                          const float *beta, uint32_t seed, uint8_t *out) {                                             \
         uint32_t nan = 0;                                                                                              \
+        int64_t plen = pattern_length(inner, groups);                                                                  \
+        if (plen) {                                                                                                    \
+            float sp[PATTERN_MAX], bp[PATTERN_MAX];                                                                    \
+            expand_pattern(scale, beta, inner, groups, plen, sp, bp);                                                  \
+            for (int64_t i = lo, o = lo % plen; i < hi; o = 0) {                                                       \
+                int64_t len = plen - o < hi - i ? plen - o : hi - i, k;                                                \
+                const T *xr = x + i;                                                                                   \
+                const float *sr = sp + o, *br = bp + o;                                                                \
+                uint8_t *qr = out + i, q;                                                                              \
+                uint32_t base = (uint32_t)i;                                                                           \
+                _Pragma("omp simd reduction(| : nan)")                                                                 \
+                for (k = 0; k < len; k++) {                                                                            \
+                    QUANTIZE8_ELEMENT(LOAD, xr[k], sr[k], br[k], base + (uint32_t)k)                                   \
+                    qr[k] = q;                                                                                         \
+                }                                                                                                      \
+                i += len;                                                                                              \
+            }                                                                                                          \
+            return nan;                                                                                                \
+        }                                                                                                              \
+        int64_t row = lo / inner, g = row % groups;                                                                    \
         for (int64_t i = lo; i < hi;) { /* row by row: one group's scale and beta per row of `inner` elements */       \
-            int64_t row = i / inner;                                                                                   \
             int64_t end = (row + 1) * inner < hi ? (row + 1) * inner : hi;                                             \
-            float sc = scale[row % groups], b = beta[row % groups];                                                    \
+            float sc = scale[g], b = beta[g];                                                                          \
             const T *xr = x + i;                                                                                       \
-            uint8_t *qr = out + i;                                                                                     \
+            uint8_t *qr = out + i, q;                                                                                  \
             if (end - i > (1 << 30)) end = i + (1 << 30); /* 32-bit lanes: the index modulo 2^32 */                    \
             uint32_t base = (uint32_t)i, len = (uint32_t)(end - i);                                                    \
             _Pragma("omp simd reduction(| : nan)")                                                                     \
             for (uint32_t k = 0; k < len; k++) {                                                                       \
-                float v = (LOAD(xr[k]) - b) * sc;                                                                      \
-                v = v + hash_uniform(base + k, seed);                                                                  \
-                nan |= (uint32_t)(v != v);                                                                             \
-                /* floor(v) clamped to [0, 255]: truncation is floor for v >= 0 */                                     \
-                qr[k] = (uint8_t)(v >= 255.0f ? 255 : (v >= 0.0f ? (int32_t)v : 0));                                   \
+                QUANTIZE8_ELEMENT(LOAD, xr[k], sc, b, base + k)                                                        \
+                qr[k] = q;                                                                                             \
             }                                                                                                          \
             i = end;                                                                                                   \
+            if (i == (row + 1) * inner) {                                                                              \
+                row++;                                                                                                 \
+                g = g + 1 == groups ? 0 : g + 1;                                                                       \
+            }                                                                                                          \
         }                                                                                                              \
         return nan;                                                                                                    \
     }
@@ -410,10 +463,28 @@ int lmbp_quantize8(const void *x, int dtype, int64_t n, int64_t inner, int64_t g
     static uint32_t NAME(const uint8_t *q, int64_t lo, int64_t hi, int64_t inner, int64_t groups,                      \
                          const float *step, const float *beta, T *y) {                                                 \
         uint32_t nan = 0;                                                                                              \
+        int64_t plen = pattern_length(inner, groups);                                                                  \
+        if (plen) { /* short rows: the pattern's step and beta per element (see expand_pattern) */                     \
+            float sp[PATTERN_MAX], bp[PATTERN_MAX];                                                                    \
+            expand_pattern(step, beta, inner, groups, plen, sp, bp);                                                   \
+            for (int64_t i = lo, o = lo % plen; i < hi; o = 0) {                                                       \
+                int64_t len = plen - o < hi - i ? plen - o : hi - i, k;                                                \
+                const float *sr = sp + o, *br = bp + o;                                                                \
+                _Pragma("omp simd reduction(| : nan)")                                                                 \
+                for (k = 0; k < len; k++) {                                                                            \
+                    float v = (float)q[i + k] * sr[k];                                                                 \
+                    v = v + br[k];                                                                                     \
+                    nan |= (uint32_t)(v != v);                                                                         \
+                    y[i + k] = STORE(v);                                                                               \
+                }                                                                                                      \
+                i += len;                                                                                              \
+            }                                                                                                          \
+            return nan;                                                                                                \
+        }                                                                                                              \
+        int64_t row = lo / inner, g = row % groups;                                                                    \
         for (int64_t i = lo; i < hi;) {                                                                                \
-            int64_t row = i / inner;                                                                                   \
             int64_t end = (row + 1) * inner < hi ? (row + 1) * inner : hi;                                             \
-            float st = step[row % groups], b = beta[row % groups];                                                     \
+            float st = step[g], b = beta[g];                                                                           \
             int64_t k;                                                                                                 \
             _Pragma("omp simd reduction(| : nan)")                                                                     \
             for (k = i; k < end; k++) {                                                                                \
@@ -423,6 +494,8 @@ int lmbp_quantize8(const void *x, int dtype, int64_t n, int64_t inner, int64_t g
                 y[k] = STORE(v);                                                                                       \
             }                                                                                                          \
             i = end;                                                                                                   \
+            row++;                                                                                                     \
+            g = g + 1 == groups ? 0 : g + 1;                                                                           \
         }                                                                                                              \
         return nan;                                                                                                    \
     }
@@ -466,8 +539,44 @@ static inline uint32_t nonfinite_16(uint16_t h, uint16_t exp) { return (h & exp)
     static void NAME(const T *x, int64_t lo, int64_t hi, int64_t inner, int64_t groups, float *mn, float *mx,          \
                      uint8_t *negz, uint32_t *bad) {                                                                   \
         uint32_t b = 0;                                                                                                \
+        int64_t plen = pattern_length(inner, groups);                                                                  \
+        if (plen) { /* short rows: per element of the pattern (see expand_pattern), then per group */                  \
+            float pmn[PATTERN_MAX], pmx[PATTERN_MAX];                                                                  \
+            uint8_t pnz[PATTERN_MAX];                                                                                  \
+            for (int64_t j = 0; j < plen; j++) {                                                                       \
+                pmn[j] = FLT_MAX;                                                                                      \
+                pmx[j] = -FLT_MAX;                                                                                     \
+                pnz[j] = 0;                                                                                            \
+            }                                                                                                          \
+            for (int64_t i = lo, o = lo % plen; i < hi; o = 0) {                                                       \
+                int64_t len = plen - o < hi - i ? plen - o : hi - i, k;                                                \
+                const T *xr = x + i;                                                                                   \
+                float *lmn = pmn + o, *lmx = pmx + o;                                                                  \
+                uint8_t *lnz = pnz + o;                                                                                \
+                _Pragma("omp simd reduction(| : b)")                                                                   \
+                for (k = 0; k < len; k++) {                                                                            \
+                    float v = LOAD(xr[k]);                                                                             \
+                    lmn[k] = v < lmn[k] ? v : lmn[k];                                                                  \
+                    lmx[k] = v > lmx[k] ? v : lmx[k];                                                                  \
+                    b |= BAD(xr[k]);                                                                                   \
+                    lnz[k] |= (uint8_t)NEGZ(xr[k]);                                                                    \
+                }                                                                                                      \
+                i += len;                                                                                              \
+            }                                                                                                          \
+            for (int64_t j = 0, g = 0, k = 0; j < plen; j++) {                                                         \
+                mn[g] = pmn[j] < mn[g] ? pmn[j] : mn[g];                                                               \
+                mx[g] = pmx[j] > mx[g] ? pmx[j] : mx[g];                                                               \
+                negz[g] |= pnz[j];                                                                                     \
+                if (++k == inner) {                                                                                    \
+                    k = 0;                                                                                             \
+                    g = g + 1 == groups ? 0 : g + 1;                                                                   \
+                }                                                                                                      \
+            }                                                                                                          \
+            *bad |= b;                                                                                                 \
+            return;                                                                                                    \
+        }                                                                                                              \
+        int64_t row = lo / inner, g = row % groups;                                                                    \
         for (int64_t i = lo; i < hi;) {                                                                                \
-            int64_t row = i / inner, g = row % groups;                                                                 \
             int64_t end = (row + 1) * inner < hi ? (row + 1) * inner : hi, k;                                          \
             float lmin = mn[g], lmax = mx[g];                                                                          \
             uint32_t nz = 0;                                                                                           \
@@ -483,6 +592,8 @@ static inline uint32_t nonfinite_16(uint16_t h, uint16_t exp) { return (h & exp)
             mx[g] = lmax;                                                                                              \
             negz[g] |= (uint8_t)nz;                                                                                    \
             i = end;                                                                                                   \
+            row++;                                                                                                     \
+            g = g + 1 == groups ? 0 : g + 1;                                                                           \
         }                                                                                                              \
         *bad |= b;                                                                                                     \
     }
