@@ -624,10 +624,11 @@ class EMAQuantizer(nn.Module):
         counters, and no data-parallel group of more than one process (whose statistics are all-reduced)."""
         if not eager_cpu(x) or x.numel() == 0 or x.dtype not in SUPPORTED_FLOAT_DTYPES:
             return False
-        a, b, c, k = self.alpha, self.beta, self.count, self.skipped
+        buf = self._buffers  # (not Module.__getattr__: this runs on every call)
+        a, b, c, k = buf["alpha"], buf["beta"], buf["count"], buf["skipped"]
         if not (a.dtype is b.dtype is torch.float32 and c.dtype is k.dtype is torch.int64):
             return False
-        if not (a.device.type == b.device.type == c.device.type == k.device.type == "cpu"):
+        if not (a.is_cpu and b.is_cpu and c.is_cpu and k.is_cpu):
             return False
         dist = torch.distributed
         return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
@@ -640,17 +641,17 @@ class EMAQuantizer(nn.Module):
         codes = torch.empty(x.shape, dtype=torch.uint8)
         step, beta, scale = torch.empty(groups), torch.empty(groups), torch.empty(groups)
         s = int(seed)
-        flags = cpu_kernels.mesa_pack8(xc, inner, groups, self.alpha, self.beta, self.count, self.skipped,
+        buf = self._buffers
+        flags = cpu_kernels.mesa_pack8(xc, inner, groups, buf["alpha"], buf["beta"], buf["count"], buf["skipped"],
                                        self.momentum, _MIN_RANGE, s, step, beta, scale, codes)
         if flags is None or flags & cpu_kernels.PACK8_AMBIGUOUS:
             return None
-        self._updated = True
+        if not self._updated:
+            self._updated = True
         if flags & cpu_kernels.PACK8_NAN:  # a NaN code: ATen's conversion decides it (the eager ops)
             codes = quantize_cpu(xc, scale, beta, inner, groups, s)
-        if not self._warned:
-            self._calls += 1
-            if flags & cpu_kernels.PACK8_SKIPPED:
-                self._warn_skipped()
+        if flags & cpu_kernels.PACK8_SKIPPED and not self._warned:  # the skipped counter, read by the C call
+            self._warn_skipped()
         return QTensor(codes, step, beta, inner, groups, x.dtype)
 
     def _maybe_warn(self, x: torch.Tensor) -> None:

@@ -187,7 +187,7 @@ def _threads(n: int) -> int:
 # (the caller's eager ops run).
 def _check_tensor(t: torch.Tensor, at_least: int, dtype: torch.dtype) -> None:  # inputs too (their device)
     """A tensor the kernel reads or writes by its data pointer: contiguous, on the CPU, of ``dtype``, big enough."""
-    if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != dtype or t.numel() < at_least:
+    if not (t.is_cpu and t.is_contiguous() and t.dtype is dtype and t.numel() >= at_least):
         raise ValueError(f"lowmembp.ops.cpu_kernels: expected a contiguous CPU {dtype} tensor of at least "
                          f"{at_least} elements, got {t.dtype} of shape {tuple(t.shape)} on {t.device} "
                          f"(contiguous: {t.is_contiguous()})")
