@@ -472,15 +472,16 @@ def quantize_cpu(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner
 def dequantize_cpu(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
                    dtype: torch.dtype) -> torch.Tensor:
     """CPU fast path of :func:`dequantize_ref` (same arguments, the same values bit for bit)."""
-    flat = codes.reshape(-1)
-    n = flat.numel()
-    out = torch.empty(flat.shape, dtype=dtype, device=codes.device)
-    if is_shape_only(codes) or n == 0:
-        return out.reshape(codes.shape)
+    n = codes.numel()
+    if n == 0 or is_shape_only(codes):
+        return torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    out = torch.empty(codes.shape, dtype=dtype)
+    if codes.is_contiguous():  # one C pass (None: unavailable); it takes step and β of any shape with G entries
+        nan = cpu_kernels.dequantize8(codes, inner, groups, step, beta, out)
+        if nan == 0 or (nan == 1 and dtype == torch.float32):  # a NaN in fp16 / bf16: ATen's rounding, the eager ops
+            return out
+    flat, out_shape, out = codes.reshape(-1), out.shape, out.reshape(-1)
     step, beta = step.float().reshape(-1).contiguous(), beta.float().reshape(-1).contiguous()
-    nan = cpu_kernels.dequantize8(flat, inner, groups, step, beta, out)  # one C pass (None: unavailable)
-    if nan == 0 or (nan == 1 and dtype == torch.float32):  # a NaN in fp16 / bf16: ATen's rounding, the eager ops
-        return out.reshape(codes.shape)
 
     def work(lo, hi, block):
         y = torch.empty(min(block, hi - lo), dtype=torch.float32)
@@ -496,7 +497,7 @@ def dequantize_cpu(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, 
                 ob.copy_(yb.add_(_group_rows(row, rows, groups, beta)))
 
     _spread(n, inner, work)
-    return out.reshape(codes.shape)
+    return out.reshape(out_shape)
 
 
 # --------------------------------------------------------------------------------------------------- Triton kernels
