@@ -475,11 +475,13 @@ def dequantize_cpu(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, 
     n = codes.numel()
     if n == 0 or is_shape_only(codes):
         return torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    out = torch.empty(codes.shape, dtype=dtype)
     if codes.is_contiguous():  # one C pass (None: unavailable); it takes step and β of any shape with G entries
+        out = torch.empty_like(codes, dtype=dtype)  # contiguous as the codes
         nan = cpu_kernels.dequantize8(codes, inner, groups, step, beta, out)
         if nan == 0 or (nan == 1 and dtype == torch.float32):  # a NaN in fp16 / bf16: ATen's rounding, the eager ops
             return out
+    else:
+        out = torch.empty(codes.shape, dtype=dtype)
     flat, out_shape, out = codes.reshape(-1), out.shape, out.reshape(-1)
     step, beta = step.float().reshape(-1).contiguous(), beta.float().reshape(-1).contiguous()
 
@@ -639,7 +641,7 @@ class EMAQuantizer(nn.Module):
         counters, codes, step and β bit for bit as :func:`group_min_max`, :func:`ema_update` and :func:`quantize`.
         None where the ATen ops must run instead (no C kernels; a -0.0 at a group's min or max), nothing changed."""
         xc = x.contiguous()
-        codes = torch.empty(x.shape, dtype=torch.uint8)
+        codes = torch.empty_like(xc, dtype=torch.uint8)  # contiguous as xc
         step, beta, scale = torch.empty(groups), torch.empty(groups), torch.empty(groups)
         s = int(seed)
         buf = self._buffers

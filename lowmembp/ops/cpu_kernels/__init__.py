@@ -273,6 +273,7 @@ def dequantize8(codes: torch.Tensor, inner: int, groups: int, step: torch.Tensor
 
 
 PACK8_NAN, PACK8_AMBIGUOUS, PACK8_SKIPPED = 1, 2, 4  # the bits that mesa_pack8 returns
+_PACK8_STACK_GROUPS = 1024  # kernels.c's PACK8_STACK_GROUPS
 
 
 def mesa_pack8(x: torch.Tensor, inner: int, groups: int, alpha: torch.Tensor, beta: torch.Tensor,
@@ -296,11 +297,13 @@ def mesa_pack8(x: torch.Tensor, inner: int, groups: int, alpha: torch.Tensor, be
     for t in (count, skipped):
         _check_tensor(t, 1, torch.int64)
     threads = _threads(n)
-    work = torch.empty(2 * groups * threads + (groups * threads + 3) // 4, dtype=torch.float32)
+    work = None  # scratch for per-thread minima, maxima and flags: the kernel's stack up to 1024 groups x threads
+    if groups * threads > _PACK8_STACK_GROUPS:
+        work = torch.empty(2 * groups * threads + (groups * threads + 3) // 4, dtype=torch.float32)
     return lib.lmbp_mesa_pack8(x.data_ptr(), _DTYPES[x.dtype], n, inner, groups, alpha.data_ptr(), beta.data_ptr(),
                                count.data_ptr(), skipped.data_ptr(), momentum, 1.0 - momentum, min_range,
                                step.data_ptr(), beta_out.data_ptr(), scale.data_ptr(), int(seed) & 0xFFFFFFFF,
-                               out.data_ptr(), work.data_ptr(), threads)
+                               out.data_ptr(), None if work is None else work.data_ptr(), threads)
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

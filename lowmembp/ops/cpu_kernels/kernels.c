@@ -620,19 +620,22 @@ static void minmax8_range(const void *x, int dtype, int64_t lo, int64_t hi, int6
 #define PACK8_NAN 1       /* some value before the quantiser's clamp is NaN: the caller recomputes the codes */
 #define PACK8_AMBIGUOUS 2 /* a group's minimum or maximum is a zero and the group holds a -0.0: nothing written */
 #define PACK8_SKIPPED 4   /* the skipped-batch counter is above zero after this call */
+#define PACK8_STACK_GROUPS 1024 /* groups * threads up to this: the scratch is on the stack (work may be NULL) */
 
 /* EMAQuantizer.pack in training mode: each group's minimum and maximum of x; if every element and every range
  * max - min is finite, the EMA update of alpha / beta (the first update sets them, `count` counts updates), else
  * `skipped` += 1 and the ranges stay; then step = a / 255, scale = (1 / a) * 255 with a = max(alpha, min_range) (ATen's
  * clamp_min, division and reciprocal, each rounded to fp32), beta_out = beta, and the codes as lmbp_quantize8.
  * `mom` and `rest` are the fp32 values of momentum and 1 - momentum (each product and the sum rounded to fp32, as
- * ATen's ops). `work`: scratch of 2·G·threads floats and G·threads bytes. Returns PACK8_* bits. */
+ * ATen's ops). `work`: scratch of 2·G·threads floats and G·threads bytes, or NULL where G·threads is at most
+ * PACK8_STACK_GROUPS. Returns PACK8_* bits. */
 int lmbp_mesa_pack8(const void *x, int dtype, int64_t n, int64_t inner, int64_t groups, float *alpha, float *beta,
                     int64_t *count, int64_t *skipped, float mom, float rest, float min_range, float *step,
                     float *beta_out, float *scale, uint32_t seed, uint8_t *out, float *work, int threads) {
     int nt = threads > 1 ? threads : 1;
-    float *part = work;                                        /* per thread: G minima, then G maxima */
-    uint8_t *negz = (uint8_t *)(work + 2 * groups * (int64_t)nt); /* per thread: G flags */
+    float small[2 * PACK8_STACK_GROUPS + PACK8_STACK_GROUPS / 4];
+    float *part = work ? work : small;                          /* per thread: G minima, then G maxima */
+    uint8_t *negz = (uint8_t *)(part + 2 * groups * (int64_t)nt); /* per thread: G flags */
     uint32_t bad = 0;
     int flags = 0, ok;
     if (nt == 1) {
