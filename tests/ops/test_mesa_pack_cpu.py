@@ -200,13 +200,19 @@ def quant_after(quant: mq.EMAQuantizer, batches) -> mq.EMAQuantizer:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_large_tensor_on_threads(threads, monkeypatch):
-    """Enough elements for the kernels' threads: per-thread minima and maxima combine to the same ranges."""
+@pytest.mark.parametrize("shape,groups,dtype", [((64, 33, 128), 8, torch.float32), ((4096, 39), 13, torch.bfloat16),
+                                                ((2, 3, 40000), 1, torch.float16)])
+def test_large_tensor_on_threads(threads, shape, groups, dtype, monkeypatch):
+    """Enough elements for the kernels' threads (whose ranges start inside a group pattern, or inside a row):
+    per-thread minima and maxima combine to the same ranges; the codes dequantise alike."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        batches = _batches((64, 33, 128), torch.float32, ["normal", "normal", "nan", "normal"])
-        _compare(mq.EMAQuantizer(8, "channel"), batches, 4, monkeypatch)
+        batches = _batches(shape, dtype, ["normal", "normal", "nan", "normal"])
+        _, qts, _, _ = _compare(mq.EMAQuantizer(groups, "channel"), batches, 4, monkeypatch)
+        for qt in qts:
+            ref = mq.dequantize_ref(qt.codes, qt.step, qt.beta, qt.inner, qt.groups, qt.dtype)
+            _assert_same(mq.dequantize(qt), ref, "dequantised")
     finally:
         torch.set_num_threads(old)
 
