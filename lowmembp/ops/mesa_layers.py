@@ -19,6 +19,8 @@ Every layer has its own :class:`~lowmembp.ops.mesa_quant.EMAQuantizer` (non-pers
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -37,6 +39,11 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     except (TypeError, RuntimeError):  # pragma: no cover - device types without autocast
         pass
     return None
+
+
+def _autocast_off(x: torch.Tensor, cd: torch.dtype | None):
+    """Autocast turned off for the block where it is on (``cd``: :func:`_autocast_dtype`); else nothing to do."""
+    return torch.autocast(x.device.type, enabled=False) if cd is not None else contextlib.nullcontext()
 
 
 def _needs_graph(*tensors) -> bool:
@@ -61,7 +68,7 @@ class _LinearFn(Function):
     @staticmethod
     def forward(ctx, x, weight, bias, quant):
         cd = _autocast_dtype(x)
-        with torch.autocast(x.device.type, enabled=False):
+        with _autocast_off(x, cd):
             xc = x.to(cd) if cd else x
             w = weight.to(cd) if cd else weight
             b = bias.to(cd) if (cd and bias is not None) else bias
@@ -155,8 +162,9 @@ class MesaAct(nn.Module):
 class _LayerNormFn(Function):
     @staticmethod
     def forward(ctx, x, weight, bias, shape, eps, quant):
-        xc = x.float() if _autocast_dtype(x) is not None else x
-        with torch.autocast(x.device.type, enabled=False):
+        cd = _autocast_dtype(x)
+        xc = x.float() if cd is not None else x
+        with _autocast_off(x, cd):
             y, mean, rstd = torch.native_layer_norm(xc, shape, weight, bias, eps)
         ctx.shape, ctx.x_dtype = shape, x.dtype
         _save(ctx, [quant.pack(xc)], mean, rstd, weight, bias)
@@ -275,7 +283,7 @@ class _MatMulFn(Function):
     @staticmethod
     def forward(ctx, a, b, qa, qb):
         cd = _autocast_dtype(a)
-        with torch.autocast(a.device.type, enabled=False):
+        with _autocast_off(a, cd):
             ac, bc = (a.to(cd), b.to(cd)) if cd else (a, b)
             y = ac.matmul(bc)
         ctx.dtypes = (a.dtype, b.dtype)

@@ -66,6 +66,7 @@ import torch.nn as nn
 
 from lowmembp.ops.backend import (
     CPU_BLOCK,
+    SUPPORTED_FLOAT_DTYPES,
     backend_for,
     check_float_input,
     cpu_block,
@@ -91,6 +92,20 @@ _GOLDEN = 0x9E3779B9
 _H1 = 0x7FEB352D
 _H2 = 0x846CA68B
 _MIN_RANGE = 1e-12  # a constant group (α = 0) quantises to β exactly
+_fused_pack = True
+
+
+def fused_pack_enabled() -> bool:
+    """Whether :meth:`EMAQuantizer.pack` runs its one-call CPU path where it can (default True)."""
+    return _fused_pack
+
+
+def set_fused_pack(enabled: bool) -> bool:
+    """Turn :meth:`EMAQuantizer.pack`'s one-call CPU path on or off (off: the ATen ops of :func:`group_min_max`,
+    :func:`ema_update` and :func:`quantize`, the same bits); returns the previous setting."""
+    global _fused_pack
+    old, _fused_pack = _fused_pack, bool(enabled)
+    return old
 
 
 # ----------------------------------------------------------------------------------------------------------- groups
@@ -457,15 +472,18 @@ def quantize_cpu(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner
 def dequantize_cpu(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
                    dtype: torch.dtype) -> torch.Tensor:
     """CPU fast path of :func:`dequantize_ref` (same arguments, the same values bit for bit)."""
-    flat = codes.reshape(-1)
-    n = flat.numel()
-    out = torch.empty(flat.shape, dtype=dtype, device=codes.device)
-    if is_shape_only(codes) or n == 0:
-        return out.reshape(codes.shape)
+    n = codes.numel()
+    if n == 0 or is_shape_only(codes):
+        return torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    if codes.is_contiguous():  # one C pass (None: unavailable); it takes step and β of any shape with G entries
+        out = torch.empty_like(codes, dtype=dtype)  # contiguous as the codes
+        nan = cpu_kernels.dequantize8(codes, inner, groups, step, beta, out)
+        if nan == 0 or (nan == 1 and dtype == torch.float32):  # a NaN in fp16 / bf16: ATen's rounding, the eager ops
+            return out
+    else:
+        out = torch.empty(codes.shape, dtype=dtype)
+    flat, out_shape, out = codes.reshape(-1), out.shape, out.reshape(-1)
     step, beta = step.float().reshape(-1).contiguous(), beta.float().reshape(-1).contiguous()
-    nan = cpu_kernels.dequantize8(flat, inner, groups, step, beta, out)  # one C pass (None: unavailable)
-    if nan == 0 or (nan == 1 and dtype == torch.float32):  # a NaN in fp16 / bf16: ATen's rounding, the eager ops
-        return out.reshape(codes.shape)
 
     def work(lo, hi, block):
         y = torch.empty(min(block, hi - lo), dtype=torch.float32)
@@ -481,7 +499,7 @@ def dequantize_cpu(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, 
                 ob.copy_(yb.add_(_group_rows(row, rows, groups, beta)))
 
     _spread(n, inner, work)
-    return out.reshape(codes.shape)
+    return out.reshape(out_shape)
 
 
 # --------------------------------------------------------------------------------------------------- Triton kernels
@@ -582,6 +600,12 @@ class EMAQuantizer(nn.Module):
                 raise ValueError(f"EMAQuantizer built for {self.alpha.numel()} heads got {groups} heads")
             # fewer channel groups than asked (gcd): resize once, before the first update
             self._resize(groups, x.device)
+        seed = None
+        if self.training and fused_pack_enabled() and self._fusable(x):
+            seed = draw_seed_tensor()  # the one draw of the call, as quantize makes it below
+            qt = self._pack_cpu(x.detach(), inner, groups, seed)
+            if qt is not None:
+                return qt
         with torch.no_grad():
             mn, mx = group_min_max(x, inner, groups)
             if self.training:
@@ -596,7 +620,42 @@ class EMAQuantizer(nn.Module):
                 started = self.count > 0
                 alpha = torch.where(started, self.alpha, mx - mn)
                 beta = torch.where(started, self.beta, mn)
-        return quantize(x, alpha, beta, inner, groups)
+        return quantize(x, alpha, beta, inner, groups, seed)
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`_pack_cpu` may run: a plain eager CPU tensor on the CPU fast path, fp32 CPU ranges, int64
+        counters, and no data-parallel group of more than one process (whose statistics are all-reduced)."""
+        if not eager_cpu(x) or x.numel() == 0 or x.dtype not in SUPPORTED_FLOAT_DTYPES:
+            return False
+        buf = self._buffers  # (not Module.__getattr__: this runs on every call)
+        a, b, c, k = buf["alpha"], buf["beta"], buf["count"], buf["skipped"]
+        if not (a.dtype is b.dtype is torch.float32 and c.dtype is k.dtype is torch.int64):
+            return False
+        if not (a.is_cpu and b.is_cpu and c.is_cpu and k.is_cpu):
+            return False
+        dist = torch.distributed
+        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+    def _pack_cpu(self, x: torch.Tensor, inner: int, groups: int, seed: torch.Tensor) -> QTensor | None:
+        """Training-mode :meth:`pack` in one C call (:func:`lowmembp.ops.cpu_kernels.mesa_pack8`): the same ranges,
+        counters, codes, step and β bit for bit as :func:`group_min_max`, :func:`ema_update` and :func:`quantize`.
+        None where the ATen ops must run instead (no C kernels; a -0.0 at a group's min or max), nothing changed."""
+        xc = x.contiguous()
+        codes = torch.empty_like(xc, dtype=torch.uint8)  # contiguous as xc
+        step, beta, scale = torch.empty(groups), torch.empty(groups), torch.empty(groups)
+        s = int(seed)
+        buf = self._buffers
+        flags = cpu_kernels.mesa_pack8(xc, inner, groups, buf["alpha"], buf["beta"], buf["count"], buf["skipped"],
+                                       self.momentum, _MIN_RANGE, s, step, beta, scale, codes)
+        if flags is None or flags & cpu_kernels.PACK8_AMBIGUOUS:
+            return None
+        if not self._updated:
+            self._updated = True
+        if flags & cpu_kernels.PACK8_NAN:  # a NaN code: ATen's conversion decides it (the eager ops)
+            codes = quantize_cpu(xc, scale, beta, inner, groups, s)
+        if flags & cpu_kernels.PACK8_SKIPPED and not self._warned:  # the skipped counter, read by the C call
+            self._warn_skipped()
+        return QTensor(codes, step, beta, inner, groups, x.dtype)
 
     def _maybe_warn(self, x: torch.Tensor) -> None:
         """Warn once if a batch's statistics were non-finite (CPU: every call; CUDA: every 64th, one sync)."""
@@ -606,11 +665,14 @@ class EMAQuantizer(nn.Module):
         if x.device.type != "cpu" and self._calls % _WARN_EVERY_CUDA:
             return
         if int(self.skipped) > 0:
-            self._warned = True
-            warnings.warn(f"mesa EMAQuantizer({self.extra_repr()}): a batch with non-finite statistics (inf/NaN, "
-                          f"or a range that overflows fp32) was seen; it did not update the EMA ranges, which keep "
-                          f"their last finite values (skipped updates so far: {int(self.skipped)}; this warning is "
-                          f"shown once per quantiser)", RuntimeWarning, stacklevel=4)
+            self._warn_skipped()
+
+    def _warn_skipped(self) -> None:
+        self._warned = True
+        warnings.warn(f"mesa EMAQuantizer({self.extra_repr()}): a batch with non-finite statistics (inf/NaN, "
+                      f"or a range that overflows fp32) was seen; it did not update the EMA ranges, which keep "
+                      f"their last finite values (skipped updates so far: {int(self.skipped)}; this warning is "
+                      f"shown once per quantiser)", RuntimeWarning, stacklevel=5)
 
     def _resize(self, groups: int, device) -> None:
         if getattr(self, "_updated", False):

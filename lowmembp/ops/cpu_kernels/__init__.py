@@ -36,7 +36,8 @@ import torch
 
 __all__ = ["ENV_SWITCH", "COMPILERS", "FLAGS", "cache_dir", "compiler", "library", "build_info", "codes2",
            "check", "slopes2", "quantize8", "dequantize8", "round_to",
-           "norm_prod", "norm_bwd", "cast", "addcmul_fused"]
+           "norm_prod", "norm_bwd", "cast", "addcmul_fused",
+           "mesa_pack8", "PACK8_NAN", "PACK8_AMBIGUOUS", "PACK8_SKIPPED"]
 
 ENV_SWITCH = "LOWMEMBP_CPU_KERNELS"  # "0" turns the C kernels off (the eager ATen ops run instead)
 COMPILERS = ("cc", "gcc", "clang")  # tried in this order when $CC is not set
@@ -136,7 +137,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                        ("lmbp_quantize8", [p, i32, i64, i64, i64, p, p, u32, p, i32]),
                        ("lmbp_dequantize8", [p, i64, i64, i64, p, p, p, i32, i32]),
                        ("lmbp_norm_bwd", [p, i32, p, i32, i64, i64, p, p, p, p, i32, i32, i32]),
-                       ("lmbp_cast", [p, i32, i64, p, i32, i32])):
+                       ("lmbp_cast", [p, i32, i64, p, i32, i32]),
+                       ("lmbp_mesa_pack8",
+                        [p, i32, i64, i64, i64, p, p, p, p, f32, f32, f32, p, p, p, u32, p, p, i32])):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, i32
     lib.lmbp_round.argtypes, lib.lmbp_round.restype = [p, i64, p, i32], None
@@ -189,7 +192,7 @@ def _threads(n: int) -> int:
 # (the caller's eager ops run).
 def _check_tensor(t: torch.Tensor, at_least: int, dtype: torch.dtype) -> None:  # inputs too (their device)
     """A tensor the kernel reads or writes by its data pointer: contiguous, on the CPU, of ``dtype``, big enough."""
-    if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != dtype or t.numel() < at_least:
+    if not (t.is_cpu and t.is_contiguous() and t.dtype is dtype and t.numel() >= at_least):
         raise ValueError(f"lowmembp.ops.cpu_kernels: expected a contiguous CPU {dtype} tensor of at least "
                          f"{at_least} elements, got {t.dtype} of shape {tuple(t.shape)} on {t.device} "
                          f"(contiguous: {t.is_contiguous()})")
@@ -272,6 +275,40 @@ def dequantize8(codes: torch.Tensor, inner: int, groups: int, step: torch.Tensor
     _check_tensor(beta, groups, torch.float32)
     return lib.lmbp_dequantize8(codes.data_ptr(), n, inner, groups, step.data_ptr(), beta.data_ptr(),
                                 out.data_ptr(), _DTYPES[out.dtype], _threads(n))
+
+
+PACK8_NAN, PACK8_AMBIGUOUS, PACK8_SKIPPED = 1, 2, 4  # the bits that mesa_pack8 returns
+_PACK8_STACK_GROUPS = 1024  # kernels.c's PACK8_STACK_GROUPS
+
+
+def mesa_pack8(x: torch.Tensor, inner: int, groups: int, alpha: torch.Tensor, beta: torch.Tensor,
+               count: torch.Tensor, skipped: torch.Tensor, momentum: float, min_range: float, seed: int,
+               step: torch.Tensor, beta_out: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> int | None:
+    """Mesa's ``EMAQuantizer.pack`` in training mode, in one call: each group's min and max of contiguous ``x``; if
+    all are finite and so is every range, the EMA update of the fp32 ``alpha`` / ``beta`` in place (the first update,
+    ``count == 0``, sets them; int64 ``count`` += 1), else int64 ``skipped`` += 1; then ``step = a/255``,
+    ``scale = 255/a`` for ``a = max(alpha, min_range)`` (as ATen rounds them), ``beta_out = beta`` and the codes of
+    :func:`quantize8` into ``out``. Returns the :data:`PACK8_NAN` bit as quantize8's 1, :data:`PACK8_SKIPPED` if
+    ``skipped > 0`` afterwards, or only :data:`PACK8_AMBIGUOUS` when a group's min or max is a zero and the group
+    holds a -0.0 (ATen's reduction order picks the sign: nothing is written, the caller runs the ATen ops)."""
+    lib = library()
+    if lib is None or x.dtype not in _DTYPES:
+        return None
+    n = x.numel()
+    _check_tensor(x, n, x.dtype)
+    _check_tensor(out, n, torch.uint8)
+    for t in (alpha, beta, step, beta_out, scale):
+        _check_tensor(t, groups, torch.float32)
+    for t in (count, skipped):
+        _check_tensor(t, 1, torch.int64)
+    threads = _threads(n)
+    work = None  # scratch for per-thread minima, maxima and flags: the kernel's stack up to 1024 groups x threads
+    if groups * threads > _PACK8_STACK_GROUPS:
+        work = torch.empty(2 * groups * threads + (groups * threads + 3) // 4, dtype=torch.float32)
+    return lib.lmbp_mesa_pack8(x.data_ptr(), _DTYPES[x.dtype], n, inner, groups, alpha.data_ptr(), beta.data_ptr(),
+                               count.data_ptr(), skipped.data_ptr(), momentum, 1.0 - momentum, min_range,
+                               step.data_ptr(), beta_out.data_ptr(), scale.data_ptr(), int(seed) & 0xFFFFFFFF,
+                               out.data_ptr(), None if work is None else work.data_ptr(), threads)
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

@@ -351,27 +351,80 @@ static inline float hash_uniform(uint32_t i, uint32_t seed) {
     return (float)(h >> 8) * 0x1.0p-24f;
 }
 
+/* Short rows (inner < SHORT_ROW) whose group pattern, inner * groups elements, fits PATTERN_MAX: the pattern's
+ * per-group values expanded per element (and repeated to at least SHORT_ROW elements), so that the element loops run
+ * over whole patterns, without a group lookup or a short loop per row. */
+#define SHORT_ROW 256
+#define PATTERN_MAX 4096
+static inline int64_t pattern_length(int64_t inner, int64_t groups) {
+    int64_t period = inner * groups;
+    if (inner >= SHORT_ROW || period > PATTERN_MAX) return 0;
+    return period >= SHORT_ROW ? period : period * ((SHORT_ROW + period - 1) / period);
+}
+static inline void expand_pattern(const float *a, const float *b, int64_t inner, int64_t groups, int64_t len,
+                                  float *pa, float *pb) {
+    int64_t period = inner * groups;
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t k = 0; k < inner; k++) {
+            pa[g * inner + k] = a[g];
+            pb[g * inner + k] = b[g];
+        }
+    }
+    for (int64_t j = period; j < len; j++) {
+        pa[j] = pa[j - period];
+        pb[j] = pb[j - period];
+    }
+}
+
+#define QUANTIZE8_ELEMENT(LOAD, X, SC, B, INDEX)                                                                       \
+    {                                                                                                                  \
+        float v = (LOAD(X) - (B)) * (SC);                                                                              \
+        v = v + hash_uniform(INDEX, seed);                                                                             \
+        nan |= (uint32_t)(v != v);                                                                                     \
+        /* floor(v) clamped to [0, 255]: truncation is floor for v >= 0 */                                             \
+        q = (uint8_t)(v >= 255.0f ? 255 : (v >= 0.0f ? (int32_t)v : 0));                                              \
+    }
 #define DEFINE_QUANTIZE8(NAME, T, LOAD)                                                                                \
     static uint32_t NAME(const T *x, int64_t lo, int64_t hi, int64_t inner, int64_t groups, const float *scale,        \
                          const float *beta, uint32_t seed, uint8_t *out) {                                             \
         uint32_t nan = 0;                                                                                              \
+        int64_t plen = pattern_length(inner, groups);                                                                  \
+        if (plen) {                                                                                                    \
+            float sp[PATTERN_MAX], bp[PATTERN_MAX];                                                                    \
+            expand_pattern(scale, beta, inner, groups, plen, sp, bp);                                                  \
+            for (int64_t i = lo, o = lo % plen; i < hi; o = 0) {                                                       \
+                int64_t len = plen - o < hi - i ? plen - o : hi - i, k;                                                \
+                const T *xr = x + i;                                                                                   \
+                const float *sr = sp + o, *br = bp + o;                                                                \
+                uint8_t *qr = out + i, q;                                                                              \
+                uint32_t base = (uint32_t)i;                                                                           \
+                _Pragma("omp simd reduction(| : nan)")                                                                 \
+                for (k = 0; k < len; k++) {                                                                            \
+                    QUANTIZE8_ELEMENT(LOAD, xr[k], sr[k], br[k], base + (uint32_t)k)                                   \
+                    qr[k] = q;                                                                                         \
+                }                                                                                                      \
+                i += len;                                                                                              \
+            }                                                                                                          \
+            return nan;                                                                                                \
+        }                                                                                                              \
+        int64_t row = lo / inner, g = row % groups;                                                                    \
         for (int64_t i = lo; i < hi;) { /* row by row: one group's scale and beta per row of `inner` elements */       \
-            int64_t row = i / inner;                                                                                   \
             int64_t end = (row + 1) * inner < hi ? (row + 1) * inner : hi;                                             \
-            float sc = scale[row % groups], b = beta[row % groups];                                                    \
+            float sc = scale[g], b = beta[g];                                                                          \
             const T *xr = x + i;                                                                                       \
-            uint8_t *qr = out + i;                                                                                     \
+            uint8_t *qr = out + i, q;                                                                                  \
             if (end - i > (1 << 30)) end = i + (1 << 30); /* 32-bit lanes: the index modulo 2^32 */                    \
             uint32_t base = (uint32_t)i, len = (uint32_t)(end - i);                                                    \
             _Pragma("omp simd reduction(| : nan)")                                                                     \
             for (uint32_t k = 0; k < len; k++) {                                                                       \
-                float v = (LOAD(xr[k]) - b) * sc;                                                                      \
-                v = v + hash_uniform(base + k, seed);                                                                  \
-                nan |= (uint32_t)(v != v);                                                                             \
-                /* floor(v) clamped to [0, 255]: truncation is floor for v >= 0 */                                     \
-                qr[k] = (uint8_t)(v >= 255.0f ? 255 : (v >= 0.0f ? (int32_t)v : 0));                                   \
+                QUANTIZE8_ELEMENT(LOAD, xr[k], sc, b, base + k)                                                        \
+                qr[k] = q;                                                                                             \
             }                                                                                                          \
             i = end;                                                                                                   \
+            if (i == (row + 1) * inner) {                                                                              \
+                row++;                                                                                                 \
+                g = g + 1 == groups ? 0 : g + 1;                                                                       \
+            }                                                                                                          \
         }                                                                                                              \
         return nan;                                                                                                    \
     }
@@ -410,10 +463,28 @@ int lmbp_quantize8(const void *x, int dtype, int64_t n, int64_t inner, int64_t g
     static uint32_t NAME(const uint8_t *q, int64_t lo, int64_t hi, int64_t inner, int64_t groups,                      \
                          const float *step, const float *beta, T *y) {                                                 \
         uint32_t nan = 0;                                                                                              \
+        int64_t plen = pattern_length(inner, groups);                                                                  \
+        if (plen) { /* short rows: the pattern's step and beta per element (see expand_pattern) */                     \
+            float sp[PATTERN_MAX], bp[PATTERN_MAX];                                                                    \
+            expand_pattern(step, beta, inner, groups, plen, sp, bp);                                                   \
+            for (int64_t i = lo, o = lo % plen; i < hi; o = 0) {                                                       \
+                int64_t len = plen - o < hi - i ? plen - o : hi - i, k;                                                \
+                const float *sr = sp + o, *br = bp + o;                                                                \
+                _Pragma("omp simd reduction(| : nan)")                                                                 \
+                for (k = 0; k < len; k++) {                                                                            \
+                    float v = (float)q[i + k] * sr[k];                                                                 \
+                    v = v + br[k];                                                                                     \
+                    nan |= (uint32_t)(v != v);                                                                         \
+                    y[i + k] = STORE(v);                                                                               \
+                }                                                                                                      \
+                i += len;                                                                                              \
+            }                                                                                                          \
+            return nan;                                                                                                \
+        }                                                                                                              \
+        int64_t row = lo / inner, g = row % groups;                                                                    \
         for (int64_t i = lo; i < hi;) {                                                                                \
-            int64_t row = i / inner;                                                                                   \
             int64_t end = (row + 1) * inner < hi ? (row + 1) * inner : hi;                                             \
-            float st = step[row % groups], b = beta[row % groups];                                                     \
+            float st = step[g], b = beta[g];                                                                           \
             int64_t k;                                                                                                 \
             _Pragma("omp simd reduction(| : nan)")                                                                     \
             for (k = i; k < end; k++) {                                                                                \
@@ -423,6 +494,8 @@ int lmbp_quantize8(const void *x, int dtype, int64_t n, int64_t inner, int64_t g
                 y[k] = STORE(v);                                                                                       \
             }                                                                                                          \
             i = end;                                                                                                   \
+            row++;                                                                                                     \
+            g = g + 1 == groups ? 0 : g + 1;                                                                           \
         }                                                                                                              \
         return nan;                                                                                                    \
     }
@@ -455,6 +528,169 @@ int lmbp_dequantize8(const uint8_t *q, int64_t n, int64_t inner, int64_t groups,
         if (lo < hi) nan |= dequantize8_range(q, lo, hi, inner, groups, step, beta, y, dtype);
     }
     return (int)nan;
+}
+
+/* ------------------------------------------------------------------------- Mesa's EMA quantiser, in one call */
+/* Per row of `inner` elements (group g = row % groups): the row's minimum and maximum (plain comparisons: a NaN is
+ * left out here and reported by `bad`), whether some element is NaN or ±inf (`bad`) or a negative zero (`negz`). */
+static inline uint32_t nonfinite_f32(float v) { return (f_bits(v) & 0x7F800000u) == 0x7F800000u; }
+static inline uint32_t nonfinite_16(uint16_t h, uint16_t exp) { return (h & exp) == exp; }
+#define DEFINE_MINMAX8(NAME, T, LOAD, BAD, NEGZ)                                                                       \
+    static void NAME(const T *x, int64_t lo, int64_t hi, int64_t inner, int64_t groups, float *mn, float *mx,          \
+                     uint8_t *negz, uint32_t *bad) {                                                                   \
+        uint32_t b = 0;                                                                                                \
+        int64_t plen = pattern_length(inner, groups);                                                                  \
+        if (plen) { /* short rows: per element of the pattern (see expand_pattern), then per group */                  \
+            float pmn[PATTERN_MAX], pmx[PATTERN_MAX];                                                                  \
+            uint8_t pnz[PATTERN_MAX];                                                                                  \
+            for (int64_t j = 0; j < plen; j++) {                                                                       \
+                pmn[j] = FLT_MAX;                                                                                      \
+                pmx[j] = -FLT_MAX;                                                                                     \
+                pnz[j] = 0;                                                                                            \
+            }                                                                                                          \
+            for (int64_t i = lo, o = lo % plen; i < hi; o = 0) {                                                       \
+                int64_t len = plen - o < hi - i ? plen - o : hi - i, k;                                                \
+                const T *xr = x + i;                                                                                   \
+                float *lmn = pmn + o, *lmx = pmx + o;                                                                  \
+                uint8_t *lnz = pnz + o;                                                                                \
+                _Pragma("omp simd reduction(| : b)")                                                                   \
+                for (k = 0; k < len; k++) {                                                                            \
+                    float v = LOAD(xr[k]);                                                                             \
+                    lmn[k] = v < lmn[k] ? v : lmn[k];                                                                  \
+                    lmx[k] = v > lmx[k] ? v : lmx[k];                                                                  \
+                    b |= BAD(xr[k]);                                                                                   \
+                    lnz[k] |= (uint8_t)NEGZ(xr[k]);                                                                    \
+                }                                                                                                      \
+                i += len;                                                                                              \
+            }                                                                                                          \
+            for (int64_t j = 0, g = 0, k = 0; j < plen; j++) {                                                         \
+                mn[g] = pmn[j] < mn[g] ? pmn[j] : mn[g];                                                               \
+                mx[g] = pmx[j] > mx[g] ? pmx[j] : mx[g];                                                               \
+                negz[g] |= pnz[j];                                                                                     \
+                if (++k == inner) {                                                                                    \
+                    k = 0;                                                                                             \
+                    g = g + 1 == groups ? 0 : g + 1;                                                                   \
+                }                                                                                                      \
+            }                                                                                                          \
+            *bad |= b;                                                                                                 \
+            return;                                                                                                    \
+        }                                                                                                              \
+        int64_t row = lo / inner, g = row % groups;                                                                    \
+        for (int64_t i = lo; i < hi;) {                                                                                \
+            int64_t end = (row + 1) * inner < hi ? (row + 1) * inner : hi, k;                                          \
+            float lmin = mn[g], lmax = mx[g];                                                                          \
+            uint32_t nz = 0;                                                                                           \
+            _Pragma("omp simd reduction(min : lmin) reduction(max : lmax) reduction(| : b, nz)")                       \
+            for (k = i; k < end; k++) {                                                                                \
+                float v = LOAD(x[k]);                                                                                  \
+                lmin = v < lmin ? v : lmin;                                                                            \
+                lmax = v > lmax ? v : lmax;                                                                            \
+                b |= BAD(x[k]);                                                                                        \
+                nz |= NEGZ(x[k]);                                                                                      \
+            }                                                                                                          \
+            mn[g] = lmin;                                                                                              \
+            mx[g] = lmax;                                                                                              \
+            negz[g] |= (uint8_t)nz;                                                                                    \
+            i = end;                                                                                                   \
+            row++;                                                                                                     \
+            g = g + 1 == groups ? 0 : g + 1;                                                                           \
+        }                                                                                                              \
+        *bad |= b;                                                                                                     \
+    }
+#define BAD_BF16(h) nonfinite_16(h, 0x7F80u)
+#define BAD_F16(h) nonfinite_16(h, 0x7C00u)
+#define NEGZ_F32(v) (uint32_t)(f_bits(v) == 0x80000000u)
+#define NEGZ_16(h) (uint32_t)((h) == 0x8000u)
+DEFINE_MINMAX8(minmax8_f32, float, id_f32, nonfinite_f32, NEGZ_F32)
+DEFINE_MINMAX8(minmax8_bf16, uint16_t, bf16_to_f32, BAD_BF16, NEGZ_16)
+DEFINE_MINMAX8(minmax8_f16, uint16_t, f16_to_f32, BAD_F16, NEGZ_16)
+
+static void minmax8_range(const void *x, int dtype, int64_t lo, int64_t hi, int64_t inner, int64_t groups,
+                          float *mn, float *mx, uint8_t *negz, uint32_t *bad) {
+    for (int64_t g = 0; g < groups; g++) {
+        mn[g] = FLT_MAX;
+        mx[g] = -FLT_MAX;
+        negz[g] = 0;
+    }
+    if (dtype == DT_F32) minmax8_f32((const float *)x, lo, hi, inner, groups, mn, mx, negz, bad);
+    else if (dtype == DT_BF16) minmax8_bf16((const uint16_t *)x, lo, hi, inner, groups, mn, mx, negz, bad);
+    else minmax8_f16((const uint16_t *)x, lo, hi, inner, groups, mn, mx, negz, bad);
+}
+
+#define PACK8_NAN 1       /* some value before the quantiser's clamp is NaN: the caller recomputes the codes */
+#define PACK8_AMBIGUOUS 2 /* a group's minimum or maximum is a zero and the group holds a -0.0: nothing written */
+#define PACK8_SKIPPED 4   /* the skipped-batch counter is above zero after this call */
+#define PACK8_STACK_GROUPS 1024 /* groups * threads up to this: the scratch is on the stack (work may be NULL) */
+
+/* EMAQuantizer.pack in training mode: each group's minimum and maximum of x; if every element and every range
+ * max - min is finite, the EMA update of alpha / beta (the first update sets them, `count` counts updates), else
+ * `skipped` += 1 and the ranges stay; then step = a / 255, scale = (1 / a) * 255 with a = max(alpha, min_range) (ATen's
+ * clamp_min, division and reciprocal, each rounded to fp32), beta_out = beta, and the codes as lmbp_quantize8.
+ * `mom` and `rest` are the fp32 values of momentum and 1 - momentum (each product and the sum rounded to fp32, as
+ * ATen's ops). `work`: scratch of 2·G·threads floats and G·threads bytes, or NULL where G·threads is at most
+ * PACK8_STACK_GROUPS. Returns PACK8_* bits. */
+int lmbp_mesa_pack8(const void *x, int dtype, int64_t n, int64_t inner, int64_t groups, float *alpha, float *beta,
+                    int64_t *count, int64_t *skipped, float mom, float rest, float min_range, float *step,
+                    float *beta_out, float *scale, uint32_t seed, uint8_t *out, float *work, int threads) {
+    int nt = threads > 1 ? threads : 1;
+    float small[2 * PACK8_STACK_GROUPS + PACK8_STACK_GROUPS / 4];
+    float *part = work ? work : small;                          /* per thread: G minima, then G maxima */
+    uint8_t *negz = (uint8_t *)(part + 2 * groups * (int64_t)nt); /* per thread: G flags */
+    uint32_t bad = 0;
+    int flags = 0, ok;
+    if (nt == 1) {
+        minmax8_range(x, dtype, 0, n, inner, groups, part, part + groups, negz, &bad);
+    } else {
+#pragma omp parallel num_threads(nt) reduction(| : bad)
+        {
+            int64_t lo, hi;
+            int t = 0, team = 1;
+#ifdef _OPENMP
+            t = omp_get_thread_num();
+            team = omp_get_num_threads();
+#endif
+            thread_range(n, t, team, &lo, &hi);
+            minmax8_range(x, dtype, lo, lo < hi ? hi : lo, inner, groups, part + 2 * groups * t,
+                          part + 2 * groups * t + groups, negz + groups * t, &bad);
+        }
+        for (int t = 1; t < nt; t++) { /* the exact minimum / maximum: the order of the partial results is free */
+            for (int64_t g = 0; g < groups; g++) {
+                float a = part[2 * groups * t + g], b = part[2 * groups * t + groups + g];
+                part[g] = a < part[g] ? a : part[g];
+                part[groups + g] = b > part[groups + g] ? b : part[groups + g];
+                negz[g] |= negz[groups * t + g];
+            }
+        }
+    }
+    ok = bad == 0;
+    for (int64_t g = 0; g < groups; g++) {
+        float lo = part[g], hi = part[groups + g];
+        if (negz[g] && (lo == 0.0f || hi == 0.0f)) flags |= PACK8_AMBIGUOUS; /* -0.0 or +0.0: ATen's order decides */
+        if (nonfinite_f32(hi - lo)) ok = 0;
+    }
+    if (flags & PACK8_AMBIGUOUS) return flags;
+    if (ok) {
+        int first = *count == 0;
+        for (int64_t g = 0; g < groups; g++) {
+            float lo = part[g], rng = part[groups + g] - lo;
+            float a = mom * alpha[g], b = mom * beta[g];
+            float ra = rest * rng, rb = rest * lo;
+            alpha[g] = first ? rng : a + ra;
+            beta[g] = first ? lo : b + rb;
+        }
+        *count += 1;
+    } else {
+        *skipped += 1;
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        float a = alpha[g];
+        a = (a != a) ? a : (a < min_range ? min_range : a);
+        step[g] = a / 255.0f;
+        scale[g] = (1.0f / a) * 255.0f;
+        beta_out[g] = beta[g];
+    }
+    if (*skipped > 0) flags |= PACK8_SKIPPED;
+    return flags | (lmbp_quantize8(x, dtype, n, inner, groups, scale, beta_out, seed, out, threads) ? PACK8_NAN : 0);
 }
 
 /* fp32 -> `dtype` as the kernels round (for the tests) */
