@@ -17,27 +17,11 @@ from lowmembp.ops import approx_act as A
 from lowmembp.ops import mesa_quant as Q
 from lowmembp.ops import ms_norm as M
 
+from bitwise import assert_same
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.uint8:
-        return t
-    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def assert_same(a: torch.Tensor, b: torch.Tensor, what: str = ""):
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    diff = int((bits(a) != bits(b)).sum())
-    assert diff == 0, f"{what}: {diff} of {a.numel()} elements differ in their bits"
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(params=["small-blocks", "default-blocks"])

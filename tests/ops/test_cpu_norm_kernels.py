@@ -17,6 +17,8 @@ import torch
 from lowmembp.ops import cpu_kernels as K
 from lowmembp.ops import ms_norm as M
 
+from bitwise import assert_same
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HAVE_CC = K.compiler() is not None
 needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler ($CC, cc, gcc or clang) on this machine")
@@ -25,22 +27,6 @@ WIDTHS = (1, 3, 7, 768, 4096, 5000)
 SHAPES = [(r, n) for n in WIDTHS for r in (1, 3)] + [(1576, n) for n in (1, 3, 7, 768)]
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def assert_same(a: torch.Tensor, b: torch.Tensor, what: str = ""):
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    diff = int((bits(a) != bits(b)).sum())
-    assert diff == 0, f"{what}: {diff} of {a.numel()} elements differ in their bits"
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
 
 
 @pytest.fixture
