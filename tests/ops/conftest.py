@@ -1,6 +1,11 @@
-"""Fixtures of the ops' tests."""
+"""Fixtures of the ops' tests: threads, fresh random generators, and the CPU kernels as built here or portably."""
+import ctypes
+import os
+
 import pytest
 import torch
+
+from lowmembp.ops import cpu_kernels as K
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -10,3 +15,34 @@ def threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(old)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
+
+
+@pytest.fixture(scope="module")
+def portable_library(tmp_path_factory):
+    """The kernels built with the portable flags alone (no -march=native: the plain C loops, not the AVX-512 ones;
+    fmaf from the C library)."""
+    if K.compiler() is None:
+        return None
+    old_sets = K._FLAG_SETS
+    K._FLAG_SETS = (K.FLAGS,)
+    try:
+        return K._declare(ctypes.CDLL(str(K._build(tmp_path_factory.mktemp("portable"), K.compiler()))))
+    finally:
+        K._FLAG_SETS = old_sets
+
+
+@pytest.fixture(params=["native", "portable"])
+def kernels(request, monkeypatch, portable_library):
+    """The C kernels loaded, as this machine builds them or as the portable build (its name returned); a test fails,
+    not skips, where a compiler exists and the build does not work."""
+    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+    lib = K.library()
+    assert lib is not None, f"the C kernels did not build: {K.build_info()['reason']}"
+    if request.param == "portable":
+        monkeypatch.setitem(K._state, "lib", portable_library)
+    return request.param

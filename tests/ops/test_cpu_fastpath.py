@@ -22,8 +22,6 @@ from bitwise import assert_same
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-
-
 @pytest.fixture(params=["small-blocks", "default-blocks"])
 def blocks(request, monkeypatch):
     if request.param == "small-blocks":
@@ -31,11 +29,6 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(M, "_CPU_BLOCK", 96)
         monkeypatch.setattr(Q, "_CPU_BLOCK", 80)
     return request.param
-
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
 
 
 def randn(shape, dtype, gen, scale=3.0):

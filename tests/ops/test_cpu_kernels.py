@@ -5,7 +5,6 @@ Every comparison is of bits (NaN payloads included). The kernels are called dire
 ran) and through the fast-path functions; inputs are fresh random values mixed with the special ones: NaN, ±inf, −0,
 denormals, the thresholds themselves and their neighbours, values that overflow or round to a tie.
 """
-import ctypes
 import os
 import subprocess
 import sys
@@ -25,39 +24,6 @@ HAVE_CC = K.compiler() is not None
 needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler ($CC, cc, gcc or clang) on this machine")
 # 1, 3, 5 elements; 4k + 1; rows of one element; more than one thread's share (K.MIN_PER_THREAD per thread)
 SIZES = [(1,), (3,), (5,), (4 * 1001 + 1,), (7, 1), (2 * K.MIN_PER_THREAD + 4 * 333 + 3,)]
-
-
-
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
-
-
-@pytest.fixture(scope="module")
-def portable_library(tmp_path_factory):
-    """The kernels built with the portable flags alone (no -march=native: the plain C loops, not the AVX-512 ones)."""
-    if not HAVE_CC:
-        return None
-    old_sets = K._FLAG_SETS
-    K._FLAG_SETS = (K.FLAGS,)
-    try:
-        return K._declare(ctypes.CDLL(str(K._build(tmp_path_factory.mktemp("portable"), K.compiler()))))
-    finally:
-        K._FLAG_SETS = old_sets
-
-
-@pytest.fixture(params=["native", "portable"])
-def kernels(request, monkeypatch, portable_library):
-    """The loaded library, or the portable build in its place (a test fails, not skips, when a compiler exists and
-    the build does not work)."""
-    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
-    lib = K.library()
-    assert lib is not None, f"the C kernels did not build: {K.build_info()['reason']}"
-    if request.param == "portable":
-        monkeypatch.setitem(K._state, "lib", portable_library)
-        lib = portable_library
-    return lib
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ overflow; on one thread and on two, with the native and the portable build of th
 (``LOWMEMBP_CPU_KERNELS=0``, no compiler).
 """
 import itertools
-import os
 import warnings
 from unittest import mock
 
@@ -25,40 +24,6 @@ needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler ($CC, cc, gcc o
 WIDTHS = (1, 3, 7, 768, 4096, 5000)
 # (rows, width): every width with 1 and 3 rows, 1576 rows of the narrower ones
 SHAPES = [(r, n) for n in WIDTHS for r in (1, 3)] + [(1576, n) for n in (1, 3, 7, 768)]
-
-
-
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
-
-
-@pytest.fixture(scope="module")
-def portable_library(tmp_path_factory):
-    """The kernels built with the portable flags alone (no -march=native: plain C, fmaf from the C library)."""
-    if not HAVE_CC:
-        return None
-    import ctypes
-    old_sets = K._FLAG_SETS
-    K._FLAG_SETS = (K.FLAGS,)
-    try:
-        return K._declare(ctypes.CDLL(str(K._build(tmp_path_factory.mktemp("portable"), K.compiler()))))
-    finally:
-        K._FLAG_SETS = old_sets
-
-
-@pytest.fixture(params=["native", "portable"])
-def kernels(request, monkeypatch, portable_library):
-    """The loaded library, or the portable build in its place; a test fails (not skips) where a compiler exists and
-    the build does not work."""
-    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
-    lib = K.library()
-    assert lib is not None, f"the C kernels did not build: {K.build_info()['reason']}"
-    if request.param == "portable":
-        monkeypatch.setitem(K._state, "lib", portable_library)
-        lib = portable_library
-    return request.param
 
 
 def rows_of(shape, dtype, gen, scale=1.0):
