@@ -75,6 +75,34 @@ static inline void thread_range(int64_t n, int t, int nt, int64_t *lo, int64_t *
     if (*hi > n) *hi = n;
 }
 
+/* This OpenMP thread's range of n elements (the whole of it outside a parallel region or without OpenMP). */
+static inline void team_range(int64_t n, int64_t *lo, int64_t *hi) {
+    int t = 0, nt = 1;
+#ifdef _OPENMP
+    t = omp_get_thread_num();
+    nt = omp_get_num_threads();
+#endif
+    thread_range(n, t, nt, lo, hi);
+}
+
+/* The body of an entry point over n elements: the OR of CALL (an expression of lo and hi, the bits it reports)
+ * over one OpenMP team of `threads` (the entry point's argument) each on its own range, or over [0, n) on the
+ * caller's thread when threads <= 1; returned as int. */
+#define RETURN_OR_OVER_THREADS(n, CALL)                                                                                \
+    uint32_t acc = 0;                                                                                                  \
+    if (threads <= 1) {                                                                                                \
+        int64_t lo = 0, hi = (n);                                                                                      \
+        acc = (CALL);                                                                                                  \
+    } else {                                                                                                           \
+        _Pragma("omp parallel num_threads(threads) reduction(| : acc)")                                                \
+        {                                                                                                              \
+            int64_t lo, hi;                                                                                            \
+            team_range((n), &lo, &hi);                                                                                 \
+            if (lo < hi) acc |= (CALL);                                                                                \
+        }                                                                                                              \
+    }                                                                                                                  \
+    return (int)acc
+
 /* ---------------------------------------------------------------------------------------------- 2-bit codes */
 /* one function per input type (a loop with a type switch inside does not vectorise) */
 #define CODE(v) ((uint32_t)((v) > t0) + (uint32_t)((v) > t1) + (uint32_t)((v) > t2))
@@ -197,39 +225,13 @@ static uint32_t check_range(const void *x, int dtype, int64_t lo, int64_t hi) {
 
 /* the check bits of n elements */
 int lmbp_check(const void *x, int dtype, int64_t n, int threads) {
-    uint32_t bad = 0;
-    if (threads <= 1) return (int)check_range(x, dtype, 0, n);
-#pragma omp parallel num_threads(threads) reduction(| : bad)
-    {
-        int64_t lo, hi;
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        thread_range(n, t, nt, &lo, &hi);
-        if (lo < hi) bad |= check_range(x, dtype, lo, hi);
-    }
-    return (int)bad;
+    RETURN_OR_OVER_THREADS(n, check_range(x, dtype, lo, hi));
 }
 
 /* Packed 2-bit codes sum_j [x > t_j] of n elements (element i in byte i / 4, bits 2 (i % 4)); returns the check
  * bits of x (the codes are written either way). */
 int lmbp_codes2(const void *x, int dtype, int64_t n, float t0, float t1, float t2, uint8_t *out, int threads) {
-    uint32_t bad = 0;
-    if (threads <= 1) return (int)codes2_range(x, dtype, 0, n, t0, t1, t2, out);
-#pragma omp parallel num_threads(threads) reduction(| : bad)
-    {
-        int64_t lo, hi;
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        thread_range(n, t, nt, &lo, &hi);
-        if (lo < hi) bad |= codes2_range(x, dtype, lo, hi, t0, t1, t2, out);
-    }
-    return (int)bad;
+    RETURN_OR_OVER_THREADS(n, codes2_range(x, dtype, lo, hi, t0, t1, t2, out));
 }
 
 /* ------------------------------------------------------------------------------------ dx = dy * slope[code] */
@@ -323,20 +325,7 @@ static uint32_t slopes2_range(const void *dy, int dtype, const uint8_t *codes, i
 /* dx = s[code] * dy in fp32, rounded once to dy's dtype (dx has it too), over n elements with 2-bit codes `codes`
  * and the four slopes `s`. Returns 1 when some product is NaN (its bits are ATen's only for fp32), else 0. */
 int lmbp_slopes2(const void *dy, int dtype, const uint8_t *codes, int64_t n, const float *s, void *dx, int threads) {
-    uint32_t nan = 0;
-    if (threads <= 1) return (int)slopes2_range(dy, dtype, codes, 0, n, s, dx);
-#pragma omp parallel num_threads(threads) reduction(| : nan)
-    {
-        int64_t lo, hi;
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        thread_range(n, t, nt, &lo, &hi);
-        if (lo < hi) nan |= slopes2_range(dy, dtype, codes, lo, hi, s, dx);
-    }
-    return (int)nan;
+    RETURN_OR_OVER_THREADS(n, slopes2_range(dy, dtype, codes, lo, hi, s, dx));
 }
 
 /* ------------------------------------------------------------------------------- Mesa's 8-bit quantiser */
@@ -443,20 +432,7 @@ static uint32_t quantize8_range(const void *x, int dtype, int64_t lo, int64_t hi
  * some value before the clamp is NaN (its code is ATen's conversion of NaN: the caller recomputes), else 0. */
 int lmbp_quantize8(const void *x, int dtype, int64_t n, int64_t inner, int64_t groups, const float *scale,
                    const float *beta, uint32_t seed, uint8_t *out, int threads) {
-    uint32_t nan = 0;
-    if (threads <= 1) return (int)quantize8_range(x, dtype, 0, n, inner, groups, scale, beta, seed, out);
-#pragma omp parallel num_threads(threads) reduction(| : nan)
-    {
-        int64_t lo, hi;
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        thread_range(n, t, nt, &lo, &hi);
-        if (lo < hi) nan |= quantize8_range(x, dtype, lo, hi, inner, groups, scale, beta, seed, out);
-    }
-    return (int)nan;
+    RETURN_OR_OVER_THREADS(n, quantize8_range(x, dtype, lo, hi, inner, groups, scale, beta, seed, out));
 }
 
 #define DEFINE_DEQUANTIZE8(NAME, T, STORE)                                                                             \
@@ -514,20 +490,7 @@ static uint32_t dequantize8_range(const uint8_t *q, int64_t lo, int64_t hi, int6
  * NaN, else 0. */
 int lmbp_dequantize8(const uint8_t *q, int64_t n, int64_t inner, int64_t groups, const float *step,
                      const float *beta, void *y, int dtype, int threads) {
-    uint32_t nan = 0;
-    if (threads <= 1) return (int)dequantize8_range(q, 0, n, inner, groups, step, beta, y, dtype);
-#pragma omp parallel num_threads(threads) reduction(| : nan)
-    {
-        int64_t lo, hi;
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        thread_range(n, t, nt, &lo, &hi);
-        if (lo < hi) nan |= dequantize8_range(q, lo, hi, inner, groups, step, beta, y, dtype);
-    }
-    return (int)nan;
+    RETURN_OR_OVER_THREADS(n, dequantize8_range(q, lo, hi, inner, groups, step, beta, y, dtype));
 }
 
 /* ------------------------------------------------------------------------- Mesa's EMA quantiser, in one call */
@@ -748,12 +711,7 @@ void lmbp_norm_prod(const void *g, int gdtype, const void *y, int ydtype, int64_
 #pragma omp parallel num_threads(threads)
     {
         int64_t lo, hi;
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        thread_range(n, t, nt, &lo, &hi);
+        team_range(n, &lo, &hi);
         if (lo < hi) fn(g, y, lo, hi, prod, gcopy);
     }
 }
@@ -871,18 +829,5 @@ static uint32_t cast_range(const void *x, int xdtype, int64_t lo, int64_t hi, vo
 
 /* one of x, y is fp32 and the other fp16 / bf16 */
 int lmbp_cast(const void *x, int xdtype, int64_t n, void *y, int ydtype, int threads) {
-    uint32_t nan = 0;
-    if (threads <= 1) return (int)cast_range(x, xdtype, 0, n, y, ydtype);
-#pragma omp parallel num_threads(threads) reduction(| : nan)
-    {
-        int64_t lo, hi;
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        thread_range(n, t, nt, &lo, &hi);
-        if (lo < hi) nan |= cast_range(x, xdtype, lo, hi, y, ydtype);
-    }
-    return (int)nan;
+    RETURN_OR_OVER_THREADS(n, cast_range(x, xdtype, lo, hi, y, ydtype));
 }
