@@ -37,6 +37,7 @@ forward outputs agree with the reference's to fp32 rounding of erf/exp/tanh.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import struct
@@ -327,7 +328,7 @@ def _bwd_reference(dy: torch.Tensor, packed: torch.Tensor, s32) -> torch.Tensor:
 # (other bit widths, non-finite inputs, big-endian machines) runs the reference.
 _CPU_BLOCK = CPU_BLOCK  # elements per block (a multiple of 64); blocks are spread over threads by cpu_parallel
 _MAGIC = float(1 << 23)  # k + 2^23 (k a small integer) has k in the low mantissa bits of its fp32 encoding
-_LOW_PRECISION_NATIVE = frozenset({"gelu", "silu", "relu"})  # native fp16/bf16 kernels compute in fp32
+_LOW_PRECISION_NATIVE = frozenset({"gelu", "silu", "relu"})  # kinds whose native fp16/bf16 kernels may compute in fp32
 
 
 def _scalars(values: tuple) -> list[torch.Tensor]:
@@ -338,19 +339,45 @@ def _scalars(values: tuple) -> list[torch.Tensor]:
     return _TABLES[key]
 
 
+def _native_kernel(x: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "gelu":
+        return F.gelu(x)
+    return F.silu(x) if kind == "silu" else torch.relu(x)
+
+
+@functools.lru_cache(maxsize=None)
+def native_act_exact(kind: str, dtype: torch.dtype) -> bool:
+    """Whether this torch's native ``dtype`` (fp16 / bf16) CPU kernel of ``kind`` returns the fp32 formula's result
+    rounded once (the reference's arithmetic), probed once per process on every finite value of the dtype, bf16
+    below 2⁻¹²⁴ in magnitude excepted (the ``tiny`` rule of :func:`_native_act`): in one contiguous call (the vector
+    loops) and in pieces of 31 (the scalar tails). Which kernel runs depends on the CPU: torch hands fp32, and fp16 /
+    bf16 where the CPU has instructions for them, to oneDNN, and the rest to ATen's own loops, whose ``erf`` is
+    another approximation (fp16 GELU differs on AVX-512 CPUs without AVX512-FP16, such as AMD's)."""
+    if kind not in _LOW_PRECISION_NATIVE or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    keep = torch.isfinite(x)
+    if dtype == torch.bfloat16:
+        keep &= (x == 0) | (x.float().abs() >= 2.0 ** -124)
+    x = x[keep]
+    want = _exact_fp32(x.float(), kind).to(dtype).view(torch.int16)
+    if not torch.equal(_native_kernel(x, kind).view(torch.int16), want):
+        return False
+    return all(torch.equal(_native_kernel(p, kind).view(torch.int16), w)
+               for p, w in zip(x.split(31), want.split(31)))
+
+
 def _native_act(x: torch.Tensor, kind: str, tiny: bool) -> torch.Tensor:
     """The exact activation in x's dtype, equal to the reference's fp32 compute cast back: the same fp32 call for
     fp32 (and the kinds computed by composition), the native kernel for fp16 / bf16 of kinds whose reduced-precision
-    kernels load to fp32, run the fp32 formula and round once (tests/ops/test_cpu_fastpath.py and
-    tests/ops/test_cpu_kernels.py check the bits, the latter on every fp16 and bf16 value). ``tiny``: x is bf16 and
-    may hold nonzero values below 2⁻¹²⁴, where a native bf16 kernel may flush a subnormal result to zero (``F.gelu``
-    does on AVX512-BF16 CPUs): the fp32 formula then."""
+    kernel on this CPU gives the fp32 formula rounded once (:func:`native_act_exact`; tests/ops/test_cpu_fastpath.py
+    and tests/ops/test_cpu_kernels.py check the bits, the latter on every fp16 and bf16 value). ``tiny``: x is bf16
+    and may hold nonzero values below 2⁻¹²⁴, where a native bf16 kernel may flush a subnormal result to zero
+    (``F.gelu`` does on AVX512-BF16 CPUs): the fp32 formula then."""
     if x.dtype == torch.float32:
         return _exact_fp32(x, kind)
-    if kind in _LOW_PRECISION_NATIVE and not (tiny and x.dtype == torch.bfloat16):
-        if kind == "gelu":
-            return F.gelu(x)
-        return F.silu(x) if kind == "silu" else torch.relu(x)
+    if not (tiny and x.dtype == torch.bfloat16) and native_act_exact(kind, x.dtype):
+        return _native_kernel(x, kind)
     return _exact_fp32(x.float(), kind).to(x.dtype)
 
 

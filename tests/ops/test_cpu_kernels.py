@@ -147,6 +147,22 @@ def test_every_half_value_equals_reference(dtype, path, monkeypatch):
             assert_same(A.forward_cpu(part, kind, with_codes=False)[0], y0, f"{kind} forward without codes")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_native_kernel_probe_and_its_fallback(dtype, gen, monkeypatch):
+    """The probe's answer is what the native kernel does on random values, and with the probe saying no for every
+    kind (the fp32 formula, cast back) the fast path still gives the reference's bits."""
+    x = (torch.randn(4099, generator=gen) * 4).to(dtype)
+    for kind in sorted(A._LOW_PRECISION_NATIVE):
+        if A.native_act_exact(kind, dtype):  # a yes must hold on fresh values too
+            assert_same(A._native_kernel(x, kind), A._exact_fp32(x.float(), kind).to(dtype), f"native {kind}")
+    monkeypatch.setattr(A, "native_act_exact", lambda kind, dt: False)
+    for kind in A.KINDS:
+        y0, p0 = A.forward_reference(x, kind)
+        y1, p1 = A.forward_cpu(x, kind)
+        assert_same(y1, y0, f"{kind} forward, no native kernel")
+        assert_same(p1, p0, f"{kind} codes, no native kernel")
+
+
 @needs_cc
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_strided_input_equals_reference(dtype, kernels, gen):
