@@ -211,22 +211,24 @@ def ms_norm_bwd_ref(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: 
 
 
 # ------------------------------------------------------------------------------------------------ CPU fast path
-# The reference's arithmetic, bit for bit. Its element-wise work runs in C (lowmembp.ops.cpu_kernels): the backward's
-# g·y product (with LayerNorm's fp32 copy of a 16-bit g) in one pass, and the addcmul, mean subtraction, rstd product
-# and rounding to dx's dtype in a second; the forward's casts around ATen's fp32 norm. Every row reduction stays
-# ATen's (the row sums between the two passes, the norm itself): a C sum would not have ATen's summation order. On one
-# thread the passes go over blocks of whole rows that stay in the core's cache (every row's statistics are the same
-# ATen op on the same row, whichever block holds it); on more, over the whole tensor (one OpenMP region per C pass,
-# one native parallel ATen call per sum). A NaN in the result (whose bits ATen's conversions decide) recomputes the
-# call with the reference. Without the C kernels the reference's own ops run over row blocks spread over threads by
-# cpu_parallel. Either way the results are the same bits (tests/ops/test_cpu_fastpath.py,
-# tests/ops/test_cpu_norm_kernels.py). Rows too wide for a block, strided rows (whose sums ATen orders by the
-# layout), float64 and empty inputs run the reference.
+# The reference's arithmetic, bit for bit, in C (lowmembp.ops.cpu_kernels). The backward runs whole in C, row by row:
+# the row's g·y (and LayerNorm's fp32 g) into a scratch row in the core's cache, their sums in the order of ATen's CPU
+# `sum` (kernels.c replicates its cascade sum for the vector width a probe at first use finds,
+# cpu_kernels.aten_sum_width()), then the addcmul, mean subtraction, rstd product and rounding to dx's dtype; the rows
+# split over an OpenMP team. Where the probe finds no width (another torch's sum) the backward is two C passes around
+# ATen's own row sums, over blocks of whole rows that stay in the cache on one thread and over the whole tensor on
+# more. The forward is C casts around ATen's fp32 norm (its statistics stay ATen's). A NaN in the result (whose bits
+# ATen's conversions decide) recomputes the call with the reference. Without the C kernels the reference's own ops
+# run over row blocks spread over threads by cpu_parallel. Either way the results are the same bits
+# (tests/ops/test_cpu_fastpath.py, tests/ops/test_cpu_norm_kernels.py). Rows too wide for a block, strided rows (whose
+# sums ATen orders by the layout), float64 and empty inputs run the reference; so does a single row of 32768 or more
+# elements, which ATen sums over threads in two passes.
 _CPU_BLOCK = CPU_BLOCK  # elements per block; the blocks are spread over threads by cpu_parallel
 _CPU_MAX_N = CPU_BLOCK  # wider rows: the reference (a block holds at least one row)
 # elements per pass of the C kernels on one thread (measured best on a 2 MiB L2): backward (fp32 g, y, g·y: 768 KiB)
 # and forward (fp32 x and y: 1 MiB)
 _KERNEL_BLOCK, _KERNEL_BLOCK_FWD = 1 << 16, 1 << 17
+_ATEN_GRAIN = 32768  # at::internal::GRAIN_SIZE: ATen reduces a single row this long in two passes over threads
 
 
 def _row_block(n: int) -> int:
@@ -301,8 +303,9 @@ def _fwd_kernels(x2d, kind, eps, y, rstd) -> int:
 
 
 def ms_norm_bwd_cpu(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str, dx_dtype: torch.dtype):
-    """CPU fast path of :func:`ms_norm_bwd_ref` (same signature, same bits): its element-wise work in two C passes
-    around ATen's row sums (:mod:`lowmembp.ops.cpu_kernels`), else its ops row block by row block."""
+    """CPU fast path of :func:`ms_norm_bwd_ref` (same signature, same bits): whole in C row by row with ATen's
+    summation order (:func:`lowmembp.ops.cpu_kernels.norm_bwd_rows`), else two C passes around ATen's row sums, else
+    its ops row block by row block."""
     is_rms = _check_kind(kind)
     n = y.shape[-1]
     if not (_cpu_fast(y, n) and g.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -314,11 +317,17 @@ def ms_norm_bwd_cpu(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: 
     if rstd.numel() != y2d.shape[0] or g2d.shape != y2d.shape:  # the reference's reshape says what is wrong
         return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
     dx = torch.empty(y2d.shape, dtype=dx_dtype, device=y.device)
-    if cpu_kernels.library() is not None and cpu_kernels.addcmul_fused() is not None:
-        if _bwd_kernels(g2d, y2d, rstd.reshape(-1).contiguous(), is_rms, dx):
-            return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)  # a NaN's bits are ATen's only by chance
+    kernels = cpu_kernels.library() is not None and cpu_kernels.addcmul_fused() is not None
+    one_long_row = y2d.shape[0] == 1 and y2d.numel() >= _ATEN_GRAIN  # ATen sums it over threads in another order
+    rstd1d = rstd.reshape(-1).contiguous()
+    if kernels and not one_long_row and cpu_kernels.aten_sum_width() is not None:
+        nan = cpu_kernels.norm_bwd_rows(g2d, y2d, rstd1d, dx, not is_rms)  # the whole backward, row by row
+    elif kernels:
+        nan = _bwd_kernels(g2d, y2d, rstd1d, is_rms, dx)  # two C passes around ATen's row sums
     else:
-        _bwd_eager_blocks(g2d, y2d, rstd.reshape(-1, 1), is_rms, dx)
+        nan = _bwd_eager_blocks(g2d, y2d, rstd.reshape(-1, 1), is_rms, dx)
+    if nan:
+        return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)  # a NaN's bits are ATen's only by chance
     return dx.reshape(y.shape)
 
 
@@ -343,8 +352,8 @@ def _bwd_kernels(g2d, y2d, rstd, is_rms, dx) -> int:
     return nan
 
 
-def _bwd_eager_blocks(g2d, y2d, r2d, is_rms, dx) -> None:
-    """The reference's ops row block by row block (without the C kernels)."""
+def _bwd_eager_blocks(g2d, y2d, r2d, is_rms, dx) -> int:
+    """The reference's ops row block by row block (without the C kernels); 0 (its NaNs are the reference's)."""
     rows, n = y2d.shape
     dx_dtype = dx.dtype
     step = _row_block(n)
@@ -369,6 +378,7 @@ def _bwd_eager_blocks(g2d, y2d, r2d, is_rms, dx) -> None:
                 dx[r:r + k].copy_(d.mul_(r2d[r:r + k]))
 
     cpu_parallel(rows, step, work, 2 * step)
+    return 0
 
 
 def ms_norm_bytes(rows: int, n: int, x_dtype: torch.dtype, y_dtype: torch.dtype, kind: str = "layernorm"):

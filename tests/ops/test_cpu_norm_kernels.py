@@ -1,5 +1,7 @@
-"""The MS-norms' C passes (lowmembp.ops.cpu_kernels: norm_prod, norm_bwd, cast) and the CPU fast path built on them
-(ms_norm_fwd_cpu / ms_norm_bwd_cpu) equal the PyTorch references (ms_norm_fwd_ref / ms_norm_bwd_ref) bit for bit.
+"""The MS-norms' C kernels (lowmembp.ops.cpu_kernels: row_sums, norm_bwd_rows, norm_prod, norm_bwd, cast) and the CPU
+fast path built on them (ms_norm_fwd_cpu / ms_norm_bwd_cpu) equal the PyTorch references (ms_norm_fwd_ref /
+ms_norm_bwd_ref) and ATen's row sums bit for bit. The backward runs both ways: whole in C, row by row, with ATen's
+summation order replicated ("rows"), and as two C passes around ATen's own sums ("passes", where the replica is off).
 
 Every comparison is of bits. Inputs are fresh random values, in every dtype pair the fast path takes, with rows of
 1, 3, 7, 768, 4096 and 5000 elements and 1, 3 and 1576 rows, some mixed with NaN, ±inf and values whose products
@@ -40,6 +42,17 @@ def with_specials(t: torch.Tensor, gen, count: int = 6) -> torch.Tensor:
     return t
 
 
+@pytest.fixture(params=["rows", "passes"])
+def bwd_path(request, monkeypatch):
+    """The backward whole in C (ATen's row sums replicated, where the probe finds them) or as two C passes around
+    ATen's own row sums (the replica turned off)."""
+    if request.param == "rows":
+        assert K.library() is None or K.aten_sum_width() in K.SUM_WIDTHS, "ATen's CPU sum is not replicated here"
+    else:
+        monkeypatch.setattr(K, "aten_sum_width", lambda: None)
+    return request.param
+
+
 def check_bwd(g, y, rstd, kind, dx_dtype, what, expect_kernel=True):
     """The fast path's dx equals the reference's; for finite inputs also that the C passes produced it (the
     reference is not called)."""
@@ -71,7 +84,7 @@ def test_addcmul_probe_says_how_aten_rounds(gen):
 @pytest.mark.parametrize("g_dtype, y_dtype", list(itertools.product(DTYPES, DTYPES)),
                          ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("kind", M.KINDS)
-def test_bwd_equals_reference(kind, g_dtype, y_dtype, threads, gen, monkeypatch):
+def test_bwd_equals_reference(kind, g_dtype, y_dtype, threads, bwd_path, gen, monkeypatch):
     """Every dtype pair of g and y, every dx dtype, every shape; the C passes ran (no fallback)."""
     monkeypatch.delenv(K.ENV_SWITCH, raising=False)
     for (rows, n), dx_dtype in itertools.product(SHAPES, DTYPES):
@@ -84,7 +97,7 @@ def test_bwd_equals_reference(kind, g_dtype, y_dtype, threads, gen, monkeypatch)
 
 @needs_cc
 @pytest.mark.parametrize("kind", M.KINDS)
-def test_bwd_small_blocks_and_portable_build_equal_reference(kind, kernels, threads, gen, monkeypatch):
+def test_bwd_small_blocks_and_portable_build_equal_reference(kind, kernels, threads, bwd_path, gen, monkeypatch):
     """Many block boundaries (blocks of 64 elements) and the portable build (no vector instructions)."""
     monkeypatch.setattr(M, "_KERNEL_BLOCK", 64)
     for (rows, n), (g_dtype, y_dtype, dx_dtype) in itertools.product(
@@ -99,7 +112,7 @@ def test_bwd_small_blocks_and_portable_build_equal_reference(kind, kernels, thre
 @needs_cc
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", M.KINDS)
-def test_bwd_non_finite_and_overflow_equal_reference(kind, dtype, threads, gen, monkeypatch):
+def test_bwd_non_finite_and_overflow_equal_reference(kind, dtype, threads, bwd_path, gen, monkeypatch):
     """NaN, ±inf, ±max in g and in y (products that overflow, rows whose sums are inf or NaN): the same bits."""
     monkeypatch.delenv(K.ENV_SWITCH, raising=False)
     for rows, n in [(1, 1), (3, 7), (3, 768), (1, 5000), (40, 768)]:
@@ -140,6 +153,45 @@ def test_bwd_kernel_calls_equal_reference_steps(kernels, gen):
             assert_same(dx, want.mul_(rstd[:, None]).to(dx_dtype), f"dx {g_dtype} {y_dtype} {dx_dtype} mean={mean}")
     nan = torch.full((2, 4), float("nan"))
     assert K.norm_bwd(nan, nan, torch.zeros(2), None, torch.ones(2), torch.empty(2, 4)) == 1, "a NaN not reported"
+
+
+# ------------------------------------------------------------------------------------------- ATen's row sums
+def _spread(shape, gen):
+    """Random fp32 values over 60 binades, both signs: any other summation order gives other bits."""
+    return torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-30, 30, shape, generator=gen).float())
+
+
+@needs_cc
+def test_row_sums_equal_aten_sum(kernels, threads, gen):
+    """The replica of ATen's cascade sum, at the probed width, equals ``x.sum(-1)`` on fresh rows of every length up
+    to 80 and of lengths around the cascade's levels (16 and 256 groups of four vectors); the other widths do not."""
+    width = K.aten_sum_width()
+    assert width in K.SUM_WIDTHS, "no vector width replicates this torch's CPU sum"
+    others = set(K.SUM_WIDTHS) - {width}
+    differs = dict.fromkeys(others, False)
+    for n in [*range(1, 81), 127, 333, 768, 1023, 1031, 4100, 11008, 16391, 32768]:
+        x = _spread((3, n), gen)
+        assert_same(K.row_sums(x, width), x.sum(-1), f"{n} elements, width {width}")
+        for w in others:
+            differs[w] |= not torch.equal(K.row_sums(x, w).view(torch.int32), x.sum(-1).view(torch.int32))
+    assert all(differs.values()), f"a wrong width gave ATen's bits on every row: {differs}"
+    z = torch.tensor([[-0.0] * 20, [-0.0, 1.0, -1.0] + [0.0] * 17])  # ATen adds the row sum to a zero: +0.0
+    assert_same(K.row_sums(z, width), z.sum(-1), "signed zeros")
+
+
+@needs_cc
+@pytest.mark.parametrize("kind", M.KINDS)
+def test_bwd_rows_called_directly_and_one_long_row(kind, kernels, threads, gen):
+    """norm_bwd_rows called directly equals the reference; a single row of 32768 elements (which ATen sums over
+    threads in two passes, another order) goes around the replica and still equals it."""
+    for g_dtype, y_dtype, dx_dtype in [(torch.float32,) * 3, (torch.bfloat16, torch.float16, torch.float32)]:
+        g, y = rows_of((7, 1001), g_dtype, gen, 2.0), rows_of((7, 1001), y_dtype, gen)
+        rstd = torch.rand(7, generator=gen) + 0.5
+        dx = torch.empty((7, 1001), dtype=dx_dtype)
+        assert K.norm_bwd_rows(g, y, rstd, dx, kind == "layernorm") == 0
+        assert_same(dx, M.ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype), f"{kind} {g_dtype} {y_dtype} {dx_dtype}")
+    g, y = _spread((1, 32768), gen), rows_of((1, 32768), torch.float32, gen)
+    check_bwd(g, y, torch.ones(1), kind, torch.float32, f"{kind} one row of 32768")
 
 
 # --------------------------------------------------------------------------------------------------- the forward

@@ -1,5 +1,6 @@
 """One-pass C kernels of the CPU fast path (``LOWMEMBP_BACKEND=cpu``): ReGELU2 / ReSiLU2's 2-bit codes and their
-backward, Mesa's 8-bit quantise and dequantise, the element-wise passes of the MS-norms' backward and their casts.
+backward, Mesa's 8-bit quantise and dequantise, the MS-norms' backward (with a replica of ATen's CPU row sum) and
+their casts.
 
 The package ships ``kernels.c`` as source. The first call compiles it with the system C compiler (``$CC``, else the
 first of :data:`COMPILERS` on the ``PATH``) into a shared library cached under :func:`cache_dir` (named by a hash of
@@ -36,7 +37,7 @@ import torch
 
 __all__ = ["ENV_SWITCH", "COMPILERS", "FLAGS", "cache_dir", "compiler", "library", "build_info", "codes2",
            "check", "slopes2", "quantize8", "dequantize8", "round_to",
-           "norm_prod", "norm_bwd", "cast", "addcmul_fused",
+           "norm_prod", "norm_bwd", "cast", "addcmul_fused", "aten_sum_width", "row_sums", "norm_bwd_rows",
            "mesa_pack8", "PACK8_NAN", "PACK8_AMBIGUOUS", "PACK8_SKIPPED"]
 
 ENV_SWITCH = "LOWMEMBP_CPU_KERNELS"  # "0" turns the C kernels off (the eager ATen ops run instead)
@@ -137,6 +138,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                        ("lmbp_quantize8", [p, i32, i64, i64, i64, p, p, u32, p, i32]),
                        ("lmbp_dequantize8", [p, i64, i64, i64, p, p, p, i32, i32]),
                        ("lmbp_norm_bwd", [p, i32, p, i32, i64, i64, p, p, p, p, i32, i32, i32]),
+                       ("lmbp_norm_bwd_rows", [p, i32, p, i32, i64, i64, p, p, i32, i32, i32, i32, i32]),
                        ("lmbp_cast", [p, i32, i64, p, i32, i32]),
                        ("lmbp_mesa_pack8",
                         [p, i32, i64, i64, i64, p, p, p, p, f32, f32, f32, p, p, p, u32, p, p, i32])):
@@ -144,6 +146,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.argtypes, fn.restype = args, i32
     lib.lmbp_round.argtypes, lib.lmbp_round.restype = [p, i64, p, i32], None
     lib.lmbp_norm_prod.argtypes, lib.lmbp_norm_prod.restype = [p, i32, p, i32, i64, p, p, i32], None
+    lib.lmbp_row_sums.argtypes, lib.lmbp_row_sums.restype = [p, i64, i64, i32, p], None
     return lib
 
 
@@ -323,8 +326,8 @@ def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 # ----------------------------------------------------------------------------------------------- MS-norms
-# The element-wise passes of ``lowmembp.ops.ms_norm.ms_norm_bwd_cpu`` (its row sums stay ATen's) and the casts of
-# ``ms_norm_fwd_cpu``. ``threads`` is the OpenMP team (1 where the caller splits the work over threads itself).
+# ``lowmembp.ops.ms_norm.ms_norm_bwd_cpu``'s backward (whole, or its element-wise passes around ATen's row sums) and
+# the casts of ``ms_norm_fwd_cpu``. ``threads`` is the OpenMP team (1 where the caller splits the work over threads itself).
 def norm_prod(g: torch.Tensor, y: torch.Tensor, prod: torch.Tensor, gcopy: torch.Tensor | None = None,
               threads: int | None = None) -> bool:
     """``prod = fp32(g) * fp32(y)`` element by element (the reference's ``gf * yf``), and ``gcopy = fp32(g)``
@@ -447,3 +450,67 @@ def norm_bwd_passes(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, dx: to
                       None if sg is None else sg.data_ptr(), rp + 4 * r, dp + r * ds, dd, int(fused), team(e - r))
 
     return prod_rows, bwd_rows
+
+
+# ATen's CPU sum of contiguous fp32 rows, as kernels.c's row_sum replicates it for each vector width
+SUM_WIDTHS = (16, 8, 4)  # the lanes of ATen's Vectorized<float>: AVX-512, AVX2 and the default build, NEON
+# rows whose sums the probe compares: short rows (the scalar cascade), every remainder of a vector and of four
+# vectors, and rows long enough for the cascade's second and third levels (16 and 256 groups of four vectors)
+_PROBE_LENGTHS = (*range(1, 70), 100, 255, 256, 257, 768, 1000, 1023, 1024, 1025, 1040, 4096, 4097, 5000,
+                  11008, 16383, 16384, 16400, 20000, 32768)
+
+
+def row_sums(x: torch.Tensor, width: int) -> torch.Tensor | None:
+    """The sums of the rows of contiguous 2-D fp32 ``x`` in the order of ATen's CPU ``sum`` for ``width`` lanes
+    (:data:`SUM_WIDTHS`); None when the library is unavailable."""
+    lib = library()
+    if lib is None:
+        return None
+    if width not in SUM_WIDTHS or x.dim() != 2:
+        raise ValueError(f"row_sums: width must be one of {SUM_WIDTHS} and x 2-D, got {width} and {x.dim()}-D")
+    _check_tensor(x, x.numel(), torch.float32)
+    out = torch.empty(x.shape[0], dtype=torch.float32)
+    lib.lmbp_row_sums(x.data_ptr(), x.shape[0], x.shape[1], width, out.data_ptr())
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def aten_sum_width() -> int | None:
+    """The vector width (:data:`SUM_WIDTHS`) for which :func:`row_sums` gives this torch's CPU ``x.sum(-1)`` bit
+    for bit on contiguous fp32 rows, probed once on rows of many lengths whose values span 60 binades (any other
+    summation order gives other bits); None if no width does or the library is unavailable (the callers then keep
+    ATen's sums)."""
+    if library() is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n in _PROBE_LENGTHS:  # two rows each: ATen sums a single long row on several threads in another order
+        x = torch.randn(2, n, generator=gen) * torch.exp2(torch.randint(-30, 30, (2, n), generator=gen).float())
+        rows.append((x, x.sum(-1)))
+    for width in SUM_WIDTHS:
+        if all(torch.equal(row_sums(x, width).view(torch.int32), want.view(torch.int32)) for x, want in rows):
+            return width
+    return None
+
+
+def norm_bwd_rows(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, dx: torch.Tensor, layernorm: bool,
+                  threads: int | None = None) -> int | None:
+    """The MS-norms' whole backward in one call, row by row over the rows of 2-D ``y``: the reference's ``gf * yf``
+    (and ``gf``), their row sums in ATen's order (:func:`aten_sum_width`), then :func:`norm_bwd`'s dx. Returns 1 if
+    some dx is NaN (its bits are ATen's only by chance), else 0; None when the library is unavailable, ATen's
+    addcmul rounds neither way (:func:`addcmul_fused`) or ATen's sum is not replicated (:func:`aten_sum_width`)."""
+    lib = library()
+    fused, width = addcmul_fused(), aten_sum_width()
+    if lib is None or fused is None or width is None or any(t.dtype not in _DTYPES for t in (g, y, dx)):
+        return None
+    rows, n = y.shape
+    for t in (g, y, dx):
+        _check_tensor(t, rows * n, t.dtype)
+    _check_tensor(rstd, rows, torch.float32)
+    team = _threads(rows * n) if threads is None else threads
+    bits = lib.lmbp_norm_bwd_rows(g.data_ptr(), _DTYPES[g.dtype], y.data_ptr(), _DTYPES[y.dtype], rows, n,
+                                  rstd.data_ptr(), dx.data_ptr(), _DTYPES[dx.dtype], int(layernorm), int(fused),
+                                  width, max(1, min(team, rows)))
+    if bits & 2:
+        raise MemoryError(f"lowmembp.ops.cpu_kernels.norm_bwd_rows: no memory for a scratch row of {n} floats")
+    return bits

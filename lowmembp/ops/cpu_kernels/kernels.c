@@ -12,6 +12,7 @@
  */
 #include <float.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -666,9 +667,10 @@ void lmbp_round(const float *x, int64_t n, void *y, int dtype) {
 }
 
 /* ------------------------------------------------------------------------------ MS-LayerNorm / MS-RMSNorm */
-/* The element-wise passes of the norms' backward (lowmembp.ops.ms_norm.ms_norm_bwd_cpu); their row sums stay ATen's
- * (its summation order decides the bits), between the two passes. One loop per input type pair (a loop with a type
- * switch inside does not vectorise). */
+/* The element-wise passes of the norms' backward (lowmembp.ops.ms_norm.ms_norm_bwd_cpu). Either lmbp_norm_bwd_rows
+ * below runs them row by row with its replica of ATen's row sum, or they run as two passes around ATen's own row sums
+ * (ATen's summation order decides the bits). One loop per input type pair (a loop with a type switch inside does not
+ * vectorise). */
 #define DEFINE_NORM_PROD(NAME, TG, LOADG, TY, LOADY)                                                                   \
     static void NAME(const TG *g, const TY *y, int64_t lo, int64_t hi, float *prod, float *gcopy) {                    \
         int64_t i;                                                                                                     \
@@ -799,6 +801,112 @@ int lmbp_norm_bwd(const void *g, int gdtype, const void *y, int ydtype, int64_t 
         if (r0 < r1) nan |= fn(g, y, r0, r1, n, sgy, sg, rstd, dx, fused);
     }
     return (int)nan;
+}
+
+/* ATen's CPU sum of one contiguous fp32 row (aten/src/ATen/native/cpu/SumKernel.cpp, cascade_sum), bit for bit:
+ * with W the lanes of ATen's Vectorized<float> (16 on AVX-512, 8 on AVX2 and the default build, 4 on NEON) and
+ * n >= W, the row's n / W vectors are summed as 4 interleaved partial sums (ilp 4) of groups of 4 vectors, each
+ * partial cascaded over 4 levels of 2^p groups (p = max(4, ceil(log2(groups)) / 4)); the leftover vectors go into
+ * the first partial, the partials are added in order, then a scalar 0 takes the leftover elements and the lanes in
+ * order. For n < W the same cascade runs on scalars. ATen fills the output with 0 and adds the row's sum to it.
+ * lowmembp.ops.cpu_kernels.aten_sum_width() probes which W (if any) this torch's `sum` matches. ATen sums a single
+ * row of 32768 or more elements on several threads in two passes (another order): the caller keeps such calls. */
+static inline int64_t ceil_log2(int64_t x) { return x <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)x - 1); }
+
+static inline __attribute__((always_inline)) float cascade_sum(const float *x, int64_t n, const int W) {
+    float acc[4][4][16]; /* [level][ilp][lane], W <= 16 lanes used */
+    const int64_t vecs = n / W, size = vecs / 4;
+    int64_t lp = ceil_log2(size) / 4, i = 0, j, v;
+    int k, l;
+    if (lp < 4) lp = 4;
+    const int64_t step = (int64_t)1 << lp, mask = step - 1;
+    for (j = 0; j < 4; j++)
+        for (k = 0; k < 4; k++)
+            for (l = 0; l < W; l++) acc[j][k][l] = 0.0f;
+    while (i + step <= size) {
+        for (j = 0; j < step; j++, i++) {
+            const float *b = x + i * 4 * W;
+            for (k = 0; k < 4; k++)
+                for (l = 0; l < W; l++) acc[0][k][l] += b[k * W + l];
+        }
+        for (j = 1; j < 4; j++) {
+            for (k = 0; k < 4; k++)
+                for (l = 0; l < W; l++) {
+                    acc[j][k][l] += acc[j - 1][k][l];
+                    acc[j - 1][k][l] = 0.0f;
+                }
+            if ((i & (mask << (j * lp))) != 0) break;
+        }
+    }
+    for (; i < size; i++) {
+        const float *b = x + i * 4 * W;
+        for (k = 0; k < 4; k++)
+            for (l = 0; l < W; l++) acc[0][k][l] += b[k * W + l];
+    }
+    for (j = 1; j < 4; j++)
+        for (k = 0; k < 4; k++)
+            for (l = 0; l < W; l++) acc[0][k][l] += acc[j][k][l];
+    for (v = size * 4; v < vecs; v++)
+        for (l = 0; l < W; l++) acc[0][0][l] += x[v * W + l];
+    for (k = 1; k < 4; k++)
+        for (l = 0; l < W; l++) acc[0][0][l] += acc[0][k][l];
+    if (W == 1) return 0.0f + acc[0][0][0];
+    float fin = 0.0f;
+    for (v = vecs * W; v < n; v++) fin += x[v];
+    for (l = 0; l < W; l++) fin += acc[0][0][l];
+    return 0.0f + fin;
+}
+
+/* ATen's sum of a contiguous row of n fp32 values for `width` (4, 8 or 16) lanes: the scalar cascade below width */
+static float row_sum(const float *x, int64_t n, int width) {
+    if (n < width) return cascade_sum(x, n, 1);
+    if (width == 16) return cascade_sum(x, n, 16);
+    if (width == 8) return cascade_sum(x, n, 8);
+    return cascade_sum(x, n, 4);
+}
+
+/* out[r] = ATen's sum of row r of `rows` contiguous rows of n fp32 values (the probe's and the tests' entry) */
+void lmbp_row_sums(const float *x, int64_t rows, int64_t n, int width, float *out) {
+    for (int64_t r = 0; r < rows; r++) out[r] = row_sum(x + r * n, n, width);
+}
+
+static const int DT_SIZE[3] = {4, 2, 2};
+
+/* The whole backward of the norms, row by row (lowmembp.ops.ms_norm.ms_norm_bwd_cpu): the products g·y (and
+ * LayerNorm's fp32 copy of a 16-bit g) of one row into a scratch row that stays in the core's cache, their sums as
+ * ATen's `sum` orders them for `width` lanes (row_sum), then the row's dx as lmbp_norm_bwd writes it. Rows are split
+ * over an OpenMP team of `threads`. Returns 1 when some dx is NaN (the caller recomputes), 2 when the scratch rows
+ * could not be allocated (nothing useful written), else 0. */
+int lmbp_norm_bwd_rows(const void *g, int gdtype, const void *y, int ydtype, int64_t rows, int64_t n,
+                       const float *rstd, void *dx, int dxdtype, int layernorm, int fused, int width, int threads) {
+    norm_prod_fn prod_fn = NORM_PROD[gdtype][ydtype];
+    norm_bwd_fn bwd_fn = NORM_BWD[gdtype][ydtype][dxdtype];
+    const int copy_g = layernorm && gdtype != DT_F32;
+    uint32_t acc = 0;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) reduction(| : acc) if (threads > 1)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        int64_t per = (rows + nt - 1) / nt, r0 = t * per, r1 = r0 + per < rows ? r0 + per : rows;
+        float *prod = r0 < r1 ? (float *)malloc((size_t)(copy_g ? 2 : 1) * (size_t)n * sizeof(float)) : NULL;
+        if (r0 < r1 && prod == NULL) acc |= 2u;
+        float *gcopy = copy_g && prod ? prod + n : NULL;
+        for (int64_t r = r0; prod && r < r1; r++) {
+            const char *gr = (const char *)g + r * n * DT_SIZE[gdtype];
+            const char *yr = (const char *)y + r * n * DT_SIZE[ydtype];
+            char *dr = (char *)dx + r * n * DT_SIZE[dxdtype];
+            prod_fn(gr, yr, 0, n, prod, gcopy);
+            float sgy = row_sum(prod, n, width), sg = 0.0f;
+            if (layernorm) sg = row_sum(copy_g ? gcopy : (const float *)gr, n, width);
+            acc |= bwd_fn(gr, yr, 0, 1, n, &sgy, layernorm ? &sg : NULL, rstd + r, dr, fused);
+        }
+        free(prod);
+    }
+    return (int)acc;
 }
 
 /* y = x converted to `ydtype` (fp16 / bf16 -> fp32 exactly; fp32 -> fp16 / bf16 rounded to nearest even), n
