@@ -327,7 +327,8 @@ def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
 
 # ----------------------------------------------------------------------------------------------- MS-norms
 # The backward of ``lowmembp.ops.ms_norm.ms_norm_bwd_cpu`` (whole, or its element-wise passes around ATen's row
-# sums) and the casts of ``ms_norm_fwd_cpu``. ``threads`` is the OpenMP team (1 where the caller splits the work over threads itself).
+# sums) and the casts of ``ms_norm_fwd_cpu``. ``threads`` is the OpenMP team (1 where the caller splits the work over
+# threads itself).
 def norm_prod(g: torch.Tensor, y: torch.Tensor, prod: torch.Tensor, gcopy: torch.Tensor | None = None,
               threads: int | None = None) -> bool:
     """``prod = fp32(g) * fp32(y)`` element by element (the reference's ``gf * yf``), and ``gcopy = fp32(g)``
