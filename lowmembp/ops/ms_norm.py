@@ -320,11 +320,12 @@ def ms_norm_bwd_cpu(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: 
     kernels = cpu_kernels.library() is not None and cpu_kernels.addcmul_fused() is not None
     one_long_row = y2d.shape[0] == 1 and y2d.numel() >= _ATEN_GRAIN  # ATen sums it over threads in another order
     rstd1d = rstd.reshape(-1).contiguous()
-    if kernels and not one_long_row and cpu_kernels.aten_sum_width() is not None:
-        nan = cpu_kernels.norm_bwd_rows(g2d, y2d, rstd1d, dx, not is_rms)  # the whole backward, row by row
-    elif kernels:
+    nan = None
+    if kernels and not one_long_row:  # the whole backward, row by row; None where ATen's sum is not replicated
+        nan = cpu_kernels.norm_bwd_rows(g2d, y2d, rstd1d, dx, not is_rms)
+    if nan is None and kernels:
         nan = _bwd_kernels(g2d, y2d, rstd1d, is_rms, dx)  # two C passes around ATen's row sums
-    else:
+    elif nan is None:
         nan = _bwd_eager_blocks(g2d, y2d, rstd.reshape(-1, 1), is_rms, dx)
     if nan:
         return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)  # a NaN's bits are ATen's only by chance
