@@ -76,14 +76,30 @@ static inline void thread_range(int64_t n, int t, int nt, int64_t *lo, int64_t *
     if (*hi > n) *hi = n;
 }
 
+/* This OpenMP thread's number t of a team of nt (0 of 1 outside a parallel region or without OpenMP). */
+static inline void team_member(int *t, int *nt) {
+    *t = 0;
+    *nt = 1;
+#ifdef _OPENMP
+    *t = omp_get_thread_num();
+    *nt = omp_get_num_threads();
+#endif
+}
+
 /* This OpenMP thread's range of n elements (the whole of it outside a parallel region or without OpenMP). */
 static inline void team_range(int64_t n, int64_t *lo, int64_t *hi) {
-    int t = 0, nt = 1;
-#ifdef _OPENMP
-    t = omp_get_thread_num();
-    nt = omp_get_num_threads();
-#endif
+    int t, nt;
+    team_member(&t, &nt);
     thread_range(n, t, nt, lo, hi);
+}
+
+/* This OpenMP thread's share [r0, r1) of `rows` whole rows (all of them outside a parallel region). */
+static inline void team_rows(int64_t rows, int64_t *r0, int64_t *r1) {
+    int t, nt;
+    team_member(&t, &nt);
+    int64_t per = (rows + nt - 1) / nt;
+    *r0 = t * per < rows ? t * per : rows;
+    *r1 = *r0 + per < rows ? *r0 + per : rows;
 }
 
 /* The body of an entry point over n elements: the OR of CALL (an expression of lo and hi, the bits it reports)
@@ -792,12 +808,8 @@ int lmbp_norm_bwd(const void *g, int gdtype, const void *y, int ydtype, int64_t 
     if (threads <= 1) return (int)fn(g, y, 0, rows, n, sgy, sg, rstd, dx, fused);
 #pragma omp parallel num_threads(threads) reduction(| : nan)
     {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        int64_t per = (rows + nt - 1) / nt, r0 = t * per, r1 = r0 + per < rows ? r0 + per : rows;
+        int64_t r0, r1;
+        team_rows(rows, &r0, &r1);
         if (r0 < r1) nan |= fn(g, y, r0, r1, n, sgy, sg, rstd, dx, fused);
     }
     return (int)nan;
@@ -886,12 +898,8 @@ int lmbp_norm_bwd_rows(const void *g, int gdtype, const void *y, int ydtype, int
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads) reduction(| : acc) if (threads > 1)
     {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        int64_t per = (rows + nt - 1) / nt, r0 = t * per, r1 = r0 + per < rows ? r0 + per : rows;
+        int64_t r0, r1;
+        team_rows(rows, &r0, &r1);
         float *prod = r0 < r1 ? (float *)malloc((size_t)(copy_g ? 2 : 1) * (size_t)n * sizeof(float)) : NULL;
         if (r0 < r1 && prod == NULL) acc |= 2u;
         float *gcopy = copy_g && prod ? prod + n : NULL;
