@@ -422,8 +422,11 @@ def _out_dtype(x: torch.Tensor, mode: str = "auto") -> torch.dtype:
 
 
 def _no_autocast(t: torch.Tensor):
+    """A context with autocast off for t's device (nothing to enter where it is off already: a cheaper call)."""
     dev = t.device.type
-    return torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else contextlib.nullcontext()
+    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
+        return torch.autocast(dev, enabled=False)
+    return contextlib.nullcontext()
 
 
 _OP_NAME = {"layernorm": "ms_layer_norm", "rmsnorm": "ms_rms_norm"}
