@@ -4,10 +4,11 @@ Rule: Triton for CUDA tensors, the PyTorch reference for everything else. The en
 ``LOWMEMBP_BACKEND`` forces one: ``triton`` (also on CPU tensors, which works only under Triton's interpreter,
 ``TRITON_INTERPRET=1`` set before triton is imported), ``torch`` (the reference) or ``cpu``: the CPU fast path (the
 reference's arithmetic, bit for bit equal to it; CPU tensors only): one-pass C kernels for the approximate
-activations' codes and Mesa's quantiser, C passes around ATen's row sums for the norms (:mod:`lowmembp.ops.cpu_kernels`,
-compiled on first use; eager ATen ops where no C compiler is found). The fast path is opt-in: its temporaries make
-a real CPU step's peak differ from the reference's (and so from the fake-tensor estimate), and MS-LayerNorm stays
-slower than ``F.layer_norm`` (docs/performance/cpu.md).
+activations' codes and Mesa's quantiser, the norms' backward in one C call with ATen's row-sum order replicated
+(:mod:`lowmembp.ops.cpu_kernels`, compiled on first use; eager ATen ops where no C compiler is found). The fast path
+is opt-in: its temporaries make a real CPU step's peak differ from the reference's (and so from the fake-tensor
+estimate), and MS-LayerNorm's forward stays ATen's fp32 norm, slower than ``F.layer_norm`` in bf16
+(docs/performance/cpu.md).
 """
 from __future__ import annotations
 
