@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lowmembp.ops.backend import (CPU_BLOCK, backend_for, check_float_input, cpu_block, cpu_parallel, eager_cpu,
+from lowmembp.ops.backend import (CPU_BLOCK, backend_for, check_float_input, cpu_block, cpu_parallel, eager_backend,
                                refuse_functorch_transforms)
 from lowmembp.ops import cpu_kernels
 from lowmembp.ops.approx_table import REGELU2_A, REGELU2_C, RESILU2_A, RESILU2_C, TABLE
@@ -621,7 +621,7 @@ def _fwd_triton(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
             NEG_ZERO=kind in _NEG_ZERO, UNBOUNDED=kind in _UNBOUNDED, WRITE_CODES=with_codes, BLOCK=block,
             num_warps=warps)
     if with_codes:
-        packed[nbytes] = flag[0]
+        packed.narrow(0, nbytes, 1).copy_(flag)  # the flag byte (int32 -> uint8: 0..3)
     return y, packed
 
 
@@ -662,18 +662,29 @@ def backward_triton(dy: torch.Tensor, packed: torch.Tensor, kind=_GELU, bits: in
 
 
 # ------------------------------------------------------------------------------------------------- the custom ops
+def _fwd_on(backend: str, x: torch.Tensor, kind: str, thresholds, with_codes: bool):
+    """The forward on ``backend`` (``lowmembp.ops.backend.backend_for``): (y, packed codes + flag byte)."""
+    if backend == "triton":
+        return _fwd_triton(x, kind, thresholds, with_codes)
+    if backend == "cpu":
+        return _fwd_cpu(x, kind, thresholds, with_codes)
+    return _fwd_reference(x, kind, thresholds, with_codes)
+
+
+def _bwd_on(backend: str, dy: torch.Tensor, packed: torch.Tensor, slopes) -> torch.Tensor:
+    """The backward on ``backend``: ``dx = dy · s[code]``."""
+    if backend == "triton":
+        return _bwd_triton(dy, packed, slopes)
+    if backend == "cpu":
+        return _bwd_cpu(dy, packed, slopes)
+    return _bwd_reference(dy, packed, slopes)
+
+
 @torch.library.custom_op("lowmembp::approx_act_fwd", mutates_args=())
 def _approx_act_fwd(x: torch.Tensor, kind: str, thresholds: list[float], slopes: list[float],
                     with_codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(exact activation, packed codes + flag byte). ``slopes`` is unused here; the autograd formula reads it."""
-    backend = backend_for(x)
-    if backend == "triton":
-        y, packed = _fwd_triton(x, kind, thresholds, with_codes)
-    elif backend == "cpu":
-        y, packed = _fwd_cpu(x, kind, thresholds, with_codes)
-    else:
-        y, packed = _fwd_reference(x, kind, thresholds, with_codes)
-    return y, packed
+    return _fwd_on(backend_for(x), x, kind, thresholds, with_codes)
 
 
 @_approx_act_fwd.register_fake
@@ -687,12 +698,7 @@ def _(x, kind, thresholds, slopes, with_codes):
 @torch.library.custom_op("lowmembp::approx_act_bwd", mutates_args=())
 def _approx_act_bwd(dy: torch.Tensor, packed: torch.Tensor, slopes: list[float]) -> torch.Tensor:
     """``dx = dy · s[code]`` (slopes fp32-rounded, 2**bits of them)."""
-    backend = backend_for(dy)
-    if backend == "triton":
-        return _bwd_triton(dy, packed, slopes)
-    if backend == "cpu":
-        return _bwd_cpu(dy, packed, slopes)
-    return _bwd_reference(dy, packed, slopes)
+    return _bwd_on(backend_for(dy), dy, packed, slopes)
 
 
 @_approx_act_bwd.register_fake
@@ -724,23 +730,24 @@ torch.library.register_autograd("lowmembp::approx_act_fwd", _fwd_backward, setup
 torch.library.register_autograd("lowmembp::approx_act_bwd", _bwd_backward, setup_context=_bwd_setup)
 
 
-class _ApproxActCPU(torch.autograd.Function):
-    """Eager CPU tensors: the CPU fast path without the custom op's dispatch (the same saved bytes and gradient; the
-    backward goes through the custom op when a graph of it is asked for, so double backward works as before)."""
+class _ApproxActEager(torch.autograd.Function):
+    """Eager CPU and CUDA tensors with a kernel backend (``backend.eager_backend``): the kernels without the custom
+    op's dispatch (the same saved bytes and gradient; the backward goes through the custom op when a graph of it is
+    asked for, so double backward works as before)."""
 
     @staticmethod
-    def forward(ctx, x, kind, t32, s32):
-        y, packed = _fwd_cpu(x.detach(), kind, t32, True)
+    def forward(ctx, x, kind, t32, s32, backend):
+        y, packed = _fwd_on(backend, x.detach(), kind, t32, True)
         ctx.save_for_backward(packed)
-        ctx.s32 = s32
+        ctx.s32, ctx.backend = s32, backend
         return y
 
     @staticmethod
     def backward(ctx, dy):
         (packed,) = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: the custom op, whose own backward is registered
-            return _approx_act_bwd(dy, packed, list(ctx.s32)), None, None, None
-        return _bwd_cpu(dy, packed, ctx.s32), None, None, None
+            return _approx_act_bwd(dy, packed, list(ctx.s32)), None, None, None, None
+        return _bwd_on(ctx.backend, dy, packed, ctx.s32), None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------- functions and modules
@@ -751,10 +758,11 @@ def approx_act(x: torch.Tensor, kind: str = "gelu", bits: int = 2) -> torch.Tens
     refuse_functorch_transforms(x, f"approx_act({kind}, bits={bits})", _EXACT[kind])
     t32, s32 = _consts32(kind, bits)
     with_codes = torch.is_grad_enabled() and x.requires_grad
-    if eager_cpu(x):
+    backend = eager_backend(x)
+    if backend is not None:
         if with_codes:
-            return _ApproxActCPU.apply(x, kind, t32, s32)
-        return _fwd_cpu(x, kind, t32, False)[0]
+            return _ApproxActEager.apply(x, kind, t32, s32, backend)
+        return _fwd_on(backend, x, kind, t32, False)[0]
     return _approx_act_fwd(x, kind, list(t32), list(s32), with_codes)[0]
 
 

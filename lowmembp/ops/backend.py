@@ -41,16 +41,28 @@ def backend_for(x: torch.Tensor) -> str:
     return "triton" if x.device.type == "cuda" and triton_available() else "torch"
 
 
-def eager_cpu(x: torch.Tensor) -> bool:
-    """True where an op may call its CPU fast path without its ``torch.library`` wrapper (whose dispatch costs some
-    hundred microseconds per forward + backward, more than the op itself on small tensors): a plain CPU tensor (not
-    a FakeTensor or other subclass), in eager mode (not traced by ``torch.compile``), not wrapped by ``torch.func``,
-    with the CPU fast path selected. Everywhere else the custom op runs."""
-    if type(x) is not torch.Tensor or x.device.type != "cpu" or torch.compiler.is_compiling():
-        return False
+def eager_backend(x: torch.Tensor) -> str | None:
+    """The backend an op may call directly, through a plain ``torch.autograd.Function`` rather than its
+    ``torch.library`` custom op, or None where the custom op must run.
+
+    The custom op's dispatch costs some hundred microseconds of Python per forward + backward: on the CPU more than
+    the op itself on small tensors, on a GPU more than the kernel (the host then falls behind the device, and a
+    training step waits on it). So where nothing needs the custom op: a plain CPU or CUDA tensor (not a FakeTensor or
+    other subclass, not on the meta device), in eager mode (not traced by ``torch.compile``), not wrapped by
+    ``torch.func``, and a backend that is a kernel: ``"triton"`` (CUDA tensors, or CPU tensors under Triton's
+    interpreter) or ``"cpu"`` (the CPU fast path). The PyTorch reference keeps the custom op (the oracle, one code
+    path); so does everything traced or fake."""
+    if type(x) is not torch.Tensor or torch.compiler.is_compiling():
+        return None
+    dev = x.device.type
+    if dev != "cuda" and dev != "cpu":
+        return None
     from lowmembp._compat import functorch_unwrap_grad_tracking
     inner, grad_tracking = functorch_unwrap_grad_tracking(x)
-    return inner is x and not grad_tracking and backend_for(x) == "cpu"
+    if inner is not x or grad_tracking:
+        return None
+    backend = backend_for(x)
+    return backend if backend != "torch" else None
 
 
 def triton_available() -> bool:

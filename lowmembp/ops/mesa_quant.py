@@ -71,7 +71,7 @@ from lowmembp.ops.backend import (
     check_float_input,
     cpu_block,
     cpu_parallel,
-    eager_cpu,
+    eager_backend,
     is_shape_only,
 )
 from lowmembp._compat import unset_fake_temporarily
@@ -203,8 +203,9 @@ def quantize(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, inner: in
     scale = 255.0 / alpha  # [G], fresh and contiguous
     step = alpha / 255.0
     beta = beta.detach().float().clone()
-    if eager_cpu(x):  # the CPU fast path without the custom op's dispatch
-        codes = quantize_cpu(x.detach().contiguous(), scale, beta, inner, groups, int(seed))
+    backend = eager_backend(x)
+    if backend is not None:  # a kernel without the custom op's dispatch
+        codes = _quantize_on(backend, x.detach().contiguous(), scale, beta, inner, groups, int(seed))
         return QTensor(codes, step, beta, inner, groups, x.dtype)
     codes = _mesa_quantize_op(x.detach(), scale, beta, inner, groups, seed)
     return QTensor(codes, step, beta, inner, groups, x.dtype)
@@ -212,8 +213,9 @@ def quantize(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, inner: in
 
 def dequantize(qt: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x̂ = q·step + β`` per group, in ``dtype`` (default: the dtype that was quantised)."""
-    if eager_cpu(qt.codes):  # the CPU fast path without the custom op's dispatch
-        return dequantize_cpu(qt.codes.contiguous(), qt.step, qt.beta, qt.inner, qt.groups, dtype or qt.dtype)
+    backend = eager_backend(qt.codes)
+    if backend is not None:  # a kernel without the custom op's dispatch
+        return _dequantize_on(backend, qt.codes.contiguous(), qt.step, qt.beta, qt.inner, qt.groups, dtype or qt.dtype)
     return _mesa_dequantize_op(qt.codes, qt.step, qt.beta, qt.inner, qt.groups, dtype or qt.dtype)
 
 
@@ -221,14 +223,7 @@ def dequantize(qt: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 def _mesa_quantize_op(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
                       seed: torch.Tensor) -> torch.Tensor:
     """uint8 codes of x (x's shape): Triton or the reference; ``seed`` a 0-d integer tensor (any device)."""
-    xc = x.contiguous()
-    s = int(seed)  # a CPU tensor: no device synchronisation
-    backend = backend_for(x)
-    if backend == "triton":
-        return _quantize_triton(xc, scale, beta, inner, groups, s)
-    if backend == "cpu":
-        return quantize_cpu(xc, scale, beta, inner, groups, s)
-    return quantize_ref(xc, scale, beta, inner, groups, s)
+    return _quantize_on(backend_for(x), x.contiguous(), scale, beta, inner, groups, int(seed))  # seed: a CPU tensor
 
 
 @_mesa_quantize_op.register_fake
@@ -240,12 +235,7 @@ def _(x, scale, beta, inner, groups, seed):
 def _mesa_dequantize_op(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
                         dtype: torch.dtype) -> torch.Tensor:
     """``q·step[g] + β[g]`` in ``dtype`` (codes' shape)."""
-    backend = backend_for(codes)
-    if backend == "triton":
-        return _dequantize_triton(codes.contiguous(), step, beta, inner, groups, dtype)
-    if backend == "cpu":
-        return dequantize_cpu(codes.contiguous(), step, beta, inner, groups, dtype)
-    return dequantize_ref(codes.contiguous(), step, beta, inner, groups, dtype)
+    return _dequantize_on(backend_for(codes), codes.contiguous(), step, beta, inner, groups, dtype)
 
 
 @_mesa_dequantize_op.register_fake
@@ -566,6 +556,24 @@ def _dequantize_triton(codes, step, beta, inner, groups, dtype):
     return out
 
 
+def _quantize_on(backend: str, x, scale, beta, inner, groups, seed: int) -> torch.Tensor:
+    """Quantise on ``backend`` (``lowmembp.ops.backend.backend_for``); x contiguous."""
+    if backend == "triton":
+        return _quantize_triton(x, scale, beta, inner, groups, seed)
+    if backend == "cpu":
+        return quantize_cpu(x, scale, beta, inner, groups, seed)
+    return quantize_ref(x, scale, beta, inner, groups, seed)
+
+
+def _dequantize_on(backend: str, codes, step, beta, inner, groups, dtype) -> torch.Tensor:
+    """Dequantise on ``backend``; codes contiguous."""
+    if backend == "triton":
+        return _dequantize_triton(codes, step, beta, inner, groups, dtype)
+    if backend == "cpu":
+        return dequantize_cpu(codes, step, beta, inner, groups, dtype)
+    return dequantize_ref(codes, step, beta, inner, groups, dtype)
+
+
 # ------------------------------------------------------------------------------------------------------ the module
 class EMAQuantizer(nn.Module):
     """Holds one tensor site's EMA ranges (buffers ``alpha``, ``beta``, ``count``; not in the state dict).
@@ -625,7 +633,7 @@ class EMAQuantizer(nn.Module):
     def _fusable(self, x: torch.Tensor) -> bool:
         """Whether :meth:`_pack_cpu` may run: a plain eager CPU tensor on the CPU fast path, fp32 CPU ranges, int64
         counters, and no data-parallel group of more than one process (whose statistics are all-reduced)."""
-        if not eager_cpu(x) or x.numel() == 0 or x.dtype not in SUPPORTED_FLOAT_DTYPES:
+        if eager_backend(x) != "cpu" or x.numel() == 0 or x.dtype not in SUPPORTED_FLOAT_DTYPES:
             return False
         buf = self._buffers  # (not Module.__getattr__: this runs on every call)
         a, b, c, k = buf["alpha"], buf["beta"], buf["count"], buf["skipped"]

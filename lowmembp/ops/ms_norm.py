@@ -54,7 +54,7 @@ import math
 import torch
 from torch import nn
 
-from lowmembp.ops.backend import (CPU_BLOCK, backend_for, check_float_input, cpu_block, cpu_parallel, eager_cpu,
+from lowmembp.ops.backend import (CPU_BLOCK, backend_for, check_float_input, cpu_block, cpu_parallel, eager_backend,
                                refuse_functorch_transforms)
 from lowmembp._compat import fused_rms_norm
 from lowmembp.ops import cpu_kernels
@@ -392,8 +392,24 @@ def ms_norm_bytes(rows: int, n: int, x_dtype: torch.dtype, y_dtype: torch.dtype,
 
 
 # ------------------------------------------------------------------------------------------------- the custom ops
-def _use_triton(x: torch.Tensor, n: int) -> bool:
-    return backend_for(x) == "triton" and n <= MAX_TRITON_N
+def _fwd_impl(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype, backend: str):
+    """The forward on ``backend`` (``backend_for``), autocast off inside: Triton up to :data:`MAX_TRITON_N` columns."""
+    with _no_autocast(x):
+        if backend == "triton" and x.shape[-1] <= MAX_TRITON_N:
+            return ms_norm_fwd_triton(x, kind, eps, out_dtype)
+        if backend == "cpu":
+            return ms_norm_fwd_cpu(x, kind, eps, out_dtype)
+        return ms_norm_fwd_ref(x, kind, eps, out_dtype)
+
+
+def _bwd_impl(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str, dx_dtype: torch.dtype, backend: str):
+    """The backward on ``backend``, autocast off inside."""
+    with _no_autocast(g):
+        if backend == "triton" and y.shape[-1] <= MAX_TRITON_N and rstd.dtype == torch.float32:
+            return ms_norm_bwd_triton(g, y, rstd, kind, dx_dtype)
+        if backend == "cpu":
+            return ms_norm_bwd_cpu(g, y, rstd, kind, dx_dtype)
+        return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
 
 
 def check_out_dtype(out_dtype: str, where: str = "ms_norm") -> str:
@@ -436,12 +452,7 @@ _OP_NAME = {"layernorm": "ms_layer_norm", "rmsnorm": "ms_rms_norm"}
 def _ms_norm_fwd_op(x: torch.Tensor, kind: str, eps: float,
                     out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(y in out_dtype, rstd [rows] fp32): Triton or the reference, autocast off inside."""
-    with _no_autocast(x):
-        if _use_triton(x, x.shape[-1]):
-            return ms_norm_fwd_triton(x, kind, eps, out_dtype)
-        if backend_for(x) == "cpu":
-            return ms_norm_fwd_cpu(x, kind, eps, out_dtype)
-        return ms_norm_fwd_ref(x, kind, eps, out_dtype)
+    return _fwd_impl(x, kind, eps, out_dtype, backend_for(x))
 
 
 @_ms_norm_fwd_op.register_fake
@@ -457,12 +468,7 @@ def _(x, kind, eps, out_dtype):
 def _ms_norm_bwd_op(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str,
                     dx_dtype: torch.dtype) -> torch.Tensor:
     """dx from the output y and rstd (docs/design.md#ms-norms)."""
-    with _no_autocast(g):
-        if _use_triton(g, y.shape[-1]) and rstd.dtype == torch.float32:
-            return ms_norm_bwd_triton(g, y, rstd, kind, dx_dtype)
-        if backend_for(g) == "cpu":
-            return ms_norm_bwd_cpu(g, y, rstd, kind, dx_dtype)
-        return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
+    return _bwd_impl(g, y, rstd, kind, dx_dtype, backend_for(g))
 
 
 @_ms_norm_bwd_op.register_fake
@@ -499,26 +505,24 @@ torch.library.register_autograd("lowmembp::ms_norm_fwd", _fwd_backward, setup_co
 torch.library.register_autograd("lowmembp::ms_norm_bwd", _bwd_backward, setup_context=_bwd_setup)
 
 
-class _MSNormCPU(torch.autograd.Function):
-    """Eager CPU tensors: the CPU fast path without the custom op's dispatch (the same saved tensors, y itself and
-    rstd, and the same gradient; a graph of the backward goes through the custom op, which refuses double
-    backward as before)."""
+class _MSNormEager(torch.autograd.Function):
+    """Eager CPU and CUDA tensors with a kernel backend (``backend.eager_backend``): the kernels without the custom
+    op's dispatch (the same saved tensors, y itself and rstd, and the same gradient; a graph of the backward goes
+    through the custom op, which refuses double backward as before)."""
 
     @staticmethod
-    def forward(ctx, x, kind, eps, out_dtype):
-        with _no_autocast(x):
-            y, rstd = ms_norm_fwd_cpu(x.detach(), kind, eps, out_dtype)
+    def forward(ctx, x, kind, eps, out_dtype, backend):
+        y, rstd = _fwd_impl(x.detach(), kind, eps, out_dtype, backend)
         ctx.save_for_backward(y, rstd)
-        ctx.kind, ctx.x_dtype = kind, x.dtype
+        ctx.kind, ctx.x_dtype, ctx.backend = kind, x.dtype, backend
         return y
 
     @staticmethod
     def backward(ctx, g):
         y, rstd = ctx.saved_tensors
         if torch.is_grad_enabled():
-            return _ms_norm_bwd_op(g, y, rstd, ctx.kind, ctx.x_dtype), None, None, None
-        with _no_autocast(g):
-            return ms_norm_bwd_cpu(g, y, rstd, ctx.kind, ctx.x_dtype), None, None, None
+            return _ms_norm_bwd_op(g, y, rstd, ctx.kind, ctx.x_dtype), None, None, None, None
+        return _bwd_impl(g, y, rstd, ctx.kind, ctx.x_dtype, ctx.backend), None, None, None, None
 
 
 def _ms_norm(x: torch.Tensor, eps: float, kind: str, op: str, out_dtype: str = "auto") -> torch.Tensor:
@@ -531,11 +535,11 @@ def _ms_norm(x: torch.Tensor, eps: float, kind: str, op: str, out_dtype: str = "
         raise ValueError(f"{op}: eps must be a non-negative float, got {eps}")
     refuse_functorch_transforms(x, op, "torch.nn.functional." + ("layer_norm" if kind == "layernorm" else "rms_norm"))
     dtype = _out_dtype(x, out_dtype)  # read before autocast is switched off for the op itself
-    if eager_cpu(x):
+    backend = eager_backend(x)
+    if backend is not None:
         if torch.is_grad_enabled() and x.requires_grad:
-            return _MSNormCPU.apply(x, kind, eps, dtype)
-        with _no_autocast(x):
-            return ms_norm_fwd_cpu(x, kind, eps, dtype)[0]
+            return _MSNormEager.apply(x, kind, eps, dtype, backend)
+        return _fwd_impl(x, kind, eps, dtype, backend)[0]
     return _ms_norm_fwd_op(x, kind, eps, dtype)[0]
 
 

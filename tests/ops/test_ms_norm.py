@@ -118,7 +118,7 @@ def test_triton_autograd_path_matches_torch_path(monkeypatch, kind, dtype):
     results = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
-        assert ms_norm._use_triton(x, 48) == (backend == "triton")
+        assert (ms_norm.backend_for(x) == "triton") == (backend == "triton")
         xi = x.clone().requires_grad_(True)
         y = FN[kind](xi)
         (y.float() * torch.arange(48.0)).sum().backward()  # a non-uniform, broadcast (stride-0) upstream gradient
@@ -295,7 +295,7 @@ def test_cuda_kernels_match_reference(kind, dtype, shape):
     dx_t = ms_norm_bwd_triton(g, y_r, r_r, kind, dtype).double()
     dx_r = ms_norm_bwd_ref(g, y_r, r_r, kind, dtype).double()
     torch.testing.assert_close(dx_t, dx_r, rtol=tol, atol=tol * float(dx_r.abs().max()))
-    assert ms_norm._use_triton(x, shape[1])
+    assert ms_norm.backend_for(x) == "triton" and shape[1] <= ms_norm.MAX_TRITON_N
 
 
 @pytest.mark.gpu
