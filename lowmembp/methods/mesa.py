@@ -105,7 +105,7 @@ def convert(model: nn.Module, *, linears: bool, acts: bool, norms: bool, attenti
             if kind not in _MESA_ACT_KINDS:  # quick_gelu, relu, relu2: no Mesa layer; kept exact
                 continue
             record_swap(layout.base, m)  # lowmembp.methods.export puts it back
-            site.set(MesaAct(kind, groups))
+            site.set(_placed(MesaAct(kind, groups), m, site.owner, layout.base))
             done["act"] += 1
     if norms:
         for site in layout.all_norms():
@@ -141,11 +141,29 @@ def convert(model: nn.Module, *, linears: bool, acts: bool, norms: bool, attenti
     return model
 
 
+def _device_near(*modules: nn.Module) -> torch.device | None:
+    """The device of the first parameter, else buffer, of the first of ``modules`` that has one."""
+    for mod in modules:
+        for t in mod.parameters():
+            return t.device
+        for t in mod.buffers():
+            return t.device
+    return None
+
+
+def _placed(new: nn.Module, *near: nn.Module) -> nn.Module:
+    """``new`` on the device of the modules it joins (``near``, searched in order). MesaAct and the attention's Mesa
+    layers own no weight to take a device from (MesaLinear / MesaLayerNorm / MesaRMSNorm put their range tracker
+    beside their weight): converted after ``model.cuda()``, their EMA buffers would otherwise stay on the CPU."""
+    dev = _device_near(*near)
+    return new if dev is None else new.to(dev)
+
+
 # ---------------------------------------------------------------------------------------------------------- attention
 def _add_attention_modules(attn: nn.Module, heads: int) -> None:
-    attn.mesa_qk = MesaMatMul(heads)
-    attn.mesa_softmax = MesaSoftmax(heads)
-    attn.mesa_av = MesaMatMul(heads)
+    attn.mesa_qk = _placed(MesaMatMul(heads), attn)
+    attn.mesa_softmax = _placed(MesaSoftmax(heads), attn)
+    attn.mesa_av = _placed(MesaMatMul(heads), attn)
 
 
 def _convert_attention(attn: nn.Module, layout, mode: str) -> int:

@@ -299,3 +299,15 @@ def test_ema_lag_clamps_when_activations_grow_and_momentum_zero_follows():
     assert steady < 0.01  # 8-bit noise only (measured 0.3 %)
     assert own_range < 0.01  # measured 0.2 %
     assert lagging > 10 * own_range  # the lagging EMA range clamps the larger values (measured 7.8 %)
+
+
+@pytest.mark.parametrize("name", ["vit", "llama"])
+@pytest.mark.parametrize("method,opts", [("mesa-gelu-ln", {}), ("mesa", {"mesa_attention": "eager"})])
+def test_converted_on_a_device_the_new_layers_stay_there(name, method, opts):
+    """Converted after ``model.to(device)`` (here ``meta``, standing for a GPU), every parameter and buffer is on that
+    device: MesaAct and the attention's Mesa layers have no weight, and their EMA ranges were left on the CPU (the
+    GPU run's fig1 "lora+mesa-gelu-ln": "Expected all tensors to be on the same device ... cuda:0 and cpu")."""
+    model = lowmembp.apply(build(name)[0].to("meta"), method, **opts)
+    stray = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"]
+    assert not stray, stray
+    assert model._mesa_converted["act"] > 0 and (method == "mesa-gelu-ln" or model._mesa_converted["attention"] > 0)
