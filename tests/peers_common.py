@@ -54,9 +54,10 @@ def adapter_pair(name, spec_a, spec_b, options_b=None, **options):
     return a, b, inputs()
 
 
-def assert_same_step(ref, out, batch, tol, loss=loss_of):
+def assert_same_step(ref, out, batch, tol, loss=loss_of, grad_atol=None):
     """The loss and every gradient of ``out`` equal ``ref``'s: ``tol`` relative, of the loss and of the largest
-    gradient (several gradients are 0 up to rounding)."""
+    gradient (several gradients are 0 up to rounding); ``grad_atol``, when given, replaces ``tol`` as the gradients'
+    absolute bound (a fraction of the largest gradient)."""
     loss_ref, loss_out = loss(ref, batch), loss(out, batch)
     torch.testing.assert_close(loss_out, loss_ref, rtol=tol, atol=0)
     loss_ref.backward()
@@ -65,7 +66,7 @@ def assert_same_step(ref, out, batch, tol, loss=loss_of):
     assert g_ref and set(g_ref) == set(g_out)
     scale = max(g.abs().max().item() for g in g_ref.values())
     for k in g_ref:
-        torch.testing.assert_close(g_out[k], g_ref[k], rtol=tol, atol=tol * scale)
+        torch.testing.assert_close(g_out[k], g_ref[k], rtol=tol, atol=(tol if grad_atol is None else grad_atol) * scale)
 
 
 def saved_total(model, batch, loss=loss_of, **autocast):

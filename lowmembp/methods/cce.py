@@ -11,12 +11,15 @@ The package has two implementations (option ``impl``):
 - ``"cce"``: its Triton kernels (CUDA only). The ``B·S × V`` logits are never written to memory: the forward
   computes each token's log-sum-exp block by block in on-chip memory, the backward recomputes the logit blocks and
   skips those whose softmax values are below ``filter_eps`` (``"high"``, the package's default: the input dtype's
-  machine epsilon / 32, 2.4e-4 for bf16 and 3.7e-9 for fp32; ``none``: no filtering, exact to rounding).
+  machine epsilon / 32, 2.4e-4 for bf16 and 3.1e-5 for fp16; ``none``: no filtering).
 - ``"torch_compile"``: ``torch.compile`` of ``F.cross_entropy((e @ cᵀ).float())`` — runs on the CPU (and on CUDA);
   what it keeps is what inductor generates (on the CPU the logits are materialised: exact, without the kernel's
   saving). The first call compiles (~10 s on a CPU).
 - ``"auto"`` (default): ``"cce"`` on CUDA tensors, ``"torch_compile"`` elsewhere. ``impl="cce"`` on a CPU tensor is
-  refused at the first training step with the reason.
+  refused at the first training step with the reason, and so is the kernel (``"cce"``, or ``"auto"`` on CUDA) for a
+  float32 lm_head input: the package's backward kernel takes bf16 / fp16 only (train in bf16 / fp16 or under autocast,
+  or choose ``impl="torch_compile"``). Its gradients are summed block by block in the input dtype (bf16 rounding at
+  each of the ~V/128 vocabulary blocks), so they differ from the plain bf16 model's by more than one rounding.
 
 Needs ``pip install cut-cross-entropy`` (the ``cce`` extra; it needs triton, which torch on Linux brings). Refused
 for models without a causal-LM head, an lm_head with a bias (CCE's classifier is one matrix) or a LoRA adapter on the
@@ -91,6 +94,21 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
+# cut-cross-entropy 25.1.1's backward kernel (cce_backward.py, cce_backward_kernel) asserts "Backwards requires
+# embeddings to be bf16 or fp16": its Triton kernel takes float32 only in the forward (the log-sum-exp).
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_kernel_dtype(dtype: torch.dtype) -> None:
+    """A RuntimeError, saying what to do, where the Triton kernel would get lm_head inputs it cannot differentiate."""
+    if dtype not in KERNEL_DTYPES:
+        raise RuntimeError(f"cce: Cut Cross-Entropy's Triton kernel (impl='cce'; 'auto' picks it on CUDA) computes "
+                           f"gradients for bfloat16 / float16 inputs only (cut-cross-entropy's backward asserts it), "
+                           f"and lm_head's input here is {str(dtype).replace('torch.', '')}. Train in bf16 / fp16 "
+                           f"(model.to(torch.bfloat16), or torch.autocast('cuda', dtype=torch.bfloat16) around the "
+                           f"forward), or use impl='torch_compile' (exact in float32, but it may keep the logits)")
+
+
 def compiles_loss(model: nn.Module) -> bool:
     """True when ``model`` carries ``cce`` whose loss runs ``torch.compile`` off CUDA (``impl`` ``"auto"`` or
     ``"torch_compile"``): a step to measure as a compiled one (a dispatch-mode tracker cannot run its full graph)."""
@@ -117,6 +135,8 @@ class _CCEForward(_ChunkedCEForward):
         dtype = hidden.dtype
         if torch.is_autocast_enabled(hidden.device.type):  # the matmul autocast would run for the lm_head
             dtype = torch.get_autocast_dtype(hidden.device.type)
+        if impl == "cce" and (hidden.requires_grad or weight.requires_grad):
+            check_kernel_dtype(dtype)  # refused before the forward, not by an assert in the backward
         filter_eps = None if self.filter_eps == "none" else self.filter_eps
         with torch.autocast(hidden.device.type, enabled=False):
             loss = linear_cross_entropy(hidden.to(dtype), weight.to(dtype), targets, softcap=self.softcap,

@@ -1,9 +1,13 @@
 """``liger``: Liger-Kernel's own patching of a transformers model (PyPI ``liger-kernel`` 0.8.x; docs/design.md#peers).
 
-Liger replaces, on the model instance, the RMSNorm / LayerNorm, the SwiGLU / GeGLU MLP, the rotary embedding and the
-causal LM's lm_head + cross-entropy (fused linear cross-entropy: the logits are never materialised) with exact Triton
-kernels. We call Liger's own dispatcher (``liger_kernel.transformers._apply_liger_kernel_to_instance``, which picks
+Liger replaces, on the model instance, the RMSNorm / LayerNorm, the SwiGLU / GeGLU MLP and the causal LM's lm_head +
+cross-entropy (fused linear cross-entropy: the logits are never materialised) with exact Triton kernels. We call
+Liger's own dispatcher (``liger_kernel.transformers._apply_liger_kernel_to_instance``, which picks
 ``apply_liger_kernel_to_llama`` / ``_mistral`` / ``_qwen2`` / ... by ``config.model_type``) with Liger's defaults.
+Those functions also rebind names process-wide (``modeling_llama.LlamaRMSNorm``, ``LlamaMLP``,
+``apply_rotary_pos_emb``; ``torch.nn.functional.cross_entropy`` for some families): we restore every such name after
+the call, so no other model — built before or after — changes (Liger's RoPE, which it patches only at module level,
+is therefore not used: the instance keeps transformers' rotary embedding, exact either way).
 
 Refused, with the reason:
 
@@ -58,6 +62,58 @@ def apply_liger(model: nn.Module) -> nn.Module:
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise ValueError(f"liger: Liger-Kernel has no patch for model type {model_type!r} ({type(base).__name__}); "
                          f"it patches: {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}")
-    _apply_liger_kernel_to_instance(model=base)
+    before = _globals_snapshot(base)
+    try:
+        _apply_liger_kernel_to_instance(model=base)
+    finally:
+        _restore_globals(before, base)
     object.__setattr__(model, "_liger", {"model_type": model_type})
     return model
+
+
+def _globals_snapshot(base: nn.Module):
+    """What Liger's ``apply_liger_kernel_to_*`` may rebind beyond the instance: every loaded ``transformers`` module's
+    globals and ``torch.nn.functional``'s (``modeling_llama.LlamaRMSNorm = LigerRMSNorm``, ``LlamaMLP``,
+    ``apply_rotary_pos_emb``, ``nn.functional.cross_entropy``), and the ``forward`` of the classes of the model's own
+    modeling modules (``Llama4ForCausalLM.forward = ...`` even when given an instance)."""
+    import sys
+
+    mods = [m for name, m in list(sys.modules.items())
+            if m is not None and (name == "transformers" or name.startswith("transformers."))]
+    mods.append(torch.nn.functional)
+    module_dicts = [(m, dict(vars(m))) for m in mods]
+    own = {type(m).__module__ for m in base.modules()}
+    classes = {}
+    for name in own:
+        mod = sys.modules.get(name)
+        for v in list(vars(mod).values()) if mod is not None else ():
+            if isinstance(v, type) and v.__module__ == name:
+                classes[v] = v.__dict__.get("forward")
+    return module_dicts, classes
+
+
+def _restore_globals(before, base: nn.Module) -> None:
+    """Undo Liger's process-wide rebinds, so that only ``base`` carries Liger's kernels: without this every model of
+    the family built later in the process (and, through the module-level ``apply_rotary_pos_emb``, every one built
+    before) would silently run Liger's modules — a different model, and Triton kernels on CPU models. A class-level
+    ``forward`` patch of ``base``'s own class moves onto the instance. What Liger patches only at module level (its
+    RoPE, for LLaMA-like models; its plain cross-entropy where that is the default) is therefore not used: those
+    models keep transformers' rotary embedding / loss, exact either way."""
+    import types
+
+    module_dicts, classes = before
+    for m, d in module_dicts:
+        now = vars(m)
+        for k, v in list(now.items()):
+            if k in d and d[k] is not v:
+                setattr(m, k, d[k])
+    for cls, fwd in classes.items():
+        new = cls.__dict__.get("forward")
+        if new is fwd:
+            continue
+        if isinstance(base, cls) and "forward" not in base.__dict__ and new is not None:
+            base.forward = types.MethodType(new, base)
+        if fwd is None:
+            delattr(cls, "forward")
+        else:
+            setattr(cls, "forward", fwd)

@@ -72,3 +72,57 @@ def test_gpu_same_loss_and_gradients(name):
         opt.zero_grad()
         losses.append(float(loss.detach()))
     assert losses[-1] < losses[0]
+
+
+def test_nothing_but_the_instance_changes(monkeypatch):
+    """Liger-Kernel 0.8.5's ``apply_liger_kernel_to_llama(model=...)`` also rebinds module-level names
+    (``modeling_llama.LlamaRMSNorm`` / ``LlamaMLP`` / ``apply_rotary_pos_emb``; ``F.cross_entropy`` and class-level
+    ``forward`` for some families): every LLaMA built later in the process got Liger's modules, and every one built
+    before its Triton RoPE (the GPU run's offload / tokentune LLaMA tests after test_liger failed: an MLP without
+    ``act_fn``, a Triton kernel on a CPU model). lowmembp restores those names; the instance keeps its own patches and
+    a class-level ``forward`` moves onto it. A stand-in for liger_kernel that patches as 0.8.5 does, on the CPU."""
+    import sys
+    import types
+
+    import torch.nn.functional as F
+    from transformers.models.llama import modeling_llama as ml
+
+    from lowmembp.models import get_layout
+
+    names = ("LlamaMLP", "LlamaRMSNorm", "apply_rotary_pos_emb")
+    for name in names:  # whatever happens below, the teardown puts the originals back
+        monkeypatch.setattr(ml, name, getattr(ml, name))
+    monkeypatch.setattr(ml.LlamaForCausalLM, "forward", ml.LlamaForCausalLM.forward)
+    monkeypatch.setattr(F, "cross_entropy", F.cross_entropy)
+    before = {name: getattr(ml, name) for name in names}
+    class_forward, cross_entropy = ml.LlamaForCausalLM.__dict__["forward"], F.cross_entropy
+    old = build("llama")[0]
+
+    def liger_forward(self, *args, **kwargs):
+        return "liger forward"
+
+    def apply_to_instance(model):
+        ml.LlamaMLP = type("LigerSwiGLUMLP", (torch.nn.Module,), {})
+        ml.LlamaRMSNorm = type("LigerRMSNorm", (torch.nn.Module,), {})
+        ml.apply_rotary_pos_emb = lambda *args, **kwargs: 1 / 0
+        ml.LlamaForCausalLM.forward = liger_forward
+        F.cross_entropy = lambda *args, **kwargs: 1 / 0
+        norm = model.model.norm
+        norm.forward = types.MethodType(lambda self, x: x, norm)  # an instance patch: it stays
+
+    fake = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    fake.MODEL_TYPE_TO_APPLY_LIGER_FN = {"llama": None}
+    fake._apply_liger_kernel_to_instance = apply_to_instance
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = lowmembp.apply(build("llama")[0], "liger")
+    assert {name: getattr(ml, name) for name in names} == before
+    assert ml.LlamaForCausalLM.__dict__["forward"] is class_forward and F.cross_entropy is cross_entropy
+    assert model() == "liger forward" and "forward" in model.model.norm.__dict__
+    for m, inputs in ((old, None), build("llama")):  # built before and after: transformers' own, and they run
+        assert type(m.model.layers[0].mlp) is ml.LlamaMLP and "forward" not in m.model.norm.__dict__
+        get_layout(m)
+        if inputs is not None:
+            assert m(**inputs()).logits.isfinite().all()
