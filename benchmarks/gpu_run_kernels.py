@@ -77,7 +77,10 @@ class KernelBench:
         row = dict(op=op, shape=shape_name, dtype=str(dtype).replace("torch.", ""), impl=impl, semantics=semantics,
                    note=note)
         try:
-            xs = [x.detach().requires_grad_() for x in inputs]
+            # copies, never views of ``inputs``: Liger's GeGLU / SwiGLU backward writes the input gradients into the
+            # storage of the inputs it saved (liger_kernel/ops/geglu.py, swiglu.py: ``tl.store(a + ...)``), which
+            # would change the reference's inputs and every later row's
+            xs = [x.detach().clone().requires_grad_() for x in inputs]
             y, saved = _saved_bytes(torch, fn, xs)
             dy = torch.randn_like(y)
             grads = torch.autograd.grad(y, xs, dy.clone())
@@ -97,6 +100,7 @@ class KernelBench:
             row.update(status="ok" if ok else "FAIL", y_err=f"{y_err:.2e}", dx_err=f"{dx_err:.2e}",
                        saved_bytes=saved, saved_bytes_per_element=f"{saved / n:.3f}")
             del y, grads, y_ref, g_ref, ref_in
+            xs = [x.detach().clone().requires_grad_() for x in inputs]  # the timing on the inputs' values
             row["fwd_ms"] = self.time_ms(lambda: fn(*xs))
             y = fn(*xs)
             row["bwd_ms"] = self.time_ms(lambda: torch.autograd.grad(y, xs, dy, retain_graph=True))

@@ -164,6 +164,23 @@ def module_globals_kept(model):
                     restored.append(f"{name.rsplit('.', 1)[-1]}.{k}")
 
 
+def off_device(model, device) -> list[str]:
+    """Names of the parameters and buffers of ``model`` that are not on ``device``'s type: tensors a method created
+    when it was applied to a model already on the GPU and left on the CPU (Mesa's EMA ranges of its activations did:
+    "Expected all tensors to be on the same device")."""
+    import itertools
+
+    import torch
+    kind = torch.device(device).type
+    return [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.device.type != kind]
+
+
+def _stray_note(run, device) -> str:
+    stray = getattr(run, "stray", None) or []
+    return (f"the method left {len(stray)} tensors off {device} ({', '.join(stray[:3])}"
+            f"{', ...' if len(stray) > 3 else ''}); ") if stray else ""
+
+
 class StepRun:
     """One configuration: model, optimizer, batch and its step, built on ``device``."""
 
@@ -182,6 +199,7 @@ class StepRun:
         model = build(spec, layers=cfg.layers, overrides=cfg.overrides, device=device)
         with module_globals_kept(model) as self.restored:
             model = lowmembp.apply(model, cfg.method, **cfg.options)
+        self.stray = off_device(model, device)  # applied after the model is on the device, as a user would
         model.train()
         self.model = model
         self.opt = make_optimizer(model, cfg.optimizer)  # the estimate's optimizer for that name
@@ -252,6 +270,8 @@ class StepRun:
                  resident_bytes=self.resident, measured_how=self.how)
         if self.restored:
             r["note"] = "module globals the method rebound were restored (not used here): " + ", ".join(self.restored)
+        if self.stray:
+            r["note"] = "; ".join(x for x in (_stray_note(self, self.device).rstrip("; "), r.get("note")) if x)
         if not smoke:
             r.update(step_ms_p20=f"{q(0.2):.2f}", step_ms_p50=f"{p50 * 1e3:.2f}", step_ms_p80=f"{q(0.8):.2f}",
                      throughput=f"{units / p50:.1f}", throughput_unit="img/s" if cfg.part == "fig1" else "tokens/s")
@@ -286,6 +306,7 @@ def refusal_status(cfg: StepConfig, e: BaseException) -> str:
 def build_run(cfg: StepConfig, device: str, warmup: int):
     """``(run, None)``: ``cfg`` built and warmed up; or ``(None, row)``: the row saying why not (see
     :func:`refusal_status`; the note carries the exception's message)."""
+    run = None
     try:
         run = StepRun(cfg, device)
         run.warm_up(warmup)
@@ -293,7 +314,8 @@ def build_run(cfg: StepConfig, device: str, warmup: int):
     except Exception as e:
         if os.environ.get("GPU_RUN_TRACEBACKS"):
             traceback.print_exc()
-        return None, dict(_base_row(cfg), status=refusal_status(cfg, e), note=f"{type(e).__name__}: {str(e)[:600]}")
+        return None, dict(_base_row(cfg), status=refusal_status(cfg, e),
+                          note=f"{_stray_note(run, device)}{type(e).__name__}: {str(e)[:600]}")
 
 
 def run_steps(ctx, part: str, sink, deadline: float, warmup: int | None = None, steps: int | None = None) -> dict:
@@ -316,10 +338,11 @@ def run_steps(ctx, part: str, sink, deadline: float, warmup: int | None = None, 
                              note=f"not in lowmembp.list_methods(): {', '.join(missing)}"))
             print(f"  {label}: method not available ({missing})", flush=True)
             continue
-        # room for this build (as long as the longest so far) and the measured rounds of every run, this one's
-        # step as long as the longest so far
+        # room for this build (as long as the longest so far but the first, which also paid the process's one-time
+        # CUDA / cuBLAS / kernel start-up: 18.9 s of LLaMA's first build on the H200, 0.9-7.3 s the later ones) and
+        # the measured rounds of every run, this one's step as long as the longest so far
         longest = max([r.step_s for r in runs] or [0.0])
-        need = max(build_s or [0.0]) + steps * (sum(r.step_s for r in runs) + longest)
+        need = max(build_s[1:] or build_s or [0.0]) + steps * (sum(r.step_s for r in runs) + longest)
         if time.time() + need > deadline:
             rows.append(dict(_base_row(cfg), status="error",
                              note=f"not built: the part's time limit (kept for the {steps} measured rounds of the "

@@ -38,9 +38,12 @@ def write_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
     gc = out / "gpu_check" / "gpu_check.json"
     if gc.is_file():
         try:
-            rows = json.loads(gc.read_text())["rows"]
+            report = json.loads(gc.read_text())
+            rows, meta = report["rows"], report.get("meta") or {}
             bad = [r for r in rows if not r.get("ok")]
-            lines += [f"gpu_check: {len(rows) - len(bad)}/{len(rows)} checks passed (gpu_check/gpu_check.md)"] + \
+            left = "" if meta.get("complete", True) else \
+                f"; INCOMPLETE: not checked {', '.join(meta.get('pending') or []) or '?'} (the part stopped)"
+            lines += [f"gpu_check: {len(rows) - len(bad)}/{len(rows)} checks passed (gpu_check/gpu_check.md){left}"] + \
                      [f"- FAIL {r['op']} {r['dir']} {r['shape']} {r['dtype']}: {r['detail']}" for r in bad[:10]] + [""]
         except Exception as e:
             lines += [f"gpu_check: report unreadable ({e})", ""]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 import time
 import types
@@ -65,15 +66,93 @@ def find_sources(src: str | Path) -> dict:
             "include": str((csrc / "include").resolve())}
 
 
+ARCH_RE = re.compile(r"^(\d+)\.(\d+)(a?)(\+PTX)?$")  # 9.0, 9.0a (sm_90a), 9.0+PTX: torch's TORCH_CUDA_ARCH_LIST entries
+
+
 def arch_of(capability) -> str:
-    """``(9, 0)`` or ``"9.0"`` -> ``"9.0"``: the TORCH_CUDA_ARCH_LIST entry of one compute capability."""
+    """``(9, 0)``, ``"9.0"`` -> ``"9.0"``; ``"9.0a"`` -> ``"9.0a"`` (sm_90a), ``"9.0+PTX"`` kept: the
+    TORCH_CUDA_ARCH_LIST entry of one compute capability, written as torch's ``cpp_extension`` takes it. A list
+    (``"8.0;9.0"``) or a named architecture (``"Hopper"``) is refused: the build is for the one GPU at hand."""
     if isinstance(capability, str):
-        major, _, minor = capability.strip().partition(".")
-    else:
-        major, minor = capability
-    if not str(major).isdigit() or not str(minor or "0").isdigit():
-        raise ValueError(f"compute capability must look like (9, 0) or '9.0', got {capability!r}")
-    return f"{int(major)}.{int(minor or 0)}"
+        m = ARCH_RE.match(capability.strip())
+        if m is None:
+            raise ValueError(f"compute capability must look like (9, 0), '9.0' or '9.0a' (one architecture), "
+                             f"got {capability!r}")
+        major, minor, suffix, ptx = m.groups()
+        return f"{int(major)}.{int(minor)}{suffix}{ptx or ''}"
+    major, minor = capability
+    if not str(major).isdigit() or not str(minor).isdigit():
+        raise ValueError(f"compute capability must look like (9, 0), '9.0' or '9.0a' (one architecture), "
+                         f"got {capability!r}")
+    return f"{int(major)}.{int(minor)}"
+
+
+def capability_of(arch: str) -> str:
+    """``"9.0a"`` / ``"9.0+PTX"`` -> ``"9.0"``: the compute capability an architecture entry builds for."""
+    m = ARCH_RE.match(arch_of(arch))
+    return f"{m.group(1)}.{m.group(2)}"
+
+
+def arch_for_gpu(gpu_capability: str, wanted: str | None = None) -> str:
+    """The one architecture to build the official ops for on a GPU of ``gpu_capability`` (``"9.0"``, nvidia-smi's
+    compute_cap): ``wanted`` (a TORCH_CUDA_ARCH_LIST already set in the environment, e.g. ``"9.0a"``) where it names
+    one architecture of that capability, else the capability itself. benchmarks/gpu_run.py passes the result to the
+    background build (``--arch``) and sets it as TORCH_CUDA_ARCH_LIST of every part, so that the kernels part's
+    ``load`` asks ninja for the very build the background one made (another arch would rebuild it)."""
+    cap = arch_of(gpu_capability)
+    if wanted:
+        try:
+            if capability_of(wanted) == capability_of(cap):
+                return arch_of(wanted)
+        except ValueError:
+            pass
+    return cap
+
+
+def cuda_home(environ=None, which=None) -> str | None:
+    """The CUDA toolkit folder for the build: ``CUDA_HOME`` / ``CUDA_PATH`` when set, else the first folder that holds
+    both ``bin/nvcc`` and ``include/cuda_runtime_api.h`` among: the one above the ``nvcc`` on the path, the one above
+    its real path, ``/usr/local/cuda``, ``/usr/local/cuda-*`` (newest first). torch's own guess is only the folder above
+    the ``nvcc`` on the path: where that ``nvcc`` is a wrapper script (``/usr/local/bin/nvcc`` execing
+    ``/usr/local/cuda-13.0/bin/nvcc``) it takes ``/usr/local``, and the C++ sources miss ``cuda_runtime_api.h``."""
+    import glob
+    import shutil
+    environ = os.environ if environ is None else environ
+    set_ = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
+    if set_:
+        return set_
+    nvcc = (which or shutil.which)("nvcc")
+    found = [os.path.dirname(os.path.dirname(p)) for p in ([nvcc, os.path.realpath(nvcc)] if nvcc else [])]
+    found += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for home in found:
+        if os.path.isfile(os.path.join(home, "bin", "nvcc")) and \
+                os.path.isfile(os.path.join(home, "include", "cuda_runtime_api.h")):
+            return home
+    return None
+
+
+# the CUDA library headers torch's ATen/cuda/CUDAContextLight.h includes (their csrc includes ATen/cuda/CUDAContext.h)
+TORCH_CUDA_HEADERS = ("cuda_runtime_api.h", "cusparse.h", "cublas_v2.h", "cublasLt.h", "cusolverDn.h")
+
+
+def header_fallback_dirs(home: str | None, search: list[str] | None = None) -> list[str]:
+    """Include folders of the pip CUDA packages (``nvidia/cu13/include``, ``nvidia/cusparse/include``, ...) holding
+    the :data:`TORCH_CUDA_HEADERS` that ``home/include`` lacks (a toolkit with nvcc and the runtime only); [] when it
+    has them all. They go after the toolkit's own folder (``-isystem``, searched after torch's ``-isystem
+    CUDA_HOME/include``), so they only fill the gaps."""
+    inc = os.path.join(home or "", "include")
+    missing = [h for h in TORCH_CUDA_HEADERS if not os.path.isfile(os.path.join(inc, h))]
+    if not missing:
+        return []
+    if search is None:
+        spec = importlib.util.find_spec("nvidia")
+        search = list(spec.submodule_search_locations or []) if spec is not None else []
+    dirs = []
+    for root in search:
+        for d in sorted(Path(root).glob("*/include")):
+            if any((d / h).is_file() for h in missing) and str(d) not in dirs:
+                dirs.append(str(d))
+    return dirs
 
 
 def build_env(capability, cpus: int | None = None) -> dict:
@@ -124,13 +203,25 @@ def build(src: str | Path, build_dir: str | Path, capability=None, verbose: bool
             raise OfficialUnavailable("building the official ops needs a CUDA device or a compute capability "
                                       "(--arch 9.0 / TORCH_CUDA_ARCH_LIST), and nvcc")
         capability = torch.cuda.get_device_capability()
-    for k, v in build_env(capability).items():
+    try:
+        env = build_env(capability)
+    except ValueError as e:
+        raise OfficialUnavailable(str(e)) from e
+    for k, v in env.items():
         if k == "TORCH_CUDA_ARCH_LIST" or k not in os.environ:
             os.environ[k] = v
+    home = cuda_home()
+    if home and not os.environ.get("CUDA_HOME"):
+        os.environ["CUDA_HOME"] = home  # read when torch.utils.cpp_extension is first imported
+    for d in header_fallback_dirs(home):  # the same in every process: a later load reuses the build
+        kw["extra_cflags"] = kw["extra_cflags"] + ["-isystem", d]
+        kw["extra_cuda_cflags"] = kw["extra_cuda_cflags"] + ["-isystem", d]
     Path(kw["build_directory"]).mkdir(parents=True, exist_ok=True)
     try:
-        from torch.utils.cpp_extension import load
-        return load(**kw)
+        from torch.utils import cpp_extension
+        if home and cpp_extension.CUDA_HOME != home:  # imported earlier with torch's own guess
+            cpp_extension.CUDA_HOME = home
+        return cpp_extension.load(**kw)
     except Exception as e:  # nvcc missing, a compile error: say so, with the build folder for the log
         raise OfficialUnavailable(f"building the official ops failed ({type(e).__name__}: {str(e)[-600:]}); build "
                                   f"folder {kw['build_directory']}") from e
@@ -291,6 +382,8 @@ def main(argv=None) -> int:
     p.add_argument("--arch", default=None, help="compute capability, e.g. 9.0 (default: the current GPU's)")
     a = p.parse_args(argv)
     t = time.perf_counter()
+    print(f"official_lomem: building for {a.arch or os.environ.get('TORCH_CUDA_ARCH_LIST') or 'the current GPU'}, "
+          f"CUDA_HOME {cuda_home()}, MAX_JOBS {os.environ.get('MAX_JOBS', 'default')}", flush=True)
     try:
         build(a.src, a.build_dir, capability=a.arch, verbose=True)
     except OfficialUnavailable as e:

@@ -138,7 +138,8 @@ def test_cpu_smoke_writes_every_file_with_its_columns(tmp_path):
     assert machine["smoke"] is True and "--cpu-smoke" in machine["command"]
     assert set(gpu_run.PARTS) | {"estimates"} == set(machine["parts"])
     assert all(p["status"] == "ok" for p in machine["parts"].values()), machine["parts"]
-    assert json.loads((out / "gpu_check" / "gpu_check.json").read_text())["rows"]
+    gc = json.loads((out / "gpu_check" / "gpu_check.json").read_text())
+    assert gc["rows"] and gc["meta"]["complete"] is True and gc["meta"]["pending"] == []
     assert "collected" in (out / "pytest_gpu.txt").read_text()
     assert "CPU DRY RUN" in (out / "summary.md").read_text()
     # the paper's Fig. 1 values stand beside the rows of their setting (LoRA on q, v: qkv) only
@@ -275,14 +276,73 @@ def test_build_command_of_the_official_ops(tmp_path):
     assert official.cxx_standard(header) == "-std=c++17"
     assert official.build_env((9, 0), cpus=16) == {"TORCH_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": "8"}
     assert official.build_env("8.6", cpus=2)["TORCH_CUDA_ARCH_LIST"] == "8.6"
-    with pytest.raises(ValueError, match="compute capability"):
-        official.arch_of("sm90")
+    for bad in ("sm90", "8.0;9.0", "Hopper", "9.0b", "9", ""):
+        with pytest.raises(ValueError, match="compute capability"):
+            official.arch_of(bad)
     with pytest.raises(official.OfficialUnavailable, match="prepare_gpu_run.sh"):
         official.build_kwargs(tmp_path / "nothing", tmp_path / "build")
     for f in (pkg / "csrc").glob("*.cu"):
         f.unlink()
     with pytest.raises(official.OfficialUnavailable, match="no .cu"):
         official.find_sources(pkg)
+
+
+def test_architecture_with_a_suffix_as_torch_takes_it(monkeypatch, tmp_path):
+    """'9.0a' (sm_90a: the H200 image's TORCH_CUDA_ARCH_LIST) is one architecture of compute capability 9.0: the
+    background build (--arch) and the kernels part's load (TORCH_CUDA_ARCH_LIST) ask for the same one, as torch's
+    cpp_extension spells it."""
+    assert official.arch_of("9.0a") == "9.0a" and official.arch_of(" 9.0a ") == "9.0a"
+    assert official.arch_of("9.0+PTX") == "9.0+PTX" and official.arch_of("10.0a") == "10.0a"
+    assert official.build_env("9.0a", cpus=16)["TORCH_CUDA_ARCH_LIST"] == "9.0a"
+    assert official.capability_of("9.0a") == official.capability_of("9.0+PTX") == "9.0"
+    assert official.arch_for_gpu("9.0", "9.0a") == "9.0a"  # the environment's, where it is this GPU's
+    assert official.arch_for_gpu("9.0", None) == official.arch_for_gpu("9.0", "") == "9.0"
+    assert official.arch_for_gpu("9.0", "8.0") == "9.0"  # another GPU's: sm_80 code does not run on sm_90
+    assert official.arch_for_gpu("9.0", "8.0;9.0") == official.arch_for_gpu("9.0", "Hopper") == "9.0"
+    try:  # torch turns it into its own -gencode flags (the build's); here with the installed torch
+        from torch.utils.cpp_extension import _get_cuda_arch_flags
+    except ImportError:
+        _get_cuda_arch_flags = None
+    if _get_cuda_arch_flags is not None:
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", official.arch_of("9.0a"))
+        assert _get_cuda_arch_flags() == ["-gencode=arch=compute_90a,code=sm_90a"]
+    # gpu_run sets it for every part from nvidia-smi's compute capability and the environment
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    assert "TORCH_CUDA_ARCH_LIST=9.0a" in gpu_run.set_build_arch("9.0")
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;8.6")
+    gpu_run.set_build_arch("9.0")
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"
+    # an arch the build cannot take is its refusal (OfficialUnavailable: rc 1 with the reason), not a traceback
+    pkg = _fake_lomem(tmp_path / "repo", with_python=False)
+    with pytest.raises(official.OfficialUnavailable, match="compute capability"):
+        official.build(pkg, tmp_path / "build", capability="sm_90")
+
+
+def test_cuda_home_is_the_toolkit_behind_a_wrapper_nvcc(tmp_path):
+    """torch guesses CUDA_HOME as the folder above the nvcc on the path: /usr/local for a /usr/local/bin/nvcc wrapper
+    script, whose include/ lacks cuda_runtime_api.h. The build takes the toolkit folder that has nvcc and the
+    headers; pip's CUDA headers fill only what a toolkit lacks."""
+    wrapper = tmp_path / "local" / "bin" / "nvcc"
+    toolkit = tmp_path / "cuda-13.0"
+    for f in (wrapper, toolkit / "bin" / "nvcc", toolkit / "include" / "cuda_runtime_api.h"):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("")
+    (tmp_path / "local" / "include").mkdir()
+    assert official.cuda_home({"CUDA_HOME": "/x"}, lambda _: str(wrapper)) == "/x"
+    real = tmp_path / "real" / "bin" / "nvcc"  # a symlink to the toolkit's nvcc: its real path's folder
+    real.parent.mkdir(parents=True)
+    real.symlink_to(toolkit / "bin" / "nvcc")
+    assert official.cuda_home({}, lambda _: str(real)) == str(toolkit)
+    assert official.cuda_home({}, lambda _: str(wrapper)) != str(tmp_path / "local")  # never the wrapper's folder
+    pip = tmp_path / "site" / "nvidia"
+    for d, h in (("cu13", "cusparse.h"), ("cu13", "cublas_v2.h"), ("other", "nothing.h")):
+        (pip / d / "include").mkdir(parents=True, exist_ok=True)
+        (pip / d / "include" / h).write_text("")
+    assert official.header_fallback_dirs(str(toolkit), [str(pip)]) == [str(pip / "cu13" / "include")]
+    for h in official.TORCH_CUDA_HEADERS:
+        (toolkit / "include" / h).write_text("")
+    assert official.header_fallback_dirs(str(toolkit), [str(pip)]) == []
 
 
 def test_stand_in_keeps_their_layouts_and_their_python_is_used(tmp_path):
@@ -323,6 +383,134 @@ def test_a_wrong_kernel_fails_its_row(torch_backend):
     assert bad_y["status"] == "FAIL" and float(bad_y["y_err"]) > 0.04
     assert exact["status"] == "FAIL" and float(exact["dx_err"]) > 0.02  # exact GELU' is not the 2-bit derivative
     assert len(rows) == 3
+
+
+class _GradIntoInputs(torch.autograd.Function):
+    """act(a) * b whose backward writes the input gradients into the saved inputs, as Liger's GeGLU and SwiGLU do
+    (liger_kernel 0.8.5 ops/geglu.py, swiglu.py: ``tl.store(a + col_offsets, da_row)``; the gradients returned are
+    those tensors)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return torch.nn.functional.silu(a.float()).to(a.dtype) * b
+
+    @staticmethod
+    def backward(ctx, dc):
+        a, b = ctx.saved_tensors
+        af = a.float()
+        s = torch.sigmoid(af)
+        da = dc.float() * b.float() * (s + af * s * (1 - s))
+        db = dc.float() * af * s
+        a.copy_(da)
+        b.copy_(db)
+        return a, b
+
+
+def test_a_kernel_that_writes_its_gradients_into_its_inputs_is_checked_on_the_true_inputs():
+    """The GPU run's Liger GeGLU / SwiGLU rows FAILed with errors ~0.9: the row's inputs were views of the shared
+    inputs, Liger's backward overwrote them, and the reference then ran on gradients."""
+    import torch.nn.functional as F
+    rows = []
+    bench = kernels.KernelBench(SimpleNamespace(smoke=True), SimpleNamespace(write=rows.append))
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(4, 64, generator=g) * 3 for _ in range(2)]
+    before = [x.clone() for x in inputs]
+    ref = lambda a, b: F.silu(a) * b  # noqa: E731
+    row = bench.run("swiglu", "t", torch.float32, "liger", "exact", _GradIntoInputs.apply, ref, inputs)
+    assert row["status"] == "ok" and float(row["y_err"]) < 1e-5 and float(row["dx_err"]) < 1e-4, row
+    assert all(torch.equal(x, y) for x, y in zip(inputs, before))  # the next row gets the same inputs
+    again = bench.run("swiglu", "t", torch.float32, "torch", "exact", ref, ref, inputs)
+    assert again["status"] == "ok" and float(again["y_err"]) == 0.0
+
+
+def test_a_peer_fail_is_noted_not_a_failed_part(tmp_path):
+    """kernels: a FAIL of ours or of torch (the exact op), or any row that raised, fails the part; a FAIL of Liger or
+    of the official ops is their comparison's finding, noted in the part's status."""
+    ok = dict(status="ok", impl="ours")
+    assert not gpu_run.kernel_rows_failing([ok, dict(status="skipped", impl="official"),
+                                            dict(status="FAIL", impl="liger"), dict(status="FAIL", impl="official")])
+    for bad in (dict(status="FAIL", impl="ours"), dict(status="FAIL", impl="torch"),
+                dict(status="error", impl="liger")):
+        assert gpu_run.kernel_rows_failing([ok, bad]) == [bad]
+    ctx = _ctx(tmp_path)
+    ctx.out.mkdir(parents=True)
+    sink = gpu_run.CsvSink(ctx.out / "kernels.csv", kernels.COLUMNS)
+    for impl, status in (("ours", "ok"), ("liger", "FAIL"), ("liger", "FAIL"), ("official", "ok")):
+        sink.write(dict(op="geglu", shape="s", dtype="float16", impl=impl, status=status))
+    sink.close()
+    assert gpu_run.part_note("kernels", ctx) == "peer rows FAIL (recorded; not a failure of the part): liger geglu x2"
+    (ctx.out / "gpu_check").mkdir()
+    (ctx.out / "gpu_check" / "gpu_check.json").write_text(json.dumps(
+        {"meta": {"complete": False, "pending": ["mesa_quant"]}, "rows": []}))
+    assert gpu_run.part_note("gpu_check", ctx) == "gpu_check.json incomplete: not checked mesa_quant"
+    (ctx.out / "gpu_check" / "gpu_check.json").write_text(json.dumps({"meta": {"complete": True}, "rows": []}))
+    assert gpu_run.part_note("gpu_check", ctx) == ""
+
+
+def test_gpu_check_report_says_which_ops_it_did_not_reach(tmp_path):
+    """A report written after an op (what a run stopped at its time limit keeps) is marked incomplete."""
+    gpu_check = importlib.import_module("gpu_check")
+    meta = dict(device="d", torch="t", triton="t", commit="c", when="w", seconds=1.0, smoke=True, complete=False,
+                pending=["mesa_quant"])
+    gpu_check.write_report(tmp_path, meta, [])
+    assert "**Incomplete**: not checked (the run stopped before them): mesa_quant" in \
+        (tmp_path / "gpu_check.md").read_text()
+    gpu_check.write_report(tmp_path, dict(meta, complete=True, pending=[]), [])
+    assert "Incomplete" not in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_every_step_method_applied_on_the_device_keeps_its_tensors_there():
+    """The step harness builds each model on its device, then applies the method (as a user who moved the model
+    first would): every parameter and buffer must be on that device. Here ``meta`` stands for the GPU. The GPU run's
+    fig1 "lora+mesa-gelu-ln" failed so ("Expected all tensors to be on the same device ... cuda:0 and cpu"): Mesa's
+    activation layers kept their EMA ranges on the CPU."""
+    import lowmembp
+    from lowmembp.estimator.step import MODELS, build
+
+    seen = set()
+    for cfg in steps.step_configs(True):
+        if cfg.method in seen or {"liger", "cce"} & set(cfg.method.split("+")):  # CUDA-only kernels: refused here
+            continue
+        seen.add(cfg.method)
+        model = build(MODELS[cfg.model], layers=cfg.layers, overrides=cfg.overrides, device="meta")
+        model = lowmembp.apply(model, cfg.method, **cfg.options)
+        assert steps.off_device(model, "meta") == [], cfg.method
+    assert "lora+mesa-gelu-ln" in seen
+    stray = torch.nn.Linear(2, 2, device="meta")
+    stray.register_buffer("ema", torch.zeros(2))  # created on the CPU after the move
+    assert steps.off_device(stray, "meta") == ["ema"] and steps.off_device(stray, "cuda") == ["weight", "bias",
+                                                                                               "ema"]
+
+
+def test_a_row_is_built_while_its_build_fits_not_judged_by_the_first(monkeypatch):
+    """The room check takes the longest build after the first (the first also pays the process's one-time CUDA
+    start-up: 18.9 s of LLaMA's first row on the H200, 0.9-7.3 s the others), so the later rows get built."""
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr(steps, "time", SimpleNamespace(time=lambda: clock.t, perf_counter=lambda: clock.t))
+    built = []
+
+    class Run:
+        def __init__(self, cfg):
+            self.cfg, self.step_s, self.resident = cfg, 0.05, 0
+
+        def measured_step(self):
+            clock.t += self.step_s
+
+        def row(self, smoke):
+            return dict(steps._base_row(self.cfg), status="ok")
+
+    def fake_build(cfg, device, warmup):
+        clock.t += 20.0 if not built else 1.0
+        built.append(cfg.method)
+        return Run(cfg), None
+
+    monkeypatch.setattr(steps, "build_run", fake_build)
+    rows = []
+    steps.run_steps(SimpleNamespace(smoke=True), "llama", SimpleNamespace(write=rows.append), deadline=45.0,
+                    warmup=1, steps=20)
+    cfgs = [c for c in steps.step_configs(True) if c.part == "llama"]
+    assert len(built) == len(cfgs) and all(r["status"] == "ok" for r in rows), rows
 
 
 def test_estimator_error_and_margin():
