@@ -325,7 +325,10 @@ def test_reference_tables_read_alone_and_hold_the_csvs_figures(name):
         qv = csv[csv["setting"].str.contains("default")]
         assert _md_numbers(thr["FLOP ratio to LoRA (fake tensors)"]).tolist() == qv["flop_ratio"].round(3).tolist()
         assert np.allclose(qv["paper_step_time_ratio"], 288 / qv["paper_img_per_s"])
-        assert set(thr["GPU step-time ratio to LoRA (ours)"]) == {tables.NO_GPU}
+        gpu = tables.gpu_step_ratios()  # results/gpu/fig1.csv, the committed GPU run (else empty)
+        want = [f"{gpu[(s.split(' ')[0], m)]:.3f}" if (s.split(" ")[0], m) in gpu else tables.NO_GPU
+                for s, m in zip(qv["setting"], qv["spec"])]
+        assert thr["GPU step-time ratio to LoRA (ours)"].tolist() == want
     else:  # the generic layout: every numeric column of the CSV, rounded, in one of the parts
         shown = {c: t[c] for t in found for c in t.columns}
         unit = tables.REPRO_UNITS.get(name, "")
