@@ -17,6 +17,22 @@ def _refuse(name):
     return fail
 
 
+def _reference_then_eager(fn, x, dy, backend, monkeypatch, module, ops):
+    """(y_ref, g_ref) through the custom op on the reference, then (y, g, saved) on ``backend`` with ``module``'s
+    custom ``ops`` refused: the eager route only."""
+    monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")
+    y_ref = fn(x)
+    (g_ref,) = torch.autograd.grad(y_ref, x, dy)
+    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    for op in ops:
+        monkeypatch.setattr(module, op, _refuse(op))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = fn(x)
+    (g,) = torch.autograd.grad(y, x, dy)
+    return y_ref, g_ref, y, g, saved
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_eager_backend_of_plain_tensors(backend, monkeypatch):
     monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
@@ -37,16 +53,8 @@ def test_eager_backend_of_plain_tensors(backend, monkeypatch):
 def test_act_skips_the_custom_op_and_equals_it(backend, kind, monkeypatch, gen):
     x = (torch.randn(5, 37, generator=gen) * 3).requires_grad_()
     dy = torch.randn(5, 37, generator=gen)
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")  # the custom op, on the reference
-    y_ref = A.approx_act(x, kind)
-    (g_ref,) = torch.autograd.grad(y_ref, x, dy)
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
-    monkeypatch.setattr(A, "_approx_act_fwd", _refuse("approx_act_fwd"))
-    monkeypatch.setattr(A, "_approx_act_bwd", _refuse("approx_act_bwd"))
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = A.approx_act(x, kind)
-    (g,) = torch.autograd.grad(y, x, dy)
+    y_ref, g_ref, y, g, saved = _reference_then_eager(lambda t: A.approx_act(t, kind), x, dy, backend, monkeypatch,
+                                                      A, ["_approx_act_fwd", "_approx_act_bwd"])
     assert [t.dtype for t in saved] == [torch.uint8] and saved[0].numel() == A.saved_bytes(x.numel())
     torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)  # Triton's erf/exp: within fp32 roundings
     assert torch.equal(g, g_ref)  # codes and slopes: bitwise
@@ -70,16 +78,8 @@ def test_act_double_backward_goes_through_the_custom_op(backend, monkeypatch, ge
 def test_norm_skips_the_custom_op_and_equals_it(backend, fn, monkeypatch, gen):
     x = (torch.randn(6, 40, generator=gen) * 2 + 0.5).requires_grad_()
     dy = torch.randn(6, 40, generator=gen)
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")
-    y_ref = fn(x)
-    (g_ref,) = torch.autograd.grad(y_ref, x, dy)
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
-    monkeypatch.setattr(N, "_ms_norm_fwd_op", _refuse("ms_norm_fwd"))
-    monkeypatch.setattr(N, "_ms_norm_bwd_op", _refuse("ms_norm_bwd"))
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = fn(x)
-    (g,) = torch.autograd.grad(y, x, dy)
+    y_ref, g_ref, y, g, saved = _reference_then_eager(fn, x, dy, backend, monkeypatch, N,
+                                                      ["_ms_norm_fwd_op", "_ms_norm_bwd_op"])
     assert saved[0] is y and saved[1].shape == (6,)  # the output itself (shared with the next linear) and rstd
     tol = 1e-6 if backend == "triton" else 0  # the CPU fast path is bitwise the reference; Triton within fp32 ulps
     torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol)
