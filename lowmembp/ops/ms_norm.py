@@ -392,7 +392,7 @@ def ms_norm_bytes(rows: int, n: int, x_dtype: torch.dtype, y_dtype: torch.dtype,
 
 
 # ------------------------------------------------------------------------------------------------- the custom ops
-def _fwd_impl(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype, backend: str):
+def _fwd_on(backend: str, x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype):
     """The forward on ``backend`` (``backend_for``), autocast off inside: Triton up to :data:`MAX_TRITON_N` columns."""
     with _no_autocast(x):
         if backend == "triton" and x.shape[-1] <= MAX_TRITON_N:
@@ -402,7 +402,7 @@ def _fwd_impl(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype, ba
         return ms_norm_fwd_ref(x, kind, eps, out_dtype)
 
 
-def _bwd_impl(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str, dx_dtype: torch.dtype, backend: str):
+def _bwd_on(backend: str, g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str, dx_dtype: torch.dtype):
     """The backward on ``backend``, autocast off inside."""
     with _no_autocast(g):
         if backend == "triton" and y.shape[-1] <= MAX_TRITON_N and rstd.dtype == torch.float32:
@@ -452,7 +452,7 @@ _OP_NAME = {"layernorm": "ms_layer_norm", "rmsnorm": "ms_rms_norm"}
 def _ms_norm_fwd_op(x: torch.Tensor, kind: str, eps: float,
                     out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(y in out_dtype, rstd [rows] fp32): Triton or the reference, autocast off inside."""
-    return _fwd_impl(x, kind, eps, out_dtype, backend_for(x))
+    return _fwd_on(backend_for(x), x, kind, eps, out_dtype)
 
 
 @_ms_norm_fwd_op.register_fake
@@ -468,7 +468,7 @@ def _(x, kind, eps, out_dtype):
 def _ms_norm_bwd_op(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str,
                     dx_dtype: torch.dtype) -> torch.Tensor:
     """dx from the output y and rstd (docs/design.md#ms-norms)."""
-    return _bwd_impl(g, y, rstd, kind, dx_dtype, backend_for(g))
+    return _bwd_on(backend_for(g), g, y, rstd, kind, dx_dtype)
 
 
 @_ms_norm_bwd_op.register_fake
@@ -512,7 +512,7 @@ class _MSNormEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, kind, eps, out_dtype, backend):
-        y, rstd = _fwd_impl(x.detach(), kind, eps, out_dtype, backend)
+        y, rstd = _fwd_on(backend, x.detach(), kind, eps, out_dtype)
         ctx.save_for_backward(y, rstd)
         ctx.kind, ctx.x_dtype, ctx.backend = kind, x.dtype, backend
         return y
@@ -522,7 +522,7 @@ class _MSNormEager(torch.autograd.Function):
         y, rstd = ctx.saved_tensors
         if torch.is_grad_enabled():
             return _ms_norm_bwd_op(g, y, rstd, ctx.kind, ctx.x_dtype), None, None, None, None
-        return _bwd_impl(g, y, rstd, ctx.kind, ctx.x_dtype, ctx.backend), None, None, None, None
+        return _bwd_on(ctx.backend, g, y, rstd, ctx.kind, ctx.x_dtype), None, None, None, None
 
 
 def _ms_norm(x: torch.Tensor, eps: float, kind: str, op: str, out_dtype: str = "auto") -> torch.Tensor:
@@ -539,7 +539,7 @@ def _ms_norm(x: torch.Tensor, eps: float, kind: str, op: str, out_dtype: str = "
     if backend is not None:
         if torch.is_grad_enabled() and x.requires_grad:
             return _MSNormEager.apply(x, kind, eps, dtype, backend)
-        return _fwd_impl(x, kind, eps, dtype, backend)[0]
+        return _fwd_on(backend, x, kind, eps, dtype)[0]
     return _ms_norm_fwd_op(x, kind, eps, dtype)[0]
 
 
