@@ -45,12 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 # part: (limit cap on a GPU in s, cap in the CPU dry run); the order is the run's order
 # The order puts the official nvcc build (started first, in the background) well before the kernels part needs it,
-# and pytest, which repeats much of gpu_check, last. The caps, from the H200 run of 2026-12-04 (torch 2.11, 16 CPU
-# cores beside the background build and estimates): gpu_check's checks took 22 s for the activations and norms (its
-# Mesa references, since run in one chunk, took the rest of its 100 s then), fig1 43 s, llama's first 5 of its 10 rows
-# 50 s (all 10: about 75 s, docs/gpu-run.md), kernels 38 s without the official rows, pytest 55 s: some 270 s in
-# all. The caps add up to 415 s: within the default 420 s every part gets its whole cap unless the ones before it ran
-# to theirs, and then each later part still keeps FLOOR_S.
+# and pytest, which repeats much of gpu_check, last. The caps against the parts' times on an H200 (torch 2.11, 16 CPU
+# cores beside the background build and estimates; results/gpu/machine.json): gpu_check 27 s, fig1 31-44 s, llama
+# 39-40 s for its 10 rows, kernels 32 s, pytest 46 s. The caps add up to 415 s: within the default 420 s every part
+# gets its whole cap unless the ones before it ran to theirs, and then each later part still keeps FLOOR_S.
 PARTS = {"gpu_check": (65, 300), "fig1": (75, 300), "llama": (120, 300), "kernels": (80, 300), "pytest": (75, 300)}
 FLOOR_S = 20  # what each later part keeps back from an earlier one's limit
 PAPER_FIG1 = {"lora": (3827, 288), "lora+checkpointing": (1252, 229), "lora+mesa-gelu-ln": (2853, 226),

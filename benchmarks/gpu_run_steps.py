@@ -51,7 +51,6 @@ GPU parts by benchmarks/gpu_run.py), with the row's optimizer. Methods the estim
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import time
@@ -143,31 +142,10 @@ def missing_methods(method: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------- one model
-@contextlib.contextmanager
-def module_globals_kept(model):
-    """Restore, after the block, every module-level name that the block rebinds in the modules defining the model's
-    classes. Liger-Kernel 0.8.5 patches a model instance *and* module globals (``apply_rotary_pos_emb``, the norm and
-    MLP classes of ``modeling_llama``); left in place, those would reach every other configuration built or run in
-    this process. Yields the list of restored names (the liger row then runs without Liger's RoPE: noted)."""
-    import sys
-    mods = {type(m).__module__ for m in model.modules()}
-    snap = {name: dict(vars(sys.modules[name])) for name in mods if name in sys.modules}
-    restored = []
-    try:
-        yield restored
-    finally:
-        for name, before in snap.items():
-            mod = sys.modules[name]
-            for k, v in before.items():
-                if vars(mod).get(k, None) is not v:
-                    setattr(mod, k, v)
-                    restored.append(f"{name.rsplit('.', 1)[-1]}.{k}")
-
-
 def off_device(model, device) -> list[str]:
     """Names of the parameters and buffers of ``model`` that are not on ``device``'s type: tensors a method created
-    when it was applied to a model already on the GPU and left on the CPU (Mesa's EMA ranges of its activations did:
-    "Expected all tensors to be on the same device")."""
+    when it was applied to a model already on the GPU and left on the CPU (where the step would fail with "Expected
+    all tensors to be on the same device")."""
     import itertools
 
     import torch
@@ -197,8 +175,7 @@ class StepRun:
             torch.cuda.synchronize()
         self.before = torch.cuda.memory_allocated() if cuda else 0
         model = build(spec, layers=cfg.layers, overrides=cfg.overrides, device=device)
-        with module_globals_kept(model) as self.restored:
-            model = lowmembp.apply(model, cfg.method, **cfg.options)
+        model = lowmembp.apply(model, cfg.method, **cfg.options)  # (liger changes this instance only)
         self.stray = off_device(model, device)  # applied after the model is on the device, as a user would
         model.train()
         self.model = model
@@ -268,8 +245,6 @@ class StepRun:
         peak = int(statistics.median(self.peaks))
         r.update(status="ok", steps=len(ts), peak_bytes=peak, peak_mib=f"{peak / 2 ** 20:.0f}",
                  resident_bytes=self.resident, measured_how=self.how)
-        if self.restored:
-            r["note"] = "module globals the method rebound were restored (not used here): " + ", ".join(self.restored)
         if self.stray:
             r["note"] = "; ".join(x for x in (_stray_note(self, self.device).rstrip("; "), r.get("note")) if x)
         if not smoke:
