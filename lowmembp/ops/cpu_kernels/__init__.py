@@ -32,13 +32,15 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 __all__ = ["ENV_SWITCH", "COMPILERS", "FLAGS", "cache_dir", "compiler", "library", "build_info", "codes2",
            "check", "slopes2", "quantize8", "dequantize8", "round_to",
            "norm_prod", "norm_bwd", "cast", "addcmul_fused", "aten_sum_width", "row_sums", "norm_bwd_rows",
-           "mesa_pack8", "PACK8_NAN", "PACK8_AMBIGUOUS", "PACK8_SKIPPED"]
+           "mesa_pack8", "PACK8_NAN", "PACK8_AMBIGUOUS", "PACK8_SKIPPED", "layer_norm_fwd", "layer_norm_variant",
+           "layer_norm_variants", "layer_norm_probe_rows", "LayerNormVariant"]
 
 ENV_SWITCH = "LOWMEMBP_CPU_KERNELS"  # "0" turns the C kernels off (the eager ATen ops run instead)
 COMPILERS = ("cc", "gcc", "clang")  # tried in this order when $CC is not set
@@ -140,6 +142,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                        ("lmbp_norm_bwd", [p, i32, p, i32, i64, i64, p, p, p, p, i32, i32, i32]),
                        ("lmbp_norm_bwd_rows", [p, i32, p, i32, i64, i64, p, p, i32, i32, i32, i32, i32]),
                        ("lmbp_cast", [p, i32, i64, p, i32, i32]),
+                       ("lmbp_layer_norm_fwd", [p, i32, i64, i64, f32, p, i32, p, i32, i32, i32]),
                        ("lmbp_mesa_pack8",
                         [p, i32, i64, i64, i64, p, p, p, p, f32, f32, f32, p, p, p, u32, p, p, i32])):
         fn = getattr(lib, name)
@@ -515,3 +518,114 @@ def norm_bwd_rows(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, dx: torc
     if bits & 2:
         raise MemoryError(f"lowmembp.ops.cpu_kernels.norm_bwd_rows: no memory for a scratch row of {n} floats")
     return bits
+
+
+# ATen's CPU LayerNorm forward of fp32 rows (no weight, no bias), as kernels.c's lmbp_layer_norm_fwd replicates it:
+# the vector width of ATen's Welford moments (its Vectorized<float> lanes) and which of its multiply-adds the build
+# fused (the LN_* bits of kernels.c), plus the output line
+LN_VEC_FMA = 1  # the vector fmadd of the Welford passes and of AddMomentsVec's m2 is one rounding (FMA instructions)
+LN_VEC_M1_FUSED = 2  # AddMomentsVec's m1 + c·delta contracted into a fused multiply-add
+LN_ADD_M1_FUSED = 4  # the scalar AddMoments' m1 += c·delta contracted
+LN_ADD_M2_FUSED = 8  # the scalar AddMoments' m2_add + (delta·delta·c)·m0 contracted
+LN_TAIL_FUSED = 16  # the leftover elements' m2 += delta·(x − m1) contracted
+LN_OUT_SHIFT = 5
+LN_OUTPUTS = ("sub", "fma", "muladd")  # y = (x − mean)·rstd; fmaf(x, rstd, −rstd·mean); x·rstd + (−rstd·mean)
+LN_WIDTHS = (16, 8, 4)
+LN_FLAG_NAMES = {LN_VEC_FMA: "vec_fma", LN_VEC_M1_FUSED: "vec_m1_fused", LN_ADD_M1_FUSED: "add_m1_fused",
+                 LN_ADD_M2_FUSED: "add_m2_fused", LN_TAIL_FUSED: "tail_fused"}
+# rows the probe compares: every length below two vectors of 16 and past them (the scalar leftovers and the lanes),
+# rows of one and several Welford chunks (counts that are not powers of two: merges that round), and rows long
+# enough for the cascade's deeper levels
+_LN_PROBE_LENGTHS = (*range(1, 71), 100, 255, 256, 257, 768, 1000, 1023, 1024, 1025, 4096, 4097, 5000, 11008,
+                     *range(16383, 16401), 20000, 32768)
+_LN_SCREEN_LENGTHS = (37, 1025, 5000, 16397)  # tried first: most wrong variants differ on one of these
+
+
+def layer_norm_probe_rows(gen: torch.Generator) -> list[torch.Tensor]:
+    """Fresh fp32 rows that tell the variants apart (:func:`layer_norm_variant`): for each of the probe's lengths,
+    32 rows up to 70 elements, 16 up to 5000 and 4 above (the fused multiply-adds of the leftover elements and of
+    the chunk merges change a row's bits only now and then), each ``(randn + randn·2^a)·2^b``: means of 1/4 to 2^10
+    standard deviations, scales 2^-12 to 2^12."""
+    rows = []
+    for n in _LN_PROBE_LENGTHS:
+        k = 32 if n <= 70 else 16 if n <= 5000 else 4
+        scale = torch.exp2(torch.randint(-12, 12, (k, 1), generator=gen).float())
+        rel = torch.exp2(torch.randint(-2, 10, (k, 1), generator=gen).float())
+        rows.append((torch.randn(k, n, generator=gen) + torch.randn(k, 1, generator=gen) * rel) * scale)
+    return rows
+
+
+class LayerNormVariant(NamedTuple):
+    """Which arithmetic of ATen's CPU LayerNorm forward :func:`layer_norm_fwd` replicates: ``width`` lanes
+    (:data:`LN_WIDTHS`) and ``flags`` (the ``LN_*`` bits, the output line in bits 5-6: :data:`LN_OUTPUTS`)."""
+    width: int
+    flags: int
+
+    def __str__(self) -> str:
+        fused = [name for bit, name in LN_FLAG_NAMES.items() if self.flags & bit]
+        out = LN_OUTPUTS[self.flags >> LN_OUT_SHIFT]
+        return f"width {self.width}, output {out}, fused: {', '.join(fused) or 'none'}"
+
+
+def layer_norm_variants() -> list[LayerNormVariant]:
+    """Every variant the C replica computes, in the order the probe tries them."""
+    return [LayerNormVariant(w, f | o << LN_OUT_SHIFT)
+            for w in LN_WIDTHS for o in range(len(LN_OUTPUTS)) for f in range(2 * LN_TAIL_FUSED)]
+
+
+def layer_norm_fwd(x2d: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Tensor, threads: int | None = None,
+                   variant: LayerNormVariant | None = None) -> int | None:
+    """ATen's CPU ``native_layer_norm(x2d.float(), [n], None, None, eps)`` of the rows of contiguous 2-D ``x2d``
+    (fp32, bf16 or fp16, converted exactly) in one call: fp32 ``rstd`` (one per row) and ``y`` rounded once to its
+    dtype (the reference's ``y.to(dtype)``), with the arithmetic of ``variant`` (default: the one
+    :func:`layer_norm_variant` finds for this torch). Returns 1 if some y or rstd is NaN (its bits are ATen's only
+    by chance: the caller recomputes), else 0; None when the library is unavailable, no variant replicates this
+    torch's LayerNorm, or the rows are empty."""
+    lib = library()
+    if lib is None or x2d.dtype not in _DTYPES or y.dtype not in _DTYPES:
+        return None
+    if variant is None:
+        variant = layer_norm_variant()
+        if variant is None:
+            return None
+    if x2d.dim() != 2:
+        raise ValueError(f"layer_norm_fwd: x2d must be 2-D, got {x2d.dim()}-D")
+    rows, n = x2d.shape
+    if n == 0:
+        return None
+    _check_tensor(x2d, rows * n, x2d.dtype)
+    _check_tensor(y, rows * n, y.dtype)
+    _check_tensor(rstd, rows, torch.float32)
+    team = _threads(rows * n) if threads is None else threads
+    bits = lib.lmbp_layer_norm_fwd(x2d.data_ptr(), _DTYPES[x2d.dtype], rows, n, eps, y.data_ptr(), _DTYPES[y.dtype],
+                                   rstd.data_ptr(), variant.width, variant.flags, max(1, min(team, rows)))
+    if bits < 0:
+        raise ValueError(f"layer_norm_fwd: not a variant of the C replica: {variant!r}")
+    return bits
+
+
+@functools.lru_cache(maxsize=None)
+def layer_norm_variant() -> LayerNormVariant | None:
+    """The variant (:func:`layer_norm_variants`) for which :func:`layer_norm_fwd` gives this torch's CPU
+    ``torch.native_layer_norm`` y and rstd bit for bit on contiguous fp32 rows without weight and bias, probed once on
+    rows of many lengths whose values have varied means and scales (:func:`layer_norm_probe_rows`: on them every
+    variant gives other bits); the first that matches, None if none does or the library is unavailable (the callers
+    then keep ATen's fp32 norm)."""
+    if library() is None:
+        return None
+    cases = {}
+    for x in layer_norm_probe_rows(torch.Generator().manual_seed(0)):
+        y, _, r = torch.native_layer_norm(x, x.shape[-1:], None, None, 1e-5)
+        cases[x.shape[-1]] = (x, y.view(torch.int32), r.reshape(-1).view(torch.int32))
+    order = [*_LN_SCREEN_LENGTHS, *(n for n in _LN_PROBE_LENGTHS if n not in _LN_SCREEN_LENGTHS)]
+
+    def matches(variant: LayerNormVariant) -> bool:
+        for n in order:
+            x, want_y, want_r = cases[n]
+            y, r = torch.empty_like(x), torch.empty(x.shape[0])
+            if layer_norm_fwd(x, 1e-5, y, r, threads=1, variant=variant) != 0 or \
+                    not torch.equal(y.view(torch.int32), want_y) or not torch.equal(r.view(torch.int32), want_r):
+                return False
+        return True
+
+    return next((v for v in layer_norm_variants() if matches(v)), None)

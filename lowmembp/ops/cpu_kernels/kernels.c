@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
@@ -946,4 +946,327 @@ static uint32_t cast_range(const void *x, int xdtype, int64_t lo, int64_t hi, vo
 /* one of x, y is fp32 and the other fp16 / bf16 */
 int lmbp_cast(const void *x, int xdtype, int64_t n, void *y, int ydtype, int threads) {
     RETURN_OR_OVER_THREADS(n, cast_range(x, xdtype, lo, hi, y, ydtype));
+}
+
+/* ------------------------------------------------------------------------------- MS-LayerNorm forward */
+/* ATen's CPU LayerNorm forward of fp32 rows without weight and bias (aten/src/ATen/native/cpu/layer_norm_kernel.cpp,
+ * LayerNormKernelImplInternal<float>), bit for bit, on rows read as fp32 / bf16 / fp16 (converted to fp32 exactly,
+ * as the reference's x.float()) with y rounded once to its dtype (the reference's y.to(dtype)). Per row:
+ *   [mean, var] = RowwiseMoments(x, N)          (ATen/native/cpu/moments_utils.h, below)
+ *   rstd = 1 / sqrt(var + eps)                  (eps as fp32)
+ *   y    = (x - mean) * rstd * 1 + 0            (LN_OUT_SUB; older ATen: x * rstd + (-rstd * mean), fused
+ *                                                or not, LN_OUT_FMA / LN_OUT_MULADD; the "+ 0" makes -0 +0)
+ * RowwiseMoments with W the lanes of ATen's Vectorized<float> (16 AVX-512, 8 AVX2 and the default build, 4 NEON):
+ * the row's n = N / W vectors in chunks of 16; per chunk a Welford pass from zero in each lane (vector j: delta =
+ * x - m1, m1 = fmadd(1/(j+1), delta, m1), m2 = fmadd(delta, x - m1, m2)), merged into a stack of depth
+ * CeilLog2(chunks) with AddMomentsVec (binary-counter cascade), the stack folded into its bottom; the N % W leftover
+ * elements by a scalar Welford, then each lane merged into it with the scalar AddMoments; var = m2 / N.
+ * Which operations ATen's build fuses decides the bits: `flags` (LN_* below) says which of them are fused
+ * multiply-adds, `width` gives W; lowmembp.ops.cpu_kernels.layer_norm_variant() probes both once. ATen computes each
+ * row on one thread (parallel over rows, grain 1), so no row is split. */
+#define LN_VEC_FMA 1       /* the vector fmadd is one rounding (FMA instructions), else a * b + c */
+#define LN_VEC_M1_FUSED 2  /* AddMomentsVec's m1 + c * delta contracted into a fused multiply-add */
+#define LN_ADD_M1_FUSED 4  /* AddMoments' m1 += c * delta contracted */
+#define LN_ADD_M2_FUSED 8  /* AddMoments' m2_add + (delta * delta * c) * m0 contracted */
+#define LN_TAIL_FUSED 16   /* the leftover elements' m2 += delta * (x - m1) contracted */
+#define LN_OUT_SHIFT 5     /* bits 5-6: the output line */
+#define LN_OUT_SUB 0       /* (x + (-mean)) * rstd */
+#define LN_OUT_FMA 1       /* fmaf(x, rstd, -rstd * mean) */
+#define LN_OUT_MULADD 2    /* x * rstd + (-rstd * mean), two roundings */
+#define LN_CHUNK 16        /* ATen's kChunkSize: vectors per Welford chunk */
+#define LN_GROUP 8         /* chunks whose (independent) Welford passes run interleaved */
+#define LN_MAX_DEPTH 64   /* CeilLog2 of the chunks of a row: at most 64 */
+#define LN_MAX_W 16       /* the widest vector: AVX-512's 16 lanes */
+
+static inline __attribute__((always_inline)) float ln_load(const void *x, int64_t i, const int dt) {
+    if (dt == DT_F32) return ((const float *)x)[i];
+    if (dt == DT_BF16) return bf16_to_f32(((const uint16_t *)x)[i]);
+    return f16_to_f32(((const uint16_t *)x)[i]);
+}
+
+static inline __attribute__((always_inline)) float ln_madd(float a, float b, float c, const int fused) {
+    return fused ? __builtin_fmaf(a, b, c) : a * b + c;
+}
+
+/* The end of RowwiseMoments for K rows of N elements (up to 2, interleaved: each a chain of dependent operations):
+ * the scalar Welford of the leftover elements [n * W, N), then each lane's (l1[l], l2[l]) of n elements merged into
+ * it with AddMoments (scalar), var = m2 / N. */
+static inline __attribute__((always_inline)) void ln_finish(const void *const *xs, int64_t N, int64_t n, int W,
+                                                            float (*l1)[LN_MAX_W], float (*l2)[LN_MAX_W],
+                                                            float *mean, float *var, int dt, int flags, const int K) {
+    int64_t m0 = 0; /* the same count for every row */
+    float m1[2] = {0.0f, 0.0f}, m2[2] = {0.0f, 0.0f};
+    int k;
+    for (int64_t i = n * W; i < N; i++) {
+        ++m0;
+        for (k = 0; k < K; k++) {
+            float xv = ln_load(xs[k], i, dt);
+            float delta = xv - m1[k];
+            m1[k] += delta / (float)m0;
+            m2[k] = flags & LN_TAIL_FUSED ? __builtin_fmaf(delta, xv - m1[k], m2[k]) : m2[k] + delta * (xv - m1[k]);
+        }
+    }
+    for (int l = 0; l < W; l++) { /* AddMoments(n, l1[l], l2[l], m0, m1, m2) */
+        const int64_t m0n = m0 + n;
+        const float c = m0n == 0 ? 0.0f : (float)n / (float)m0n, m0f = (float)m0;
+        for (k = 0; k < K; k++) {
+            const float delta = l1[k][l] - m1[k];
+            m1[k] = flags & LN_ADD_M1_FUSED ? __builtin_fmaf(c, delta, m1[k]) : m1[k] + c * delta;
+            const float t = delta * delta * c;
+            m2[k] = m2[k] + (flags & LN_ADD_M2_FUSED ? __builtin_fmaf(t, m0f, l2[k][l]) : l2[k][l] + t * m0f);
+        }
+        m0 = m0n;
+    }
+    for (k = 0; k < K; k++) {
+        mean[k] = m1[k];
+        var[k] = m2[k] / (float)N;
+    }
+}
+
+/* AddMomentsVec(m0_add, m1_add, m2_add, m0, m1, m2) over W lanes */
+static void ln_addv_lanes(int64_t m0_add, const float *m1_add, const float *m2_add, int64_t *m0, float *m1, float *m2,
+                          int W, int flags) {
+    const int64_t n = *m0 + m0_add;
+    const float c = n == 0 ? 0.0f : (float)m0_add / (float)n, m0f = (float)*m0;
+    for (int l = 0; l < W; l++) {
+        float delta = m1_add[l] - m1[l], m2_tmp = m2[l] + m2_add[l];
+        float cd = c * delta, m0d = delta * m0f;
+        m1[l] = flags & LN_VEC_M1_FUSED ? __builtin_fmaf(c, delta, m1[l]) : m1[l] + cd;
+        m2[l] = ln_madd(m0d, cd, m2_tmp, flags & LN_VEC_FMA);
+    }
+    *m0 = n;
+}
+
+/* RowwiseMoments' vector part of the row x[0, N) for any variant, on lane arrays (the portable build, and the
+ * variants without a vector form below): the row's n = N / W vectors in chunks of 16, each chunk's Welford pass from
+ * zero (UpdateMomentsVec: vector j's delta = x - m1, m1 = fmadd(1 / (j + 1), delta, m1), m2 = fmadd(delta, x - m1,
+ * m2)), merged in order into the bottom of a stack of depth CeilLog2(chunks) whose levels cascade like a binary
+ * counter (AddMomentsVec), the stack folded into its bottom: the lanes' m1 and m2 into l1 and l2 (ln_finish ends). */
+static void ln_moments_lanes(const void *x, int64_t N, const float *cv, float *l1, float *l2, int dt, int W,
+                             int flags) {
+    const int64_t n = N / W, m = (n + LN_CHUNK - 1) / LN_CHUNK, depth = ceil_log2(m);
+    const int vfma = flags & LN_VEC_FMA;
+    float s1[LN_MAX_DEPTH][LN_MAX_W], s2[LN_MAX_DEPTH][LN_MAX_W];
+    int64_t s0[LN_MAX_DEPTH], i, j;
+    int l;
+    for (j = 0; j < depth; j++) {
+        s0[j] = 0;
+        for (l = 0; l < W; l++) s1[j][l] = s2[j][l] = 0.0f;
+    }
+    for (i = 0; i < m; i++) {
+        float a1[LN_MAX_W], a2[LN_MAX_W];
+        const int64_t cnt = n - i * LN_CHUNK < LN_CHUNK ? n - i * LN_CHUNK : LN_CHUNK;
+        for (l = 0; l < W; l++) a1[l] = a2[l] = 0.0f;
+        for (j = 0; j < cnt; j++) {
+            const int64_t base = (i * LN_CHUNK + j) * W;
+            for (l = 0; l < W; l++) {
+                float xv = ln_load(x, base + l, dt);
+                float d = xv - a1[l];
+                a1[l] = ln_madd(cv[j], d, a1[l], vfma);
+                a2[l] = ln_madd(d, xv - a1[l], a2[l], vfma);
+            }
+        }
+        ln_addv_lanes(cnt, a1, a2, &s0[0], s1[0], s2[0], W, flags);
+        int64_t mask = i + 1;
+        for (j = 1; j < depth && (mask & 1) == 0; j++) {
+            ln_addv_lanes(s0[j - 1], s1[j - 1], s2[j - 1], &s0[j], s1[j], s2[j], W, flags);
+            s0[j - 1] = 0;
+            for (l = 0; l < W; l++) s1[j - 1][l] = s2[j - 1][l] = 0.0f;
+            mask >>= 1;
+        }
+    }
+    for (j = 1; j < depth; j++) ln_addv_lanes(s0[j], s1[j], s2[j], &s0[0], s1[0], s2[0], W, flags);
+    for (l = 0; l < W; l++) {
+        l1[l] = s1[0][l];
+        l2[l] = s2[0][l];
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* The same in AVX2 registers for W = 8 with fused fmadd (ATen's AVX2 build, which AVX-512 CPUs run too): the same
+ * operations lane by lane, so the same bits; the chunks' Welford passes, independent of each other, run 8, 4, 2 or 1
+ * at a time interleaved (as many dependency chains). */
+#define LN_V8 1
+static inline __attribute__((always_inline)) __m256 ln_load8(const void *x, int64_t i, const int dt) {
+    if (dt == DT_F32) return _mm256_loadu_ps((const float *)x + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+    if (dt == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h); /* exact for every fp16 value but a NaN's payload (the row is reported then) */
+}
+
+/* K whole chunks from vector v0, each from zero, into a1[0, K) and a2[0, K) */
+static inline __attribute__((always_inline)) void ln_chunks8(const void *x, int64_t v0, const float *cv, __m256 *a1,
+                                                             __m256 *a2, const int dt, const int K) {
+    __m256 m1[LN_GROUP], m2[LN_GROUP];
+    int g;
+    for (g = 0; g < K; g++) m1[g] = m2[g] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t j = 0; j < LN_CHUNK; j++) {
+        const __m256 c = _mm256_set1_ps(cv[j]);
+        for (g = 0; g < K; g++) {
+            __m256 xv = ln_load8(x, (v0 + g * LN_CHUNK + j) * 8, dt);
+            __m256 d = _mm256_sub_ps(xv, m1[g]);
+            m1[g] = _mm256_fmadd_ps(c, d, m1[g]);
+            m2[g] = _mm256_fmadd_ps(d, _mm256_sub_ps(xv, m1[g]), m2[g]);
+        }
+    }
+    for (g = 0; g < K; g++) {
+        a1[g] = m1[g];
+        a2[g] = m2[g];
+    }
+}
+
+static inline __attribute__((always_inline)) void ln_addv8(int64_t m0_add, __m256 m1_add, __m256 m2_add, int64_t *m0,
+                                                           __m256 *m1, __m256 *m2, const int m1_fused) {
+    const int64_t n = *m0 + m0_add;
+    const __m256 c = _mm256_set1_ps(n == 0 ? 0.0f : (float)m0_add / (float)n);
+    const __m256 delta = _mm256_sub_ps(m1_add, *m1), m2_tmp = _mm256_add_ps(*m2, m2_add);
+    const __m256 cd = _mm256_mul_ps(c, delta), m0d = _mm256_mul_ps(delta, _mm256_set1_ps((float)*m0));
+    *m1 = m1_fused ? _mm256_fmadd_ps(c, delta, *m1) : _mm256_add_ps(*m1, cd);
+    *m2 = _mm256_fmadd_ps(m0d, cd, m2_tmp);
+    *m0 = n;
+}
+
+static inline __attribute__((always_inline)) void ln_moments8(const void *x, int64_t N, const float *cv, float *l1,
+                                                              float *l2, const int dt, int flags) {
+    const int64_t n = N / 8, m = (n + LN_CHUNK - 1) / LN_CHUNK, depth = ceil_log2(m);
+    const int m1_fused = (flags & LN_VEC_M1_FUSED) != 0;
+    __m256 s1[LN_MAX_DEPTH], s2[LN_MAX_DEPTH];
+    int64_t s0[LN_MAX_DEPTH], i, j;
+    for (j = 0; j < depth; j++) {
+        s0[j] = 0;
+        s1[j] = s2[j] = _mm256_setzero_ps();
+    }
+    for (i = 0; i < m; i += LN_GROUP) {
+        __m256 a1[LN_GROUP], a2[LN_GROUP];
+        const int groups = m - i < LN_GROUP ? (int)(m - i) : LN_GROUP;
+        const int64_t rest = n - (i + groups - 1) * LN_CHUNK;
+        const int64_t last = rest < LN_CHUNK ? rest : LN_CHUNK; /* vectors in the group's last chunk */
+        const int full = last == LN_CHUNK ? groups : groups - 1;
+        for (int done = 0, k; done < full; done += k) {
+            int64_t v = (i + done) * LN_CHUNK;
+            k = full - done >= 8 ? 8 : full - done >= 4 ? 4 : full - done >= 2 ? 2 : 1;
+            if (k == 8) ln_chunks8(x, v, cv, a1 + done, a2 + done, dt, 8);
+            else if (k == 4) ln_chunks8(x, v, cv, a1 + done, a2 + done, dt, 4);
+            else if (k == 2) ln_chunks8(x, v, cv, a1 + done, a2 + done, dt, 2);
+            else ln_chunks8(x, v, cv, a1 + done, a2 + done, dt, 1);
+        }
+        if (full < groups) { /* the row's last chunk, under 16 vectors */
+            __m256 p1 = _mm256_setzero_ps(), p2 = _mm256_setzero_ps();
+            for (j = 0; j < last; j++) {
+                __m256 xv = ln_load8(x, ((i + full) * LN_CHUNK + j) * 8, dt);
+                __m256 d = _mm256_sub_ps(xv, p1);
+                p1 = _mm256_fmadd_ps(_mm256_set1_ps(cv[j]), d, p1);
+                p2 = _mm256_fmadd_ps(d, _mm256_sub_ps(xv, p1), p2);
+            }
+            a1[full] = p1;
+            a2[full] = p2;
+        }
+        for (int g = 0; g < groups; g++) { /* the chunks in order: into the stack's bottom, then the cascade */
+            ln_addv8(g < full ? LN_CHUNK : last, a1[g], a2[g], &s0[0], &s1[0], &s2[0], m1_fused);
+            int64_t mask = i + g + 1;
+            for (j = 1; j < depth && (mask & 1) == 0; j++) {
+                ln_addv8(s0[j - 1], s1[j - 1], s2[j - 1], &s0[j], &s1[j], &s2[j], m1_fused);
+                s0[j - 1] = 0;
+                s1[j - 1] = s2[j - 1] = _mm256_setzero_ps();
+                mask >>= 1;
+            }
+        }
+    }
+    for (j = 1; j < depth; j++) ln_addv8(s0[j], s1[j], s2[j], &s0[0], &s1[0], &s2[0], m1_fused);
+    _mm256_storeu_ps(l1, s1[0]);
+    _mm256_storeu_ps(l2, s2[0]);
+}
+#endif
+
+/* y of one row from its mean and rstd (the output line `out`), rounded to y's dtype; the NaN bit */
+static inline __attribute__((always_inline)) uint32_t ln_output(const void *x, int64_t N, float mean, float rstd,
+                                                                void *y, const int dt, const int yt, const int out) {
+    const float bias = out == LN_OUT_SUB ? -mean : -rstd * mean;
+    uint32_t nan = 0;
+    int64_t j;
+    _Pragma("omp simd reduction(| : nan)")
+    for (j = 0; j < N; j++) {
+        float xv = ln_load(x, j, dt), v;
+        if (out == LN_OUT_SUB) v = (xv + bias) * rstd;
+        else if (out == LN_OUT_FMA) v = __builtin_fmaf(xv, rstd, bias);
+        else v = xv * rstd + bias;
+        v = v + 0.0f; /* ATen's "* gamma (1) + beta (0)": -0 becomes +0 */
+        nan |= (uint32_t)(v != v);
+        if (yt == DT_F32) ((float *)y)[j] = v;
+        else if (yt == DT_BF16) ((uint16_t *)y)[j] = f32_to_bf16(v);
+        else ((uint16_t *)y)[j] = f32_to_f16(v);
+    }
+    return nan;
+}
+
+/* ATen's output line (LN_OUT_SUB) for each pair of x and y dtypes; the older lines through one loop */
+typedef uint32_t (*ln_output_fn)(const void *, int64_t, float, float, void *);
+#define DEFINE_LN_OUTPUT(DT, YT)                                                                                       \
+    static uint32_t ln_output_##DT##_##YT(const void *x, int64_t N, float mean, float rstd, void *y) {                 \
+        return ln_output(x, N, mean, rstd, y, DT, YT, LN_OUT_SUB);                                                     \
+    }
+#define DEFINE_LN_OUTPUT_DT(DT) DEFINE_LN_OUTPUT(DT, 0) DEFINE_LN_OUTPUT(DT, 1) DEFINE_LN_OUTPUT(DT, 2)
+DEFINE_LN_OUTPUT_DT(0)
+DEFINE_LN_OUTPUT_DT(1)
+DEFINE_LN_OUTPUT_DT(2)
+#define LN_OUTPUT_DT(DT) {ln_output_##DT##_0, ln_output_##DT##_1, ln_output_##DT##_2}
+static const ln_output_fn LN_OUTPUT[3][3] = {LN_OUTPUT_DT(0), LN_OUTPUT_DT(1), LN_OUTPUT_DT(2)};
+static uint32_t ln_output_other(const void *x, int dt, int64_t N, float mean, float rstd, void *y, int yt, int out) {
+    uint32_t nan = 0;
+    for (int64_t j = 0; j < N; j++) {
+        float v;
+        nan |= ln_output((const char *)x + j * DT_SIZE[dt], 1, mean, rstd, &v, dt, DT_F32, out);
+        if (yt == DT_F32) ((float *)y)[j] = v;
+        else if (yt == DT_BF16) ((uint16_t *)y)[j] = f32_to_bf16(v);
+        else ((uint16_t *)y)[j] = f32_to_f16(v);
+    }
+    return nan;
+}
+
+/* The LayerNorm forward of `rows` contiguous rows of n elements (above): y (n per row, in `ydtype`) and rstd
+ * (fp32, one per row), with ATen's arithmetic for vector `width` (16, 8 or 4) and `flags` (LN_*); the rows split
+ * over an OpenMP team of `threads`. Returns 1 when some y or rstd is NaN (its bits are ATen's only by chance: the
+ * caller recomputes), 0 otherwise, -1 for a width or an output line it does not know. */
+int lmbp_layer_norm_fwd(const void *x, int xdtype, int64_t rows, int64_t n, float eps, void *y, int ydtype,
+                        float *rstd, int width, int flags, int threads) {
+    const int out = (flags >> LN_OUT_SHIFT) & 3;
+    if ((width != 16 && width != 8 && width != 4) || out > LN_OUT_MULADD) return -1;
+    ln_output_fn output = LN_OUTPUT[xdtype][ydtype];
+    float cv[LN_CHUNK]; /* ATen's c_vecs: 1 / (j + 1) */
+    for (int j = 0; j < LN_CHUNK; j++) cv[j] = 1.0f / (float)(j + 1);
+    uint32_t acc = 0;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) reduction(| : acc) if (threads > 1)
+    {
+        int64_t r0, r1;
+        team_rows(rows, &r0, &r1);
+        for (int64_t r = r0; r < r1; r += 2) { /* two rows at a time: their moments' ends interleave */
+            const int K = r + 1 < r1 ? 2 : 1;
+            const void *xs[2];
+            float l1[2][LN_MAX_W], l2[2][LN_MAX_W], mean[2], var[2];
+            for (int k = 0; k < K; k++) {
+                xs[k] = (const char *)x + (r + k) * n * DT_SIZE[xdtype];
+#if defined(LN_V8)
+                if (width == 8 && (flags & LN_VEC_FMA)) { /* one inlined copy per input type */
+                    if (xdtype == DT_F32) ln_moments8(xs[k], n, cv, l1[k], l2[k], DT_F32, flags);
+                    else if (xdtype == DT_BF16) ln_moments8(xs[k], n, cv, l1[k], l2[k], DT_BF16, flags);
+                    else ln_moments8(xs[k], n, cv, l1[k], l2[k], DT_F16, flags);
+                } else
+#endif
+                    ln_moments_lanes(xs[k], n, cv, l1[k], l2[k], xdtype, width, flags);
+            }
+            if (K == 2) ln_finish(xs, n, n / width, width, l1, l2, mean, var, xdtype, flags, 2);
+            else ln_finish(xs, n, n / width, width, l1, l2, mean, var, xdtype, flags, 1);
+            for (int k = 0; k < K; k++) {
+                char *yr = (char *)y + (r + k) * n * DT_SIZE[ydtype];
+                float s = 1.0f / __builtin_sqrtf(var[k] + eps);
+                rstd[r + k] = s;
+                acc |= (uint32_t)(s != s) | (out == LN_OUT_SUB ? output(xs[k], n, mean[k], s, yr)
+                                                               : ln_output_other(xs[k], xdtype, n, mean[k], s, yr,
+                                                                                 ydtype, out));
+            }
+        }
+    }
+    return (int)acc;
 }
