@@ -1143,13 +1143,16 @@ static inline __attribute__((always_inline)) void ln_moments8(const void *x, int
         const int64_t rest = n - (i + groups - 1) * LN_CHUNK;
         const int64_t last = rest < LN_CHUNK ? rest : LN_CHUNK; /* vectors in the group's last chunk */
         const int full = last == LN_CHUNK ? groups : groups - 1;
-        for (int done = 0, k; done < full; done += k) {
-            int64_t v = (i + done) * LN_CHUNK;
-            k = full - done >= 8 ? 8 : full - done >= 4 ? 4 : full - done >= 2 ? 2 : 1;
-            if (k == 8) ln_chunks8(x, v, cv, a1 + done, a2 + done, dt, 8);
-            else if (k == 4) ln_chunks8(x, v, cv, a1 + done, a2 + done, dt, 4);
-            else if (k == 2) ln_chunks8(x, v, cv, a1 + done, a2 + done, dt, 2);
-            else ln_chunks8(x, v, cv, a1 + done, a2 + done, dt, 1);
+        switch (full) { /* a constant count: the chains stay in registers */
+        case 8: ln_chunks8(x, i * LN_CHUNK, cv, a1, a2, dt, 8); break;
+        case 7: ln_chunks8(x, i * LN_CHUNK, cv, a1, a2, dt, 7); break;
+        case 6: ln_chunks8(x, i * LN_CHUNK, cv, a1, a2, dt, 6); break;
+        case 5: ln_chunks8(x, i * LN_CHUNK, cv, a1, a2, dt, 5); break;
+        case 4: ln_chunks8(x, i * LN_CHUNK, cv, a1, a2, dt, 4); break;
+        case 3: ln_chunks8(x, i * LN_CHUNK, cv, a1, a2, dt, 3); break;
+        case 2: ln_chunks8(x, i * LN_CHUNK, cv, a1, a2, dt, 2); break;
+        case 1: ln_chunks8(x, i * LN_CHUNK, cv, a1, a2, dt, 1); break;
+        default: break;
         }
         if (full < groups) { /* the row's last chunk, under 16 vectors */
             __m256 p1 = _mm256_setzero_ps(), p2 = _mm256_setzero_ps();
@@ -1200,11 +1203,58 @@ static inline __attribute__((always_inline)) uint32_t ln_output(const void *x, i
     return nan;
 }
 
+#if defined(__AVX512BW__)
+/* ATen's output line (LN_OUT_SUB) in AVX-512 registers, 16 elements a step (the rest as above): bf16 spread to fp32
+ * and rounded back (to nearest even, the integer rounding of f32_to_bf16) by word permutes in the elements' order,
+ * fp16 by the exact hardware conversions (round to nearest even, as f32_to_f16). */
+static const uint16_t LN_SPREAD_IDX[32] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7,
+                                           8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+static const uint16_t LN_HIGH_IDX[32] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+                                         1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+static inline __attribute__((always_inline)) uint32_t ln_output16(const void *x, int64_t N, float mean, float rstd,
+                                                                  void *y, const int dt, const int yt) {
+    const __m512 bias = _mm512_set1_ps(-mean), scale = _mm512_set1_ps(rstd), zero = _mm512_setzero_ps();
+    const __m512i spread = _mm512_loadu_si512(LN_SPREAD_IDX), high = _mm512_loadu_si512(LN_HIGH_IDX);
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
+    __mmask16 nan = 0;
+    int64_t j = 0;
+    for (; j + 16 <= N; j += 16) {
+        __m512 xv;
+        if (dt == DT_F32) {
+            xv = _mm512_loadu_ps((const float *)x + j);
+        } else {
+            __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + j));
+            xv = dt == DT_F16 ? _mm512_cvtph_ps(h)
+                              : _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, spread,
+                                                                                   _mm512_castsi256_si512(h)));
+        }
+        __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(xv, bias), scale), zero);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        if (yt == DT_F32) {
+            _mm512_storeu_ps((float *)y + j, v);
+        } else if (yt == DT_F16) {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + j),
+                                _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        } else {
+            __m512i u = _mm512_castps_si512(v);
+            u = _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + j),
+                                _mm512_castsi512_si256(_mm512_permutexvar_epi16(high, u)));
+        }
+    }
+    return (uint32_t)(nan != 0) | ln_output((const char *)x + j * DT_SIZE[dt], N - j, mean, rstd,
+                                            (char *)y + j * DT_SIZE[yt], dt, yt, LN_OUT_SUB);
+}
+#define LN_OUTPUT_SUB(x, N, mean, rstd, y, DT, YT) ln_output16(x, N, mean, rstd, y, DT, YT)
+#else
+#define LN_OUTPUT_SUB(x, N, mean, rstd, y, DT, YT) ln_output(x, N, mean, rstd, y, DT, YT, LN_OUT_SUB)
+#endif
+
 /* ATen's output line (LN_OUT_SUB) for each pair of x and y dtypes; the older lines through one loop */
 typedef uint32_t (*ln_output_fn)(const void *, int64_t, float, float, void *);
 #define DEFINE_LN_OUTPUT(DT, YT)                                                                                       \
     static uint32_t ln_output_##DT##_##YT(const void *x, int64_t N, float mean, float rstd, void *y) {                 \
-        return ln_output(x, N, mean, rstd, y, DT, YT, LN_OUT_SUB);                                                     \
+        return LN_OUTPUT_SUB(x, N, mean, rstd, y, DT, YT);                                                             \
     }
 #define DEFINE_LN_OUTPUT_DT(DT) DEFINE_LN_OUTPUT(DT, 0) DEFINE_LN_OUTPUT(DT, 1) DEFINE_LN_OUTPUT(DT, 2)
 DEFINE_LN_OUTPUT_DT(0)
