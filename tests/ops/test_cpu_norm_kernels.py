@@ -209,6 +209,23 @@ def test_bwd_rows_called_directly_and_one_long_row(kind, kernels, threads, gen):
     check_bwd(g, y, torch.ones(1), kind, torch.float32, f"{kind} one row of 32768")
 
 
+@needs_cc
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("kind", M.KINDS)
+def test_bwd_rows_sums_straight_from_g_and_y(kind, dtype, kernels, threads, gen):
+    """g and y of one dtype (the native build's sums straight from them, cascade_sums8, where ATen's width is 8):
+    rows of every length around the cascade's vectors, groups and levels (16 and 256 groups of four vectors) equal the
+    reference, for every dx dtype (fp32 g spread over 60 binades: another summation order gives other bits)."""
+    for n in (8, 9, 15, 16, 31, 32, 33, 63, 64, 65, 100, 511, 512, 513, 1000, 8191, 8192, 8193, 16391, 32768):
+        g = _spread((2, n), gen) if dtype == torch.float32 else rows_of((2, n), dtype, gen, 2.0)
+        y = rows_of((2, n), dtype, gen)
+        rstd = torch.rand(2, generator=gen) + 0.5
+        for dx_dtype in DTYPES:
+            dx = torch.empty((2, n), dtype=dx_dtype)
+            assert K.norm_bwd_rows(g, y, rstd, dx, kind == "layernorm") == 0
+            assert_same(dx, M.ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype), f"{kernels} {kind} {n} {dtype} {dx_dtype}")
+
+
 # --------------------------------------------------------------------------------------------------- the forward
 @needs_cc
 @pytest.mark.parametrize("x_dtype, out_dtype", list(itertools.product(DTYPES, DTYPES)),

@@ -66,6 +66,24 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_V8 1 /* AVX2 registers of 8 fp32 lanes, FMA and the F16C conversions */
+/* elements [i, i + 8) of x (of dtype dt, a constant where inlined) as fp32, exactly (an fp16 NaN's payload aside) */
+static inline __attribute__((always_inline)) __m256 load8_f32(const void *x, int64_t i, const int dt) {
+    if (dt == DT_F32) return _mm256_loadu_ps((const float *)x + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+    if (dt == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+#endif
+
+/* element i of x (of dtype dt, a constant where inlined) as fp32, exactly */
+static inline __attribute__((always_inline)) float load_f32(const void *x, int64_t i, const int dt) {
+    if (dt == DT_F32) return ((const float *)x)[i];
+    if (dt == DT_BF16) return bf16_to_f32(((const uint16_t *)x)[i]);
+    return f16_to_f32(((const uint16_t *)x)[i]);
+}
+
 /* the thread's range [lo, hi) of n elements: whole chunks, the last thread takes the rest */
 static inline void thread_range(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
     int64_t chunks = (n + CHUNK - 1) / CHUNK;
@@ -877,6 +895,60 @@ static float row_sum(const float *x, int64_t n, int width) {
     return cascade_sum(x, n, 4);
 }
 
+#if defined(HAVE_V8)
+/* cascade_sum for W = 8 of a row's fp32 products g·y (sums[0]) and, when S = 2, of its fp32 g (sums[1]), g and y of
+ * one dtype dt read and converted as lmbp_norm_prod does: the sums ATen's `sum` gives over the rows of products and
+ * of g, in one pass, in AVX2 registers (the same additions lane by lane), without writing those rows. */
+static inline __attribute__((always_inline)) void cascade_sums8(const void *g, const void *y, int64_t n, const int dt,
+                                                                const int S, float *sums) {
+    __m256 acc[2][4][4]; /* [sum][level][ilp] */
+    const int64_t vecs = n / 8, size = vecs / 4;
+    int64_t lp = ceil_log2(size) / 4, i = 0, j, v;
+    int k, t;
+    if (lp < 4) lp = 4;
+    const int64_t step = (int64_t)1 << lp, mask = step - 1;
+    for (t = 0; t < 2; t++)
+        for (j = 0; j < 4; j++)
+            for (k = 0; k < 4; k++) acc[t][j][k] = _mm256_setzero_ps();
+#define CASCADE_SUMS8_ADD(K, IDX)                                                                                      \
+    {                                                                                                                  \
+        __m256 gv = load8_f32(g, IDX, dt);                                                                             \
+        acc[0][0][K] = _mm256_add_ps(acc[0][0][K], _mm256_mul_ps(gv, load8_f32(y, IDX, dt)));                          \
+        if (S == 2) acc[1][0][K] = _mm256_add_ps(acc[1][0][K], gv);                                                    \
+    }
+    while (i + step <= size) {
+        for (j = 0; j < step; j++, i++)
+            for (k = 0; k < 4; k++) CASCADE_SUMS8_ADD(k, i * 32 + k * 8)
+        for (j = 1; j < 4; j++) {
+            for (t = 0; t < S; t++)
+                for (k = 0; k < 4; k++) {
+                    acc[t][j][k] = _mm256_add_ps(acc[t][j][k], acc[t][j - 1][k]);
+                    acc[t][j - 1][k] = _mm256_setzero_ps();
+                }
+            if ((i & (mask << (j * lp))) != 0) break;
+        }
+    }
+    for (; i < size; i++)
+        for (k = 0; k < 4; k++) CASCADE_SUMS8_ADD(k, i * 32 + k * 8)
+    for (t = 0; t < S; t++)
+        for (j = 1; j < 4; j++)
+            for (k = 0; k < 4; k++) acc[t][0][k] = _mm256_add_ps(acc[t][0][k], acc[t][j][k]);
+    for (v = size * 4; v < vecs; v++) CASCADE_SUMS8_ADD(0, v * 8)
+#undef CASCADE_SUMS8_ADD
+    for (t = 0; t < S; t++) {
+        float lanes[8], fin = 0.0f;
+        for (k = 1; k < 4; k++) acc[t][0][0] = _mm256_add_ps(acc[t][0][0], acc[t][0][k]);
+        _mm256_storeu_ps(lanes, acc[t][0][0]);
+        for (v = vecs * 8; v < n; v++) {
+            float gv = load_f32(g, v, dt);
+            fin += t == 0 ? gv * load_f32(y, v, dt) : gv;
+        }
+        for (k = 0; k < 8; k++) fin += lanes[k];
+        sums[t] = 0.0f + fin;
+    }
+}
+#endif
+
 /* out[r] = ATen's sum of row r of `rows` contiguous rows of n fp32 values (the probe's and the tests' entry) */
 void lmbp_row_sums(const float *x, int64_t rows, int64_t n, int width, float *out) {
     for (int64_t r = 0; r < rows; r++) out[r] = row_sum(x + r * n, n, width);
@@ -884,33 +956,55 @@ void lmbp_row_sums(const float *x, int64_t rows, int64_t n, int width, float *ou
 
 static const int DT_SIZE[3] = {4, 2, 2};
 
-/* The whole backward of the norms, row by row (lowmembp.ops.ms_norm.ms_norm_bwd_cpu): the products g·y (and
- * LayerNorm's fp32 copy of a 16-bit g) of one row into a scratch row that stays in the core's cache, their sums as
- * ATen's `sum` orders them for `width` lanes (row_sum), then the row's dx as lmbp_norm_bwd writes it. Rows are split
- * over an OpenMP team of `threads`. Returns 1 when some dx is NaN (the caller recomputes), 2 when the scratch rows
- * could not be allocated (nothing useful written), else 0. */
+/* The whole backward of the norms, row by row (lowmembp.ops.ms_norm.ms_norm_bwd_cpu): the row sums of the products
+ * g·y (and LayerNorm's sum of g) as ATen's `sum` orders them for `width` lanes, then the row's dx as lmbp_norm_bwd
+ * writes it. For width 8, g and y of one dtype and rows of 8 or more, the sums come straight from g and y in AVX2
+ * registers (cascade_sums8); otherwise the products (and LayerNorm's fp32 copy of a 16-bit g) of one row go into a
+ * scratch row that stays in the core's cache, summed by row_sum. Rows are split over an OpenMP team of `threads`.
+ * Returns 1 when some dx is NaN (the caller recomputes), 2 when the scratch rows could not be allocated (nothing
+ * useful written), else 0. */
 int lmbp_norm_bwd_rows(const void *g, int gdtype, const void *y, int ydtype, int64_t rows, int64_t n,
                        const float *rstd, void *dx, int dxdtype, int layernorm, int fused, int width, int threads) {
     norm_prod_fn prod_fn = NORM_PROD[gdtype][ydtype];
     norm_bwd_fn bwd_fn = NORM_BWD[gdtype][ydtype][dxdtype];
     const int copy_g = layernorm && gdtype != DT_F32;
+    #if defined(HAVE_V8)
+    const int direct = width == 8 && gdtype == ydtype && n >= 8; /* the sums straight from g and y: no scratch */
+#else
+    const int direct = 0;
+#endif
     uint32_t acc = 0;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads) reduction(| : acc) if (threads > 1)
     {
         int64_t r0, r1;
         team_rows(rows, &r0, &r1);
-        float *prod = r0 < r1 ? (float *)malloc((size_t)(copy_g ? 2 : 1) * (size_t)n * sizeof(float)) : NULL;
-        if (r0 < r1 && prod == NULL) acc |= 2u;
+        float *prod = r0 < r1 && !direct ? (float *)malloc((size_t)(copy_g ? 2 : 1) * (size_t)n * sizeof(float))
+                                         : NULL;
+        if (r0 < r1 && !direct && prod == NULL) acc |= 2u;
         float *gcopy = copy_g && prod ? prod + n : NULL;
-        for (int64_t r = r0; prod && r < r1; r++) {
+        for (int64_t r = r0; (direct || prod) && r < r1; r++) {
             const char *gr = (const char *)g + r * n * DT_SIZE[gdtype];
             const char *yr = (const char *)y + r * n * DT_SIZE[ydtype];
             char *dr = (char *)dx + r * n * DT_SIZE[dxdtype];
-            prod_fn(gr, yr, 0, n, prod, gcopy);
-            float sgy = row_sum(prod, n, width), sg = 0.0f;
-            if (layernorm) sg = row_sum(copy_g ? gcopy : (const float *)gr, n, width);
-            acc |= bwd_fn(gr, yr, 0, 1, n, &sgy, layernorm ? &sg : NULL, rstd + r, dr, fused);
+            float sums[2] = {0.0f, 0.0f};
+#if defined(HAVE_V8)
+            if (direct && layernorm) { /* one inlined copy per dtype */
+                if (gdtype == DT_F32) cascade_sums8(gr, yr, n, DT_F32, 2, sums);
+                else if (gdtype == DT_BF16) cascade_sums8(gr, yr, n, DT_BF16, 2, sums);
+                else cascade_sums8(gr, yr, n, DT_F16, 2, sums);
+            } else if (direct) {
+                if (gdtype == DT_F32) cascade_sums8(gr, yr, n, DT_F32, 1, sums);
+                else if (gdtype == DT_BF16) cascade_sums8(gr, yr, n, DT_BF16, 1, sums);
+                else cascade_sums8(gr, yr, n, DT_F16, 1, sums);
+            } else
+#endif
+            {
+                prod_fn(gr, yr, 0, n, prod, gcopy);
+                sums[0] = row_sum(prod, n, width);
+                if (layernorm) sums[1] = row_sum(copy_g ? gcopy : (const float *)gr, n, width);
+            }
+            acc |= bwd_fn(gr, yr, 0, 1, n, &sums[0], layernorm ? &sums[1] : NULL, rstd + r, dr, fused);
         }
         free(prod);
     }
@@ -978,12 +1072,6 @@ int lmbp_cast(const void *x, int xdtype, int64_t n, void *y, int ydtype, int thr
 #define LN_MAX_DEPTH 64   /* CeilLog2 of the chunks of a row: at most 64 */
 #define LN_MAX_W 16       /* the widest vector: AVX-512's 16 lanes */
 
-static inline __attribute__((always_inline)) float ln_load(const void *x, int64_t i, const int dt) {
-    if (dt == DT_F32) return ((const float *)x)[i];
-    if (dt == DT_BF16) return bf16_to_f32(((const uint16_t *)x)[i]);
-    return f16_to_f32(((const uint16_t *)x)[i]);
-}
-
 static inline __attribute__((always_inline)) float ln_madd(float a, float b, float c, const int fused) {
     return fused ? __builtin_fmaf(a, b, c) : a * b + c;
 }
@@ -1000,7 +1088,7 @@ static inline __attribute__((always_inline)) void ln_finish(const void *const *x
     for (int64_t i = n * W; i < N; i++) {
         ++m0;
         for (k = 0; k < K; k++) {
-            float xv = ln_load(xs[k], i, dt);
+            float xv = load_f32(xs[k], i, dt);
             float delta = xv - m1[k];
             m1[k] += delta / (float)m0;
             m2[k] = flags & LN_TAIL_FUSED ? __builtin_fmaf(delta, xv - m1[k], m2[k]) : m2[k] + delta * (xv - m1[k]);
@@ -1060,7 +1148,7 @@ static void ln_moments_lanes(const void *x, int64_t N, const float *cv, float *l
         for (j = 0; j < cnt; j++) {
             const int64_t base = (i * LN_CHUNK + j) * W;
             for (l = 0; l < W; l++) {
-                float xv = ln_load(x, base + l, dt);
+                float xv = load_f32(x, base + l, dt);
                 float d = xv - a1[l];
                 a1[l] = ln_madd(cv[j], d, a1[l], vfma);
                 a2[l] = ln_madd(d, xv - a1[l], a2[l], vfma);
@@ -1082,17 +1170,10 @@ static void ln_moments_lanes(const void *x, int64_t N, const float *cv, float *l
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(HAVE_V8)
 /* The same in AVX2 registers for W = 8 with fused fmadd (ATen's AVX2 build, which AVX-512 CPUs run too): the same
- * operations lane by lane, so the same bits; the chunks' Welford passes, independent of each other, run 8, 4, 2 or 1
- * at a time interleaved (as many dependency chains). */
-#define LN_V8 1
-static inline __attribute__((always_inline)) __m256 ln_load8(const void *x, int64_t i, const int dt) {
-    if (dt == DT_F32) return _mm256_loadu_ps((const float *)x + i);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
-    if (dt == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h); /* exact for every fp16 value but a NaN's payload (the row is reported then) */
-}
+ * operations lane by lane, so the same bits; the chunks' Welford passes, independent of each other, run up to 8 at a
+ * time interleaved (as many dependency chains). */
 
 /* K whole chunks from vector v0, each from zero, into a1[0, K) and a2[0, K) */
 static inline __attribute__((always_inline)) void ln_chunks8(const void *x, int64_t v0, const float *cv, __m256 *a1,
@@ -1104,7 +1185,7 @@ static inline __attribute__((always_inline)) void ln_chunks8(const void *x, int6
     for (int64_t j = 0; j < LN_CHUNK; j++) {
         const __m256 c = _mm256_set1_ps(cv[j]);
         for (g = 0; g < K; g++) {
-            __m256 xv = ln_load8(x, (v0 + g * LN_CHUNK + j) * 8, dt);
+            __m256 xv = load8_f32(x, (v0 + g * LN_CHUNK + j) * 8, dt);
             __m256 d = _mm256_sub_ps(xv, m1[g]);
             m1[g] = _mm256_fmadd_ps(c, d, m1[g]);
             m2[g] = _mm256_fmadd_ps(d, _mm256_sub_ps(xv, m1[g]), m2[g]);
@@ -1157,7 +1238,7 @@ static inline __attribute__((always_inline)) void ln_moments8(const void *x, int
         if (full < groups) { /* the row's last chunk, under 16 vectors */
             __m256 p1 = _mm256_setzero_ps(), p2 = _mm256_setzero_ps();
             for (j = 0; j < last; j++) {
-                __m256 xv = ln_load8(x, ((i + full) * LN_CHUNK + j) * 8, dt);
+                __m256 xv = load8_f32(x, ((i + full) * LN_CHUNK + j) * 8, dt);
                 __m256 d = _mm256_sub_ps(xv, p1);
                 p1 = _mm256_fmadd_ps(_mm256_set1_ps(cv[j]), d, p1);
                 p2 = _mm256_fmadd_ps(d, _mm256_sub_ps(xv, p1), p2);
@@ -1190,7 +1271,7 @@ static inline __attribute__((always_inline)) uint32_t ln_output(const void *x, i
     int64_t j;
     _Pragma("omp simd reduction(| : nan)")
     for (j = 0; j < N; j++) {
-        float xv = ln_load(x, j, dt), v;
+        float xv = load_f32(x, j, dt), v;
         if (out == LN_OUT_SUB) v = (xv + bias) * rstd;
         else if (out == LN_OUT_FMA) v = __builtin_fmaf(xv, rstd, bias);
         else v = xv * rstd + bias;
@@ -1297,7 +1378,7 @@ int lmbp_layer_norm_fwd(const void *x, int xdtype, int64_t rows, int64_t n, floa
             float l1[2][LN_MAX_W], l2[2][LN_MAX_W], mean[2], var[2];
             for (int k = 0; k < K; k++) {
                 xs[k] = (const char *)x + (r + k) * n * DT_SIZE[xdtype];
-#if defined(LN_V8)
+#if defined(HAVE_V8)
                 if (width == 8 && (flags & LN_VEC_FMA)) { /* one inlined copy per input type */
                     if (xdtype == DT_F32) ln_moments8(xs[k], n, cv, l1[k], l2[k], DT_F32, flags);
                     else if (xdtype == DT_BF16) ln_moments8(xs[k], n, cv, l1[k], l2[k], DT_BF16, flags);
