@@ -212,22 +212,22 @@ def ms_norm_bwd_ref(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: 
 
 # ------------------------------------------------------------------------------------------------ CPU fast path
 # The reference's arithmetic, bit for bit, in C (lowmembp.ops.cpu_kernels). The backward runs whole in C, row by row:
-# the row's g·y (and LayerNorm's fp32 g) into a scratch row in the core's cache, their sums in the order of ATen's CPU
-# `sum` (kernels.c replicates its cascade sum for the vector width a probe at first use finds,
-# cpu_kernels.aten_sum_width()), then the addcmul, mean subtraction, rstd product and rounding to dx's dtype; the rows
-# split over an OpenMP team. Where the probe finds no width (another torch's sum) the backward is two C passes around
-# ATen's own row sums, over blocks of whole rows that stay in the cache on one thread and over the whole tensor on
-# more; so is the backward of a single row of 32768 or more elements, which ATen sums over threads in two passes.
-# The LayerNorm forward runs whole in C, row by row over an OpenMP team (cpu_kernels.layer_norm_fwd): ATen's CPU
-# LayerNorm (its Welford moments, rstd and output line; each row on one thread, as ATen's) for the variant a probe at
-# first use finds (cpu_kernels.layer_norm_variant(): the vector width and which multiply-adds torch's build fused),
-# reading x in its dtype and rounding y once to its own, fp32 in and out included. Where no variant matches (another
-# torch), and for RMSNorm, the forward is C casts around ATen's fp32 norm (its statistics stay ATen's), and fp32 in
-# and out is the reference's one native call. A NaN in the result (whose bits ATen's conversions decide) recomputes
-# the call with the reference. Without the C kernels the reference's own ops run over row blocks spread over threads
-# by cpu_parallel. Either way the results are the same bits (tests/ops/test_cpu_fastpath.py,
-# tests/ops/test_cpu_norm_kernels.py). Rows too wide for a block, strided rows (whose sums ATen orders by the layout),
-# float64 and empty inputs run the reference.
+# the sums of the row's g·y (and LayerNorm's fp32 g) in the order of ATen's CPU `sum` (kernels.c replicates its cascade
+# sum for the vector width a probe at first use finds, cpu_kernels.aten_sum_width(); straight from g and y where they
+# share a dtype and the width is 8, else from a scratch row in the core's cache), then the addcmul, mean subtraction,
+# rstd product and rounding to dx's dtype; the rows split over an OpenMP team. Where the probe finds no width (another
+# torch's sum) the backward is two C passes around ATen's own row sums, over blocks of whole rows that stay in the cache
+# on one thread and over the whole tensor on more; so is the backward of a single row of 32768 or more elements, which
+# ATen sums over threads in two passes. The LayerNorm forward runs whole in C, row by row over an OpenMP team
+# (cpu_kernels.layer_norm_fwd): ATen's CPU LayerNorm (its Welford moments, rstd and output line; each row on one thread,
+# as ATen's) for the variant a probe at first use finds (cpu_kernels.layer_norm_variant(): the vector width and which
+# multiply-adds torch's build fused), reading x in its dtype and rounding y once to its own, fp32 in and out included.
+# Where no variant matches (another torch), and for RMSNorm, the forward is C casts around ATen's fp32 norm (its
+# statistics stay ATen's), and fp32 in and out is the reference's one native call. A NaN in the result (whose bits
+# ATen's conversions decide) recomputes the call with the reference. Without the C kernels the reference's own ops run
+# over row blocks spread over threads by cpu_parallel. Either way the results are the same bits
+# (tests/ops/test_cpu_fastpath.py, tests/ops/test_cpu_norm_kernels.py). Rows too wide for a block, strided rows (whose
+# sums ATen orders by the layout), float64 and empty inputs run the reference.
 _CPU_BLOCK = CPU_BLOCK  # elements per block; the blocks are spread over threads by cpu_parallel
 _CPU_MAX_N = CPU_BLOCK  # wider rows: the reference (a block holds at least one row)
 # elements per pass of the C kernels on one thread (measured best on a 2 MiB L2): backward (fp32 g, y, g·y: 768 KiB)
@@ -255,15 +255,15 @@ def ms_norm_fwd_cpu(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dty
     if not _cpu_fast(x, n) or not x.is_contiguous() or out_dtype not in (torch.float32, torch.bfloat16,
                                                                          torch.float16):
         return ms_norm_fwd_ref(x, kind, eps, out_dtype)  # a strided input's row statistics follow its layout
-    whole = kind == "layernorm" and cpu_kernels.library() is not None and \
-        cpu_kernels.layer_norm_variant() is not None
+    kernels = cpu_kernels.library() is not None
+    whole = kernels and kind == "layernorm" and cpu_kernels.layer_norm_variant() is not None
     if x.dtype == torch.float32 and out_dtype == torch.float32 and not whole:
         return ms_norm_fwd_ref(x, kind, eps, out_dtype)  # fp32 in and out: the reference is one native call already
     x2d = x.reshape(-1, n)
     rows = x2d.shape[0]
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
-    if cpu_kernels.library() is not None:
+    if kernels:
         if _fwd_kernels(x2d, kind, eps, y, rstd):  # a NaN: its bits (and its row's rstd) are the reference's
             return ms_norm_fwd_ref(x, kind, eps, out_dtype)
         return y.reshape(x.shape), rstd
