@@ -1,13 +1,13 @@
 """One-pass C kernels of the CPU fast path (``LOWMEMBP_BACKEND=cpu``): ReGELU2 / ReSiLU2's 2-bit codes and their
-backward, Mesa's 8-bit quantise and dequantise, the MS-norms' backward (with a replica of ATen's CPU row sum) and
-their casts.
+backward, Mesa's 8-bit quantise and dequantise, MS-LayerNorm's forward (a replica of ATen's CPU LayerNorm), the
+MS-norms' backward (with a replica of ATen's CPU row sum) and their casts.
 
 The package ships ``kernels.c`` as source. The first call compiles it with the system C compiler (``$CC``, else the
 first of :data:`COMPILERS` on the ``PATH``) into a shared library cached under :func:`cache_dir` (named by a hash of
 the source, the flags, the compiler and the CPU, so another machine sharing the folder builds its own) and loads it
 with :mod:`ctypes`; later calls and later processes load the cached file. Plain C on float / uint16 / uint8 pointers,
-no Python or torch headers: the build takes a fraction of a second (:func:`build_info`). Building writes a temporary
-file and renames it into place, so processes building at the same time each load a complete library.
+no Python or torch headers: the build takes a few seconds, once (:func:`build_info` says how long). Building writes a
+temporary file and renames it into place, so processes building at the same time each load a complete library.
 
 ``LOWMEMBP_CPU_KERNELS=0`` turns the kernels off. Without a compiler, or if the build fails, a RuntimeWarning says
 so once per process and every function here returns ``None``: the callers then run their eager ATen ops, which give
