@@ -1050,8 +1050,9 @@ int lmbp_cast(const void *x, int xdtype, int64_t n, void *y, int ydtype, int thr
  *   rstd = 1 / sqrt(var + eps)                  (eps as fp32)
  *   y    = (x - mean) * rstd * 1 + 0            (LN_OUT_SUB; older ATen: x * rstd + (-rstd * mean), fused
  *                                                or not, LN_OUT_FMA / LN_OUT_MULADD; the "+ 0" makes -0 +0)
- * RowwiseMoments with W the lanes of ATen's Vectorized<float> (16 AVX-512, 8 AVX2 and the default build, 4 NEON):
- * the row's n = N / W vectors in chunks of 16; per chunk a Welford pass from zero in each lane (vector j: delta =
+ * RowwiseMoments with W the lanes of the Vectorized<float> of the kernel ATen dispatches to (8 for its AVX2 and
+ * default builds, which AVX-512 CPUs run too where the kernel is not registered for AVX-512, as in torch 2.14; 16
+ * for an AVX-512 kernel; 4 on NEON): the row's n = N / W vectors in chunks of 16; per chunk a Welford pass from zero in each lane (vector j: delta =
  * x - m1, m1 = fmadd(1/(j+1), delta, m1), m2 = fmadd(delta, x - m1, m2)), merged into a stack of depth
  * CeilLog2(chunks) with AddMomentsVec (binary-counter cascade), the stack folded into its bottom; the N % W leftover
  * elements by a scalar Welford, then each lane merged into it with the scalar AddMoments; var = m2 / N.
@@ -1069,8 +1070,8 @@ int lmbp_cast(const void *x, int xdtype, int64_t n, void *y, int ydtype, int thr
 #define LN_OUT_MULADD 2    /* x * rstd + (-rstd * mean), two roundings */
 #define LN_CHUNK 16        /* ATen's kChunkSize: vectors per Welford chunk */
 #define LN_GROUP 8         /* chunks whose (independent) Welford passes run interleaved */
-#define LN_MAX_DEPTH 64   /* CeilLog2 of the chunks of a row: at most 64 */
-#define LN_MAX_W 16       /* the widest vector: AVX-512's 16 lanes */
+#define LN_MAX_DEPTH 64    /* CeilLog2 of the chunks of a row: at most 64 */
+#define LN_MAX_W 16        /* the widest vector: AVX-512's 16 lanes */
 
 static inline __attribute__((always_inline)) float ln_madd(float a, float b, float c, const int fused) {
     return fused ? __builtin_fmaf(a, b, c) : a * b + c;
