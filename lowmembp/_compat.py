@@ -31,7 +31,7 @@ import torch
 __all__ = ["TorchDispatchMode", "FakeTensorMode", "FakeTensor", "tree_flatten", "tree_leaves",  # noqa: F822
            "storage_key",  # noqa: F822
            "current_graph_task_id", "fused_rms_norm", "is_non_overlapping_and_dense", "is_fake", "detect_fake_mode",
-           "unset_fake_temporarily", "top_saved_tensors_hooks", "functorch_unwrap_grad_tracking",
+           "unset_fake_temporarily", "top_saved_tensors_hooks", "functorch_unwrap_grad_tracking", "forward_ad_active",
            "lookup_backend", "list_backends", "is_optimized_module", "functorch_config", "reset_compiler",
            "aot_autograd", "inductor_decompositions", "fast_fake_enabled", "fast_fake_internals", "FAST_FAKE_ENV"]
 
@@ -215,6 +215,12 @@ def functorch_unwrap_grad_tracking(t: torch.Tensor) -> tuple[torch.Tensor, bool]
             return t, True
         t = ft.get_unwrapped(t)
     return t, grad
+
+
+def forward_ad_active() -> bool:
+    """Whether a ``torch.autograd.forward_ad.dual_level`` is entered (only then can a tensor carry a tangent):
+    ``forward_ad``'s current level, True (assume one may be) where this torch has no such attribute."""
+    return getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0
 
 
 # ---------------------------------------------------------------------------------------------------------- compiler

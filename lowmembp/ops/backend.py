@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from lowmembp._compat import forward_ad_active, functorch_unwrap_grad_tracking
+
 SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _VALID = ("triton", "cpu", "torch", "auto", "")
 
@@ -57,7 +59,6 @@ def eager_backend(x: torch.Tensor) -> str | None:
     dev = x.device.type
     if dev != "cuda" and dev != "cpu":
         return None
-    from lowmembp._compat import functorch_unwrap_grad_tracking
     inner, grad_tracking = functorch_unwrap_grad_tracking(x)
     if inner is not x or grad_tracking:
         return None
@@ -103,15 +104,13 @@ def refuse_functorch_transforms(x: torch.Tensor, op: str, instead: str) -> None:
     A no-op under ``torch.compile`` (Dynamo/AOTAutograd trace the op's fake implementation, not this check)."""
     if torch.compiler.is_compiling():
         return
-    from lowmembp._compat import functorch_unwrap_grad_tracking
     t, grad_tracking = functorch_unwrap_grad_tracking(x)
     if grad_tracking:
         raise RuntimeError(
             f"{op}: torch.func gradient transforms (grad, vjp, jacrev, jvp, jacfwd, hessian) are not supported "
             f"by this op (its backward is registered for ordinary autograd only). Use loss.backward() / "
             f"torch.autograd.grad, or {instead} inside the transform.")
-    import torch.autograd.forward_ad as fwAD
-    if fwAD.unpack_dual(t).tangent is not None:
+    if forward_ad_active() and torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
         raise RuntimeError(f"{op}: forward-mode AD (torch.autograd.forward_ad dual tensors) is not supported by this "
                            f"op; use reverse mode (loss.backward() / torch.autograd.grad), or {instead}.")
 
