@@ -436,8 +436,8 @@ def test_layer_norm_native_and_portable_builds_agree_on_every_variant(portable_l
 @needs_cc
 def test_layer_norm_fwd_checks_its_arguments():
     x = torch.randn(3, 8)
-    with pytest.raises(ValueError, match="2-D"):
-        K.layer_norm_fwd(x.reshape(24), 1e-5, torch.empty(24), torch.empty(1))
+    with pytest.raises(ValueError, match="0-d"):
+        K.layer_norm_fwd(torch.tensor(1.0), 1e-5, torch.empty(1), torch.empty(1))
     with pytest.raises(ValueError, match="contiguous"):
         K.layer_norm_fwd(x.t(), 1e-5, torch.empty(8, 3), torch.empty(8))
     with pytest.raises(ValueError, match="at least 3"):
@@ -446,6 +446,30 @@ def test_layer_norm_fwd_checks_its_arguments():
         K.layer_norm_fwd(x, 1e-5, torch.empty(3, 8), torch.empty(3), variant=K.LayerNormVariant(5, 0))
     assert K.layer_norm_fwd(torch.empty(3, 0), 1e-5, torch.empty(3, 0), torch.empty(3)) is None
     assert K.layer_norm_fwd(x.double(), 1e-5, torch.empty(3, 8), torch.empty(3)) is None
+
+
+@needs_cc
+@pytest.mark.parametrize("shape", [(7,), (2, 3, 5), (3, 1, 4, 37)], ids=str)
+def test_kernels_take_rows_of_any_dim(shape, kernels, gen):
+    """layer_norm_fwd and norm_bwd_rows read the last dim of a contiguous 1-D, 3-D or 4-D tensor as rows: the same
+    bits as the 2-D call on its rows (and as the reference)."""
+    n = shape[-1]
+    x = torch.randn(shape, generator=gen) * 3 + 1
+    rows = x.numel() // n
+    y, r = torch.empty(shape), torch.empty(rows)
+    y2, r2 = torch.empty(rows, n), torch.empty(rows)
+    assert K.layer_norm_fwd(x, 1e-5, y, r) == 0
+    assert K.layer_norm_fwd(x.reshape(rows, n), 1e-5, y2, r2) == 0
+    assert_same(y.reshape(rows, n), y2, f"{kernels} {shape} y")
+    assert_same(r, r2, f"{kernels} {shape} rstd")
+    g = torch.randn(shape, generator=gen)
+    for is_ln in (True, False):
+        dx, dx2 = torch.empty(shape), torch.empty(rows, n)
+        assert K.norm_bwd_rows(g, y, r, dx, is_ln) == 0
+        assert K.norm_bwd_rows(g.reshape(rows, n), y2, r2, dx2, is_ln) == 0
+        assert_same(dx.reshape(rows, n), dx2, f"{kernels} {shape} dx")
+        kind = "layernorm" if is_ln else "rmsnorm"
+        assert_same(dx, M.ms_norm_bwd_ref(g, y, r, kind, torch.float32), f"{kernels} {shape} dx vs reference")
 
 
 @needs_cc

@@ -204,6 +204,19 @@ def _check_tensor(t: torch.Tensor, at_least: int, dtype: torch.dtype) -> None:  
                          f"(contiguous: {t.is_contiguous()})")
 
 
+def read_byte(t: torch.Tensor, i: int) -> int:
+    """Byte ``i`` of a contiguous CPU uint8 tensor, read from memory (no tensor indexing: a fraction of its cost)."""
+    _check_tensor(t, i + 1, torch.uint8)
+    return ctypes.c_uint8.from_address(t.data_ptr() + i).value
+
+
+def write_byte(t: torch.Tensor, i: int, value: int) -> None:
+    """Set byte ``i`` of a contiguous CPU uint8 tensor the caller has just allocated (nothing else holds it: its
+    version counter is not bumped) to ``value``."""
+    _check_tensor(t, i + 1, torch.uint8)
+    ctypes.c_uint8.from_address(t.data_ptr() + i).value = value
+
+
 NONFINITE, TINY_BF16 = 1, 2  # the bits that codes2 and check return
 
 
@@ -499,15 +512,19 @@ def aten_sum_width() -> int | None:
 
 def norm_bwd_rows(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, dx: torch.Tensor, layernorm: bool,
                   threads: int | None = None) -> int | None:
-    """The MS-norms' whole backward in one call, row by row over the rows of 2-D ``y``: the reference's ``gf * yf``
-    (and ``gf``), their row sums in ATen's order (:func:`aten_sum_width`), then :func:`norm_bwd`'s dx. Returns 1 if
-    some dx is NaN (its bits are ATen's only by chance), else 0; None when the library is unavailable, ATen's
-    addcmul rounds neither way (:func:`addcmul_fused`) or ATen's sum is not replicated (:func:`aten_sum_width`)."""
+    """The MS-norms' whole backward in one call, row by row over the rows of ``y`` (its last dimension; g and dx
+    hold as many elements): the reference's ``gf * yf`` (and ``gf``), their row sums in ATen's order
+    (:func:`aten_sum_width`), then :func:`norm_bwd`'s dx. Returns 1 if some dx is NaN (its bits are ATen's only by
+    chance), else 0; None when the library is unavailable, the rows are empty, ATen's addcmul rounds neither way
+    (:func:`addcmul_fused`) or ATen's sum is not replicated (:func:`aten_sum_width`)."""
     lib = library()
     fused, width = addcmul_fused(), aten_sum_width()
     if lib is None or fused is None or width is None or any(t.dtype not in _DTYPES for t in (g, y, dx)):
         return None
-    rows, n = y.shape
+    n = y.shape[-1] if y.dim() else 0
+    if n == 0:
+        return None
+    rows = y.numel() // n
     for t in (g, y, dx):
         _check_tensor(t, rows * n, t.dtype)
     _check_tensor(rstd, rows, torch.float32)
@@ -573,31 +590,32 @@ def layer_norm_variants() -> list[LayerNormVariant]:
             for w in LN_WIDTHS for o in range(len(LN_OUTPUTS)) for f in range(2 * LN_TAIL_FUSED)]
 
 
-def layer_norm_fwd(x2d: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Tensor, threads: int | None = None,
+def layer_norm_fwd(x: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Tensor, threads: int | None = None,
                    variant: LayerNormVariant | None = None) -> int | None:
-    """ATen's CPU ``native_layer_norm(x2d.float(), [n], None, None, eps)`` of the rows of contiguous 2-D ``x2d``
-    (fp32, bf16 or fp16, converted exactly) in one call: fp32 ``rstd`` (one per row) and ``y`` rounded once to its
-    dtype (the reference's ``y.to(dtype)``), with the arithmetic of ``variant`` (default: the one
-    :func:`layer_norm_variant` finds for this torch). Returns 1 if some y or rstd is NaN (its bits are ATen's only
-    by chance: the caller recomputes), else 0; None when the library is unavailable, no variant replicates this
-    torch's LayerNorm, or the rows are empty."""
+    """ATen's CPU ``native_layer_norm(x.float(), [n], None, None, eps)`` of the rows of contiguous ``x`` (its last
+    dimension, n elements; fp32, bf16 or fp16, converted exactly) in one call: fp32 ``rstd`` (one per row) and ``y``
+    (as many elements as x) rounded once to its dtype (the reference's ``y.to(dtype)``), with the arithmetic of
+    ``variant`` (default: the one :func:`layer_norm_variant` finds for this torch). Returns 1 if some y or rstd is
+    NaN (its bits are ATen's only by chance: the caller recomputes), else 0; None when the library is unavailable, no
+    variant replicates this torch's LayerNorm, or the rows are empty."""
     lib = library()
-    if lib is None or x2d.dtype not in _DTYPES or y.dtype not in _DTYPES:
+    if lib is None or x.dtype not in _DTYPES or y.dtype not in _DTYPES:
         return None
     if variant is None:
         variant = layer_norm_variant()
         if variant is None:
             return None
-    if x2d.dim() != 2:
-        raise ValueError(f"layer_norm_fwd: x2d must be 2-D, got {x2d.dim()}-D")
-    rows, n = x2d.shape
+    if x.dim() == 0:
+        raise ValueError("layer_norm_fwd: x must have at least 1 dimension (its rows are the last), got a 0-d tensor")
+    n = x.shape[-1]
     if n == 0:
         return None
-    _check_tensor(x2d, rows * n, x2d.dtype)
+    rows = x.numel() // n
+    _check_tensor(x, rows * n, x.dtype)
     _check_tensor(y, rows * n, y.dtype)
     _check_tensor(rstd, rows, torch.float32)
     team = _threads(rows * n) if threads is None else threads
-    bits = lib.lmbp_layer_norm_fwd(x2d.data_ptr(), _DTYPES[x2d.dtype], rows, n, eps, y.data_ptr(), _DTYPES[y.dtype],
+    bits = lib.lmbp_layer_norm_fwd(x.data_ptr(), _DTYPES[x.dtype], rows, n, eps, y.data_ptr(), _DTYPES[y.dtype],
                                    rstd.data_ptr(), variant.width, variant.flags, max(1, min(team, rows)))
     if bits < 0:
         raise ValueError(f"layer_norm_fwd: not a variant of the C replica: {variant!r}")
