@@ -48,7 +48,6 @@ product of the leading dims:
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -240,8 +239,11 @@ def _row_block(n: int) -> int:
     return max(1, cpu_block(_CPU_BLOCK) // n)
 
 
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes the CPU fast path reads and writes
+
+
 def _cpu_fast(t: torch.Tensor, n: int) -> bool:
-    return t.dtype in (torch.float32, torch.bfloat16, torch.float16) and t.numel() > 0 and n <= _CPU_MAX_N
+    return t.dtype in _FLOATS and t.numel() > 0 and n <= _CPU_MAX_N
 
 
 def ms_norm_fwd_cpu(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype | None = None):
@@ -252,12 +254,18 @@ def ms_norm_fwd_cpu(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dty
     _check_kind(kind)
     out_dtype = out_dtype or x.dtype
     n = x.shape[-1]
-    if not _cpu_fast(x, n) or not x.is_contiguous() or out_dtype not in (torch.float32, torch.bfloat16,
-                                                                         torch.float16):
+    if not (_cpu_fast(x, n) and x.is_contiguous() and out_dtype in _FLOATS):
         return ms_norm_fwd_ref(x, kind, eps, out_dtype)  # a strided input's row statistics follow its layout
+    if kind == "layernorm":  # whole in C; y in x's shape (a base tensor, not a view: cheaper through autograd)
+        y = torch.empty_like(x, dtype=out_dtype)
+        rstd = torch.empty(x.numel() // n, dtype=torch.float32, device=x.device)
+        nan = cpu_kernels.layer_norm_fwd(x, eps, y, rstd)  # None: no library, or no variant replicates ATen's norm
+        if nan == 0:
+            return y, rstd
+        if nan:  # a NaN: its bits (and its row's rstd) are the reference's
+            return ms_norm_fwd_ref(x, kind, eps, out_dtype)
     kernels = cpu_kernels.library() is not None
-    whole = kernels and kind == "layernorm" and cpu_kernels.layer_norm_variant() is not None
-    if x.dtype == torch.float32 and out_dtype == torch.float32 and not whole:
+    if x.dtype == torch.float32 and out_dtype == torch.float32:
         return ms_norm_fwd_ref(x, kind, eps, out_dtype)  # fp32 in and out: the reference is one native call already
     x2d = x.reshape(-1, n)
     rows = x2d.shape[0]
@@ -290,13 +298,8 @@ def _kernel_rows(n: int, rows: int, block: int) -> int:
 
 
 def _fwd_kernels(x2d, kind, eps, y, rstd) -> int:
-    """The forward with the C kernels: LayerNorm in one call (ATen's arithmetic replicated, where the probe finds
-    it), else the C casts x to fp32, ATen's fp32 norm (the reference's call), fp32 to y's dtype; 1 if some value is
-    NaN, else 0."""
-    if kind == "layernorm":
-        nan = cpu_kernels.layer_norm_fwd(x2d, eps, y, rstd)  # None: no variant replicates this torch's norm
-        if nan is not None:
-            return nan
+    """The forward with the C casts (RMSNorm, and LayerNorm where no variant replicates ATen's): x to fp32, ATen's
+    fp32 norm (the reference's call), fp32 to y's dtype; 1 if some value is NaN, else 0."""
     rows, n = x2d.shape
     step = _kernel_rows(n, rows, _KERNEL_BLOCK_FWD)
     threads = None if step >= rows else 1
@@ -323,28 +326,25 @@ def ms_norm_bwd_cpu(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: 
     its ops row block by row block."""
     is_rms = _check_kind(kind)
     n = y.shape[-1]
-    if not (_cpu_fast(y, n) and g.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and rstd.dtype == torch.float32 and dx_dtype in (torch.float32, torch.bfloat16, torch.float16)):
+    # strided rows (whose sums the reference orders by the layout) and mismatched shapes (the reference says what is
+    # wrong) run the reference
+    if not (_cpu_fast(y, n) and g.dtype in _FLOATS and rstd.dtype == torch.float32 and dx_dtype in _FLOATS
+            and g.is_contiguous() and y.is_contiguous() and g.shape == y.shape and rstd.numel() * n == y.numel()):
         return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
-    if not (g.is_contiguous() and y.is_contiguous()):  # strided rows: the reference's sums follow the layout
-        return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
-    g2d, y2d = g.reshape(-1, n), y.reshape(-1, n)
-    if rstd.numel() != y2d.shape[0] or g2d.shape != y2d.shape:  # the reference's reshape says what is wrong
-        return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
-    dx = torch.empty(y2d.shape, dtype=dx_dtype, device=y.device)
-    kernels = cpu_kernels.library() is not None and cpu_kernels.addcmul_fused() is not None
-    one_long_row = y2d.shape[0] == 1 and y2d.numel() >= _ATEN_GRAIN  # ATen sums it over threads in another order
-    rstd1d = rstd.reshape(-1).contiguous()
+    dx = torch.empty_like(y, dtype=dx_dtype)  # y's shape (a base tensor, not a view)
+    rstd1d = rstd if rstd.dim() == 1 and rstd.is_contiguous() else rstd.reshape(-1).contiguous()
     nan = None
-    if kernels and not one_long_row:  # the whole backward, row by row; None where ATen's sum is not replicated
-        nan = cpu_kernels.norm_bwd_rows(g2d, y2d, rstd1d, dx, not is_rms)
-    if nan is None and kernels:
-        nan = _bwd_kernels(g2d, y2d, rstd1d, is_rms, dx)  # two C passes around ATen's row sums
-    elif nan is None:
-        nan = _bwd_eager_blocks(g2d, y2d, rstd.reshape(-1, 1), is_rms, dx)
+    if y.numel() > n or n < _ATEN_GRAIN:  # one long row: ATen sums it over threads in another order
+        nan = cpu_kernels.norm_bwd_rows(g, y, rstd1d, dx, not is_rms)  # None: no library, or ATen's sum unreplicated
+    if nan is None:
+        g2d, y2d, dx2d = g.reshape(-1, n), y.reshape(-1, n), dx.view(-1, n)
+        if cpu_kernels.library() is not None and cpu_kernels.addcmul_fused() is not None:
+            nan = _bwd_kernels(g2d, y2d, rstd1d, is_rms, dx2d)  # two C passes around ATen's row sums
+        else:
+            nan = _bwd_eager_blocks(g2d, y2d, rstd1d.reshape(-1, 1), is_rms, dx2d)
     if nan:
         return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)  # a NaN's bits are ATen's only by chance
-    return dx.reshape(y.shape)
+    return dx
 
 
 def _bwd_kernels(g2d, y2d, rstd, is_rms, dx) -> int:
@@ -409,22 +409,26 @@ def ms_norm_bytes(rows: int, n: int, x_dtype: torch.dtype, y_dtype: torch.dtype,
 # ------------------------------------------------------------------------------------------------- the custom ops
 def _fwd_on(backend: str, x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype):
     """The forward on ``backend`` (``backend_for``), autocast off inside: Triton up to :data:`MAX_TRITON_N` columns."""
-    with _no_autocast(x):
-        if backend == "triton" and x.shape[-1] <= MAX_TRITON_N:
-            return ms_norm_fwd_triton(x, kind, eps, out_dtype)
-        if backend == "cpu":
-            return ms_norm_fwd_cpu(x, kind, eps, out_dtype)
-        return ms_norm_fwd_ref(x, kind, eps, out_dtype)
+    if _autocast_on(x):
+        with torch.autocast(x.device.type, enabled=False):
+            return _fwd_on(backend, x, kind, eps, out_dtype)
+    if backend == "triton" and x.shape[-1] <= MAX_TRITON_N:
+        return ms_norm_fwd_triton(x, kind, eps, out_dtype)
+    if backend == "cpu":
+        return ms_norm_fwd_cpu(x, kind, eps, out_dtype)
+    return ms_norm_fwd_ref(x, kind, eps, out_dtype)
 
 
 def _bwd_on(backend: str, g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str, dx_dtype: torch.dtype):
     """The backward on ``backend``, autocast off inside."""
-    with _no_autocast(g):
-        if backend == "triton" and y.shape[-1] <= MAX_TRITON_N and rstd.dtype == torch.float32:
-            return ms_norm_bwd_triton(g, y, rstd, kind, dx_dtype)
-        if backend == "cpu":
-            return ms_norm_bwd_cpu(g, y, rstd, kind, dx_dtype)
-        return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
+    if _autocast_on(g):
+        with torch.autocast(g.device.type, enabled=False):
+            return _bwd_on(backend, g, y, rstd, kind, dx_dtype)
+    if backend == "triton" and y.shape[-1] <= MAX_TRITON_N and rstd.dtype == torch.float32:
+        return ms_norm_bwd_triton(g, y, rstd, kind, dx_dtype)
+    if backend == "cpu":
+        return ms_norm_bwd_cpu(g, y, rstd, kind, dx_dtype)
+    return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
 
 
 def check_out_dtype(out_dtype: str, where: str = "ms_norm") -> str:
@@ -452,12 +456,10 @@ def _out_dtype(x: torch.Tensor, mode: str = "auto") -> torch.dtype:
     return x.dtype
 
 
-def _no_autocast(t: torch.Tensor):
-    """A context with autocast off for t's device (nothing to enter where it is off already: a cheaper call)."""
+def _autocast_on(t: torch.Tensor) -> bool:
+    """Whether autocast is on for t's device (the ops then switch it off for their own work)."""
     dev = t.device.type
-    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
-        return torch.autocast(dev, enabled=False)
-    return contextlib.nullcontext()
+    return (dev == "cpu" or dev == "cuda") and torch.is_autocast_enabled(dev)
 
 
 _OP_NAME = {"layernorm": "ms_layer_norm", "rmsnorm": "ms_rms_norm"}
@@ -527,7 +529,7 @@ class _MSNormEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, kind, eps, out_dtype, backend):
-        y, rstd = _fwd_on(backend, x.detach(), kind, eps, out_dtype)
+        y, rstd = _fwd_on(backend, x, kind, eps, out_dtype)  # grad mode is off here; y is a new tensor
         ctx.save_for_backward(y, rstd)
         ctx.kind, ctx.x_dtype, ctx.backend = kind, x.dtype, backend
         return y
