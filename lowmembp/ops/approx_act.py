@@ -41,6 +41,7 @@ import functools
 import math
 import os
 import struct
+import sys
 
 import torch
 import torch.nn as nn
@@ -413,25 +414,26 @@ def _codes_cpu(flat: torch.Tensor, thresholds, packed: torch.Tensor, sums: torch
         packed[start // 4:(start + e) // 4].copy_(w)
 
 
+_LITTLE_ENDIAN = sys.byteorder == "little"  # the eager packing reads int32 words as four code bytes
+
+
 def _fwd_cpu(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
-    import sys
-    bits = _bits_of(len(thresholds) + 1, "thresholds")
-    if bits != 2 or sys.byteorder != "little" or x.numel() == 0:
+    n = x.numel()
+    if len(thresholds) != 3 or not _LITTLE_ENDIAN or n == 0:  # 2-bit codes only (the reference checks the count)
         return _fwd_reference(x, kind, thresholds, with_codes)
     xc = x.contiguous()
-    flat = xc.reshape(-1)
-    n = flat.numel()
-    nbytes = (n * bits + 7) // 8
+    nbytes = (n + 3) // 4
     packed = torch.empty(nbytes + 1 if with_codes else 0, dtype=torch.uint8, device=x.device)
     # one C pass: the packed codes (or only the checks) of every element
-    seen = cpu_kernels.codes2(flat, thresholds, packed) if with_codes else cpu_kernels.check(flat)
+    seen = cpu_kernels.codes2(xc, thresholds, packed) if with_codes else cpu_kernels.check(xc)
     if seen is not None:
         if seen & cpu_kernels.NONFINITE:  # some input NaN or ±inf: the reference (its output and flag byte follow
             return _fwd_reference(x, kind, thresholds, with_codes)  # the mathematics)
-        y = _native_act(xc, kind, tiny=bool(seen & cpu_kernels.TINY_BF16))
+        y = _native_act(xc, kind, tiny=bool(seen & cpu_kernels.TINY_BF16))  # x's shape: no view to return
         if with_codes:
-            packed[nbytes] = 0
-        return y.reshape(x.shape), packed
+            cpu_kernels.write_byte(packed, nbytes, 0)  # the flag byte: no NaN, no +inf
+        return y, packed
+    flat = xc.reshape(-1)
     # without the C kernels: the codes from eager ATen ops, block by block
     y = _native_act(xc, kind, tiny=xc.dtype == torch.bfloat16)
     n4 = n - n % 4
@@ -449,7 +451,7 @@ def _fwd_cpu(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
         return _fwd_reference(x, kind, thresholds, with_codes)
     if with_codes:
         packed[nbytes] = 0
-    return y.reshape(x.shape), packed
+    return y, packed
 
 
 def _slopes_cpu(flat: torch.Tensor, packed: torch.Tensor, table: torch.Tensor, dx: torch.Tensor, lo: int,
@@ -472,18 +474,19 @@ def _slopes_cpu(flat: torch.Tensor, packed: torch.Tensor, table: torch.Tensor, d
 
 
 def _bwd_cpu(dy: torch.Tensor, packed: torch.Tensor, s32) -> torch.Tensor:
-    bits = _bits_of(len(s32), "slopes")
     n = dy.numel()
-    nbytes = (n * bits + 7) // 8
-    if bits != 2 or n < 4 or packed.numel() != nbytes + 1:
-        return _bwd_reference(dy, packed, s32)
-    flat = dy.contiguous().reshape(-1)
-    flag = int(packed[nbytes])
+    nbytes = (n + 3) // 4
+    if len(s32) != 4 or n < 4 or packed.numel() != nbytes + 1 or not packed.is_contiguous():
+        return _bwd_reference(dy, packed, s32)  # 2-bit codes only (the reference checks the count)
+    bits = 2
+    dyc = dy.contiguous()
+    flag = cpu_kernels.read_byte(packed, nbytes)
     if flag == 0:  # one C pass; a NaN product in fp16 / bf16 is rounded by ATen's own ops below
-        dx = torch.empty(n, dtype=dy.dtype, device=dy.device)
-        nan = cpu_kernels.slopes2(flat, packed, _const_tensor(tuple(s32), dy.device), dx)
+        dx = torch.empty_like(dyc)  # dy's shape: no view to return
+        nan = cpu_kernels.slopes2(dyc, packed, _const_tensor(tuple(s32), "cpu"), dx)  # s32: a list in a double backward
         if nan is not None and not (nan and dy.dtype != torch.float32):
-            return dx.reshape(dy.shape)
+            return dx
+    flat = dyc.reshape(-1)
     # the four slopes of each code byte, 16 bytes: one complex128 entry, so that one 1-D gather fetches all four
     table = _byte_table(tuple(s32), bits, dy.device)[flag].view(torch.complex128).reshape(256)
     dx = torch.empty(n, dtype=dy.dtype, device=dy.device)
@@ -754,8 +757,9 @@ class _ApproxActEager(torch.autograd.Function):
 def approx_act(x: torch.Tensor, kind: str = "gelu", bits: int = 2) -> torch.Tensor:
     """Exact ``kind`` activation forward; backward with the ``bits``-bit approximate derivative (codes saved)."""
     kind, bits = _kind(kind), _bits(bits)
-    check_float_input(x, f"approx_act({kind}, bits={bits})")
-    refuse_functorch_transforms(x, f"approx_act({kind}, bits={bits})", _EXACT[kind])
+    op = f"approx_act({kind}, bits={bits})"
+    check_float_input(x, op)
+    refuse_functorch_transforms(x, op, _EXACT[kind])
     t32, s32 = _consts32(kind, bits)
     with_codes = torch.is_grad_enabled() and x.requires_grad
     backend = eager_backend(x)
