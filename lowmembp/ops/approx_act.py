@@ -47,8 +47,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lowmembp.ops.backend import (CPU_BLOCK, backend_for, check_float_input, cpu_block, cpu_parallel, eager_backend,
-                               refuse_functorch_transforms)
+from lowmembp.ops.backend import (CPU_BLOCK, SUPPORTED_FLOAT_DTYPES, backend_for, check_float_input, cpu_block,
+                                  cpu_parallel, eager_backend, refuse_functorch_transforms)
 from lowmembp.ops import cpu_kernels
 from lowmembp.ops.approx_table import REGELU2_A, REGELU2_C, RESILU2_A, RESILU2_C, TABLE
 
@@ -419,13 +419,18 @@ _LITTLE_ENDIAN = sys.byteorder == "little"  # the eager packing reads int32 word
 
 def _fwd_cpu(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
     n = x.numel()
-    if len(thresholds) != 3 or not _LITTLE_ENDIAN or n == 0:  # 2-bit codes only (the reference checks the count)
-        return _fwd_reference(x, kind, thresholds, with_codes)
+    if len(thresholds) != 3 or not _LITTLE_ENDIAN or n == 0 or not x.is_cpu:  # 2-bit codes only (the reference
+        return _fwd_reference(x, kind, thresholds, with_codes)  # checks the count)
     xc = x.contiguous()
     nbytes = (n + 3) // 4
-    packed = torch.empty(nbytes + 1 if with_codes else 0, dtype=torch.uint8, device=x.device)
+    packed = xc.new_empty(nbytes + 1 if with_codes else 0, dtype=torch.uint8)
     # one C pass: the packed codes (or only the checks) of every element
-    seen = cpu_kernels.codes2(xc, thresholds, packed) if with_codes else cpu_kernels.check(xc)
+    if not with_codes:
+        seen = cpu_kernels.check(xc)
+    elif xc.dtype in SUPPORTED_FLOAT_DTYPES:
+        seen = cpu_kernels.codes2_trusted(xc, n, thresholds, packed)
+    else:
+        seen = None
     if seen is not None:
         if seen & cpu_kernels.NONFINITE:  # some input NaN or ±inf: the reference (its output and flag byte follow
             return _fwd_reference(x, kind, thresholds, with_codes)  # the mathematics)
@@ -476,14 +481,16 @@ def _slopes_cpu(flat: torch.Tensor, packed: torch.Tensor, table: torch.Tensor, d
 def _bwd_cpu(dy: torch.Tensor, packed: torch.Tensor, s32) -> torch.Tensor:
     n = dy.numel()
     nbytes = (n + 3) // 4
-    if len(s32) != 4 or n < 4 or packed.numel() != nbytes + 1 or not packed.is_contiguous():
+    if (len(s32) != 4 or n < 4 or packed.numel() != nbytes + 1 or not packed.is_contiguous() or not dy.is_cpu
+            or not packed.is_cpu or packed.dtype != torch.uint8):
         return _bwd_reference(dy, packed, s32)  # 2-bit codes only (the reference checks the count)
     bits = 2
     dyc = dy.contiguous()
     flag = cpu_kernels.read_byte(packed, nbytes)
-    if flag == 0:  # one C pass; a NaN product in fp16 / bf16 is rounded by ATen's own ops below
-        dx = torch.empty_like(dyc)  # dy's shape: no view to return
-        nan = cpu_kernels.slopes2(dyc, packed, _const_tensor(tuple(s32), "cpu"), dx)  # s32: a list in a double backward
+    if flag == 0 and dyc.dtype in SUPPORTED_FLOAT_DTYPES:  # one C pass; a NaN product in fp16 / bf16 is rounded
+        dx = torch.empty_like(dyc)  # by ATen's own ops below; dx in dy's shape: no view to return
+        table = _const_tensor(tuple(s32), "cpu")  # tuple: s32 is a list in a double backward
+        nan = cpu_kernels.slopes2_trusted(dyc, n, packed, table, dx)
         if nan is not None and not (nan and dy.dtype != torch.float32):
             return dx
     flat = dyc.reshape(-1)

@@ -30,17 +30,17 @@ def backend_for(x: torch.Tensor) -> str:
     if forced == "torch":
         return "torch"
     if forced == "cpu":
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             raise RuntimeError(f"LOWMEMBP_BACKEND=cpu on a {x.device.type} tensor: the CPU fast path runs on CPU "
                                f"tensors only; unset LOWMEMBP_BACKEND or set it to 'triton' or 'torch'")
         return "cpu"
     if forced == "triton":
-        if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
             raise RuntimeError(
                 "LOWMEMBP_BACKEND=triton on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 "
                 "before triton is imported, or move the tensor to a CUDA device")
         return "triton"
-    return "triton" if x.device.type == "cuda" and triton_available() else "torch"
+    return "triton" if x.is_cuda and triton_available() else "torch"
 
 
 def eager_backend(x: torch.Tensor) -> str | None:
@@ -54,10 +54,7 @@ def eager_backend(x: torch.Tensor) -> str | None:
     ``torch.func``, and a backend that is a kernel: ``"triton"`` (CUDA tensors, or CPU tensors under Triton's
     interpreter) or ``"cpu"`` (the CPU fast path). The PyTorch reference keeps the custom op (the oracle, one code
     path); so does everything traced or fake."""
-    if type(x) is not torch.Tensor or torch.compiler.is_compiling():
-        return None
-    dev = x.device.type
-    if dev != "cuda" and dev != "cpu":
+    if type(x) is not torch.Tensor or torch.compiler.is_compiling() or not (x.is_cpu or x.is_cuda):
         return None
     inner, grad_tracking = functorch_unwrap_grad_tracking(x)
     if inner is not x or grad_tracking:

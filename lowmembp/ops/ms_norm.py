@@ -53,8 +53,8 @@ import math
 import torch
 from torch import nn
 
-from lowmembp.ops.backend import (CPU_BLOCK, backend_for, check_float_input, cpu_block, cpu_parallel, eager_backend,
-                               refuse_functorch_transforms)
+from lowmembp.ops.backend import (CPU_BLOCK, SUPPORTED_FLOAT_DTYPES, backend_for, check_float_input, cpu_block,
+                                  cpu_parallel, eager_backend, refuse_functorch_transforms)
 from lowmembp._compat import fused_rms_norm
 from lowmembp.ops import cpu_kernels
 
@@ -239,11 +239,11 @@ def _row_block(n: int) -> int:
     return max(1, cpu_block(_CPU_BLOCK) // n)
 
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes the CPU fast path reads and writes
+_FLOATS = SUPPORTED_FLOAT_DTYPES  # the dtypes the CPU fast path reads and writes
 
 
 def _cpu_fast(t: torch.Tensor, n: int) -> bool:
-    return t.dtype in _FLOATS and t.numel() > 0 and n <= _CPU_MAX_N
+    return t.is_cpu and t.dtype in _FLOATS and t.numel() > 0 and n <= _CPU_MAX_N
 
 
 def ms_norm_fwd_cpu(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype | None = None):
@@ -257,9 +257,10 @@ def ms_norm_fwd_cpu(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dty
     if not (_cpu_fast(x, n) and x.is_contiguous() and out_dtype in _FLOATS):
         return ms_norm_fwd_ref(x, kind, eps, out_dtype)  # a strided input's row statistics follow its layout
     if kind == "layernorm":  # whole in C; y in x's shape (a base tensor, not a view: cheaper through autograd)
+        rows = x.numel() // n
         y = torch.empty_like(x, dtype=out_dtype)
-        rstd = torch.empty(x.numel() // n, dtype=torch.float32, device=x.device)
-        nan = cpu_kernels.layer_norm_fwd(x, eps, y, rstd)  # None: no library, or no variant replicates ATen's norm
+        rstd = x.new_empty(rows, dtype=torch.float32)
+        nan = cpu_kernels.layer_norm_fwd_trusted(x, rows, n, eps, y, rstd)  # None: no library, or no variant
         if nan == 0:
             return y, rstd
         if nan:  # a NaN: its bits (and its row's rstd) are the reference's
@@ -328,14 +329,17 @@ def ms_norm_bwd_cpu(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: 
     n = y.shape[-1]
     # strided rows (whose sums the reference orders by the layout) and mismatched shapes (the reference says what is
     # wrong) run the reference
-    if not (_cpu_fast(y, n) and g.dtype in _FLOATS and rstd.dtype == torch.float32 and dx_dtype in _FLOATS
+    if not (_cpu_fast(y, n) and g.is_cpu and g.dtype in _FLOATS and rstd.is_cpu and rstd.dtype == torch.float32
+            and dx_dtype in _FLOATS
             and g.is_contiguous() and y.is_contiguous() and g.shape == y.shape and rstd.numel() * n == y.numel()):
         return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
     dx = torch.empty_like(y, dtype=dx_dtype)  # y's shape (a base tensor, not a view)
     rstd1d = rstd if rstd.dim() == 1 and rstd.is_contiguous() else rstd.reshape(-1).contiguous()
     nan = None
-    if y.numel() > n or n < _ATEN_GRAIN:  # one long row: ATen sums it over threads in another order
-        nan = cpu_kernels.norm_bwd_rows(g, y, rstd1d, dx, not is_rms)  # None: no library, or ATen's sum unreplicated
+    rows = y.numel() // n
+    if rows > 1 or n < _ATEN_GRAIN:  # one long row: ATen sums it over threads in another order
+        # None: no library, or ATen's sum not replicated
+        nan = cpu_kernels.norm_bwd_rows_trusted(g, y, rows, n, rstd1d, dx, not is_rms)
     if nan is None:
         g2d, y2d, dx2d = g.reshape(-1, n), y.reshape(-1, n), dx.view(-1, n)
         if cpu_kernels.library() is not None and cpu_kernels.addcmul_fused() is not None:
@@ -447,7 +451,7 @@ def _out_dtype(x: torch.Tensor, mode: str = "auto") -> torch.dtype:
         return x.dtype
     if mode == "fp32":
         return torch.float32
-    dev = x.device.type
+    dev = "cpu" if x.is_cpu else "cuda" if x.is_cuda else x.device.type  # x.device builds an object: slower
     try:
         if torch.is_autocast_enabled(dev):
             return torch.get_autocast_dtype(dev)
@@ -458,8 +462,7 @@ def _out_dtype(x: torch.Tensor, mode: str = "auto") -> torch.dtype:
 
 def _autocast_on(t: torch.Tensor) -> bool:
     """Whether autocast is on for t's device (the ops then switch it off for their own work)."""
-    dev = t.device.type
-    return (dev == "cpu" or dev == "cuda") and torch.is_autocast_enabled(dev)
+    return (t.is_cpu and torch.is_autocast_enabled("cpu")) or (t.is_cuda and torch.is_autocast_enabled("cuda"))
 
 
 _OP_NAME = {"layernorm": "ms_layer_norm", "rmsnorm": "ms_rms_norm"}

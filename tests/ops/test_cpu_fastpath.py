@@ -249,3 +249,24 @@ def test_norm_dispatch_takes_fast_path(threads, blocks, gen, monkeypatch):
         y = M.ms_layer_norm(x)
         y.backward(torch.ones_like(y))
     assert f.called and b.called
+
+
+def test_fast_paths_leave_non_cpu_tensors_to_the_reference(monkeypatch):
+    """The public CPU functions hand a tensor that is not on the CPU (here the meta device, which has no data) to
+    the reference rather than its pointer to C: the norms' shapes and dtypes come back; the activation's reference
+    reads values (its finiteness check), which a meta tensor has not: its error, not a C kernel's read."""
+    called = mock.Mock(side_effect=AssertionError("a C kernel was called on a meta tensor"))
+    from lowmembp.ops import cpu_kernels as K
+    for name in ("layer_norm_fwd_trusted", "norm_bwd_rows_trusted", "codes2_trusted", "slopes2_trusted"):
+        monkeypatch.setattr(K, name, called)
+    for dtype in DTYPES:
+        x = torch.empty(6, 40, dtype=dtype, device="meta")
+        for kind in M.KINDS:
+            y, r = M.ms_norm_fwd_cpu(x, kind, 1e-5)
+            assert y.is_meta and y.shape == x.shape and r.is_meta
+            assert M.ms_norm_bwd_cpu(x, y, r, kind, dtype).shape == x.shape
+        with pytest.raises(RuntimeError, match="meta"):
+            A.forward_cpu(x, "gelu")
+        with pytest.raises(RuntimeError, match="meta"):
+            A.backward_cpu(x, torch.zeros(61, dtype=torch.uint8, device="meta"), "gelu")
+    called.assert_not_called()

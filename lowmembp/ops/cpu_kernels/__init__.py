@@ -37,9 +37,10 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["ENV_SWITCH", "COMPILERS", "FLAGS", "cache_dir", "compiler", "library", "build_info", "codes2",
-           "check", "slopes2", "quantize8", "dequantize8", "round_to",
+           "codes2_trusted", "check", "slopes2", "slopes2_trusted", "quantize8", "dequantize8", "round_to",
            "norm_prod", "norm_bwd", "cast", "addcmul_fused", "aten_sum_width", "row_sums", "norm_bwd_rows",
-           "mesa_pack8", "PACK8_NAN", "PACK8_AMBIGUOUS", "PACK8_SKIPPED", "layer_norm_fwd", "layer_norm_variant",
+           "norm_bwd_rows_trusted", "mesa_pack8", "PACK8_NAN", "PACK8_AMBIGUOUS", "PACK8_SKIPPED", "layer_norm_fwd",
+           "layer_norm_fwd_trusted", "layer_norm_variant",
            "layer_norm_variants", "layer_norm_probe_rows", "LayerNormVariant"]
 
 ENV_SWITCH = "LOWMEMBP_CPU_KERNELS"  # "0" turns the C kernels off (the eager ATen ops run instead)
@@ -223,13 +224,22 @@ NONFINITE, TINY_BF16 = 1, 2  # the bits that codes2 and check return
 def codes2(x: torch.Tensor, thresholds, out: torch.Tensor) -> int | None:
     """Packed 2-bit codes of contiguous ``x`` (``Σ_j [x > t_j]`` in fp32, element i in byte i // 4, bits 2·(i % 4))
     into the first ``ceil(n / 4)`` bytes of ``out``; returns :func:`check`'s bits of x."""
-    lib = library()
-    if lib is None or x.dtype not in _DTYPES:
+    if library() is None or x.dtype not in _DTYPES:
         return None
     x = x.contiguous()
     n = x.numel()
     _check_tensor(x, n, x.dtype)
     _check_tensor(out, (n + 3) // 4, torch.uint8)
+    return codes2_trusted(x, n, thresholds, out)
+
+
+def codes2_trusted(x: torch.Tensor, n: int, thresholds, out: torch.Tensor) -> int | None:
+    """:func:`codes2` without its checks, for a caller that has made sure of them (contiguous CPU x of n elements of
+    fp32, bf16 or fp16; contiguous CPU uint8 out of at least ``ceil(n / 4)``): a wrong tensor here is memory
+    corrupted, not an error."""
+    lib = library()
+    if lib is None:
+        return None
     t0, t1, t2 = thresholds
     return lib.lmbp_codes2(x.data_ptr(), _DTYPES[x.dtype], n, t0, t1, t2, out.data_ptr(), _threads(n))
 
@@ -250,8 +260,7 @@ def check(x: torch.Tensor) -> int | None:
 def slopes2(dy: torch.Tensor, codes: torch.Tensor, slopes: torch.Tensor, dx: torch.Tensor) -> int | None:
     """``dx = s[code] · dy`` in fp32, rounded once to dy's dtype (dx's too), with 2-bit ``codes`` and the four fp32
     ``slopes``; returns 1 if some product is NaN (its bits are ATen's for fp32 only), else 0."""
-    lib = library()
-    if lib is None or dy.dtype not in _DTYPES:
+    if library() is None or dy.dtype not in _DTYPES:
         return None
     dy, codes, slopes = dy.contiguous(), codes.contiguous(), slopes.float().contiguous()
     n = dy.numel()
@@ -259,6 +268,17 @@ def slopes2(dy: torch.Tensor, codes: torch.Tensor, slopes: torch.Tensor, dx: tor
     _check_tensor(codes, (n + 3) // 4, torch.uint8)
     _check_tensor(slopes, 4, torch.float32)
     _check_tensor(dx, n, dy.dtype)
+    return slopes2_trusted(dy, n, codes, slopes, dx)
+
+
+def slopes2_trusted(dy: torch.Tensor, n: int, codes: torch.Tensor, slopes: torch.Tensor,
+                    dx: torch.Tensor) -> int | None:
+    """:func:`slopes2` without its checks, for a caller that has made sure of them (contiguous CPU dy and dx of n
+    elements of one dtype of fp32, bf16 and fp16; contiguous CPU uint8 codes of at least ``ceil(n / 4)``, four
+    contiguous CPU fp32 slopes): a wrong tensor here is memory corrupted, not an error."""
+    lib = library()
+    if lib is None:
+        return None
     return lib.lmbp_slopes2(dy.data_ptr(), _DTYPES[dy.dtype], codes.data_ptr(), n, slopes.data_ptr(),
                             dx.data_ptr(), _threads(n))
 
@@ -517,9 +537,7 @@ def norm_bwd_rows(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, dx: torc
     (:func:`aten_sum_width`), then :func:`norm_bwd`'s dx. Returns 1 if some dx is NaN (its bits are ATen's only by
     chance), else 0; None when the library is unavailable, the rows are empty, ATen's addcmul rounds neither way
     (:func:`addcmul_fused`) or ATen's sum is not replicated (:func:`aten_sum_width`)."""
-    lib = library()
-    fused, width = addcmul_fused(), aten_sum_width()
-    if lib is None or fused is None or width is None or any(t.dtype not in _DTYPES for t in (g, y, dx)):
+    if library() is None or any(t.dtype not in _DTYPES for t in (g, y, dx)):
         return None
     n = y.shape[-1] if y.dim() else 0
     if n == 0:
@@ -528,10 +546,22 @@ def norm_bwd_rows(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, dx: torc
     for t in (g, y, dx):
         _check_tensor(t, rows * n, t.dtype)
     _check_tensor(rstd, rows, torch.float32)
+    return norm_bwd_rows_trusted(g, y, rows, n, rstd, dx, layernorm, threads)
+
+
+def norm_bwd_rows_trusted(g: torch.Tensor, y: torch.Tensor, rows: int, n: int, rstd: torch.Tensor, dx: torch.Tensor,
+                          layernorm: bool, threads: int | None = None) -> int | None:
+    """:func:`norm_bwd_rows` without its checks, for a caller that has made sure of them (contiguous CPU g, y and dx
+    of ``rows · n > 0`` elements of fp32, bf16 or fp16, fp32 rstd of ``rows``): a wrong tensor here is memory
+    corrupted, not an error."""
+    lib = library()
+    fused, width = addcmul_fused(), aten_sum_width()
+    if lib is None or fused is None or width is None:
+        return None
     team = _threads(rows * n) if threads is None else threads
     bits = lib.lmbp_norm_bwd_rows(g.data_ptr(), _DTYPES[g.dtype], y.data_ptr(), _DTYPES[y.dtype], rows, n,
-                                  rstd.data_ptr(), dx.data_ptr(), _DTYPES[dx.dtype], int(layernorm), int(fused),
-                                  width, max(1, min(team, rows)))
+                                  rstd.data_ptr(), dx.data_ptr(), _DTYPES[dx.dtype], layernorm, fused, width,
+                                  max(1, min(team, rows)))
     if bits & 2:
         raise MemoryError(f"lowmembp.ops.cpu_kernels.norm_bwd_rows: no memory for a scratch row of {n} floats")
     return bits
@@ -598,13 +628,8 @@ def layer_norm_fwd(x: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Ten
     ``variant`` (default: the one :func:`layer_norm_variant` finds for this torch). Returns 1 if some y or rstd is
     NaN (its bits are ATen's only by chance: the caller recomputes), else 0; None when the library is unavailable, no
     variant replicates this torch's LayerNorm, or the rows are empty."""
-    lib = library()
-    if lib is None or x.dtype not in _DTYPES or y.dtype not in _DTYPES:
+    if library() is None or x.dtype not in _DTYPES or y.dtype not in _DTYPES:
         return None
-    if variant is None:
-        variant = layer_norm_variant()
-        if variant is None:
-            return None
     if x.dim() == 0:
         raise ValueError("layer_norm_fwd: x must have at least 1 dimension (its rows are the last), got a 0-d tensor")
     n = x.shape[-1]
@@ -614,6 +639,21 @@ def layer_norm_fwd(x: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Ten
     _check_tensor(x, rows * n, x.dtype)
     _check_tensor(y, rows * n, y.dtype)
     _check_tensor(rstd, rows, torch.float32)
+    return layer_norm_fwd_trusted(x, rows, n, eps, y, rstd, threads, variant)
+
+
+def layer_norm_fwd_trusted(x: torch.Tensor, rows: int, n: int, eps: float, y: torch.Tensor, rstd: torch.Tensor,
+                           threads: int | None = None, variant: LayerNormVariant | None = None) -> int | None:
+    """:func:`layer_norm_fwd` without its checks, for a caller that has made sure of them (contiguous CPU x and y of
+    ``rows · n > 0`` elements of fp32, bf16 or fp16, fp32 rstd of ``rows``): a wrong tensor here is memory
+    corrupted, not an error."""
+    lib = library()
+    if lib is None:
+        return None
+    if variant is None:
+        variant = layer_norm_variant()
+        if variant is None:
+            return None
     team = _threads(rows * n) if threads is None else threads
     bits = lib.lmbp_layer_norm_fwd(x.data_ptr(), _DTYPES[x.dtype], rows, n, eps, y.data_ptr(), _DTYPES[y.dtype],
                                    rstd.data_ptr(), variant.width, variant.flags, max(1, min(team, rows)))
