@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from lowmembp._compat import forward_ad_active, functorch_unwrap_grad_tracking
+from lowmembp._compat import forward_ad_active, functorch_unwrap_grad_tracking, is_fake
 
 SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _VALID = ("triton", "cpu", "torch", "auto", "")
@@ -63,6 +63,21 @@ def eager_backend(x: torch.Tensor) -> str | None:
     return backend if backend != "torch" else None
 
 
+def device_type(x: torch.Tensor) -> str:
+    """``x.device.type``, without building the ``torch.device`` (microseconds an op call on the CPU hot paths)."""
+    return "cpu" if x.is_cpu else "cuda" if x.is_cuda else x.device.type
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype when autocast is on for x's device, else None (also for a device autocast does not
+    know)."""
+    dev = device_type(x)
+    try:
+        return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    except (RuntimeError, ValueError, TypeError):
+        return None
+
+
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -88,10 +103,7 @@ def is_shape_only(x: torch.Tensor) -> bool:
     it remains for eager-only code paths (e.g. a check that must not read a fake value). Never call it on a traced
     path: under ``torch.compile`` it is a graph break.
     """
-    if x.device.type == "meta":
-        return True
-    from lowmembp._compat import is_fake
-    return is_fake(x)
+    return x.is_meta or is_fake(x)
 
 
 def refuse_functorch_transforms(x: torch.Tensor, op: str, instead: str) -> None:

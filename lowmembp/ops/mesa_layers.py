@@ -26,24 +26,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from lowmembp.ops.backend import autocast_dtype, device_type
 from lowmembp.ops.mesa_quant import EMAQuantizer, QTensor, channel_groups, dequantize
 
 DEFAULT_GROUPS = 8
 
 
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    dev = x.device.type
-    try:
-        if torch.is_autocast_enabled(dev):
-            return torch.get_autocast_dtype(dev)
-    except (TypeError, RuntimeError):  # pragma: no cover - device types without autocast
-        pass
-    return None
-
-
 def _autocast_off(x: torch.Tensor, cd: torch.dtype | None):
-    """Autocast turned off for the block where it is on (``cd``: :func:`_autocast_dtype`); else nothing to do."""
-    return torch.autocast(x.device.type, enabled=False) if cd is not None else contextlib.nullcontext()
+    """Autocast turned off for the block where it is on (``cd``: :func:`lowmembp.ops.backend.autocast_dtype`); else
+    nothing to do."""
+    return torch.autocast(device_type(x), enabled=False) if cd is not None else contextlib.nullcontext()
 
 
 def _needs_graph(*tensors) -> bool:
@@ -67,7 +59,7 @@ def _load(ctx):
 class _LinearFn(Function):
     @staticmethod
     def forward(ctx, x, weight, bias, quant):
-        cd = _autocast_dtype(x)
+        cd = autocast_dtype(x)
         with _autocast_off(x, cd):
             xc = x.to(cd) if cd else x
             w = weight.to(cd) if cd else weight
@@ -162,7 +154,7 @@ class MesaAct(nn.Module):
 class _LayerNormFn(Function):
     @staticmethod
     def forward(ctx, x, weight, bias, shape, eps, quant):
-        cd = _autocast_dtype(x)
+        cd = autocast_dtype(x)
         xc = x.float() if cd is not None else x
         with _autocast_off(x, cd):
             y, mean, rstd = torch.native_layer_norm(xc, shape, weight, bias, eps)
@@ -282,7 +274,7 @@ class MesaSoftmax(nn.Module):
 class _MatMulFn(Function):
     @staticmethod
     def forward(ctx, a, b, qa, qb):
-        cd = _autocast_dtype(a)
+        cd = autocast_dtype(a)
         with _autocast_off(a, cd):
             ac, bc = (a.to(cd), b.to(cd)) if cd else (a, b)
             y = ac.matmul(bc)

@@ -459,15 +459,25 @@ def quantize_cpu(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner
     return out.reshape(x.shape)
 
 
+def _plain_groups(t: torch.Tensor, groups: int) -> bool:
+    """Whether ``t`` is what the C kernels read as per-group values: a contiguous fp32 CPU tensor of ``groups``."""
+    return t.dtype is torch.float32 and t.is_cpu and t.is_contiguous() and t.numel() == groups
+
+
 def dequantize_cpu(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
                    dtype: torch.dtype) -> torch.Tensor:
     """CPU fast path of :func:`dequantize_ref` (same arguments, the same values bit for bit)."""
     n = codes.numel()
-    if n == 0 or is_shape_only(codes):
+    if n == 0 or codes.is_meta or (type(codes) is not torch.Tensor and is_shape_only(codes)):
         return torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    if codes.is_contiguous():  # one C pass (None: unavailable); it takes step and β of any shape with G entries
+    if codes.is_contiguous() and codes.is_cpu and codes.dtype == torch.uint8 and dtype in SUPPORTED_FLOAT_DTYPES:
         out = torch.empty_like(codes, dtype=dtype)  # contiguous as the codes
-        nan = cpu_kernels.dequantize8(codes, inner, groups, step, beta, out)
+        # one C pass (None: unavailable) with step and β of any shape with G entries, read as contiguous fp32
+        st = step if _plain_groups(step, groups) else step.float().reshape(-1).contiguous()
+        be = beta if _plain_groups(beta, groups) else beta.float().reshape(-1).contiguous()
+        nan = None
+        if st.numel() == groups and be.numel() == groups and st.is_cpu and be.is_cpu:
+            nan = cpu_kernels.dequantize8_trusted(codes, n, inner, groups, st, be, out)
         if nan == 0 or (nan == 1 and dtype == torch.float32):  # a NaN in fp16 / bf16: ATen's rounding, the eager ops
             return out
     else:
@@ -639,7 +649,8 @@ class EMAQuantizer(nn.Module):
         a, b, c, k = buf["alpha"], buf["beta"], buf["count"], buf["skipped"]
         if not (a.dtype is b.dtype is torch.float32 and c.dtype is k.dtype is torch.int64):
             return False
-        if not (a.is_cpu and b.is_cpu and c.is_cpu and k.is_cpu):
+        if not (a.is_cpu and b.is_cpu and c.is_cpu and k.is_cpu and a.is_contiguous() and b.is_contiguous()
+                and a.numel() == b.numel() and c.numel() == k.numel() == 1):
             return False
         dist = torch.distributed
         return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
@@ -650,11 +661,12 @@ class EMAQuantizer(nn.Module):
         None where the ATen ops must run instead (no C kernels; a -0.0 at a group's min or max), nothing changed."""
         xc = x.contiguous()
         codes = torch.empty_like(xc, dtype=torch.uint8)  # contiguous as xc
-        step, beta, scale = torch.empty(groups), torch.empty(groups), torch.empty(groups)
+        step, beta, scale = (xc.new_empty(groups, dtype=torch.float32) for _ in range(3))
         s = int(seed)
-        buf = self._buffers
-        flags = cpu_kernels.mesa_pack8(xc, inner, groups, buf["alpha"], buf["beta"], buf["count"], buf["skipped"],
-                                       self.momentum, _MIN_RANGE, s, step, beta, scale, codes)
+        buf = self._buffers  # checked by _fusable; pack made alpha's size the groups
+        flags = cpu_kernels.mesa_pack8_trusted(xc, xc.numel(), inner, groups, buf["alpha"], buf["beta"],
+                                               buf["count"], buf["skipped"], self.momentum, _MIN_RANGE, s, step,
+                                               beta, scale, codes)
         if flags is None or flags & cpu_kernels.PACK8_AMBIGUOUS:
             return None
         if not self._updated:

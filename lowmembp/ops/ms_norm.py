@@ -53,8 +53,8 @@ import math
 import torch
 from torch import nn
 
-from lowmembp.ops.backend import (CPU_BLOCK, SUPPORTED_FLOAT_DTYPES, backend_for, check_float_input, cpu_block,
-                                  cpu_parallel, eager_backend, refuse_functorch_transforms)
+from lowmembp.ops.backend import (CPU_BLOCK, SUPPORTED_FLOAT_DTYPES, autocast_dtype, backend_for, check_float_input,
+                                  cpu_block, cpu_parallel, eager_backend, refuse_functorch_transforms)
 from lowmembp._compat import fused_rms_norm
 from lowmembp.ops import cpu_kernels
 
@@ -451,13 +451,7 @@ def _out_dtype(x: torch.Tensor, mode: str = "auto") -> torch.dtype:
         return x.dtype
     if mode == "fp32":
         return torch.float32
-    dev = "cpu" if x.is_cpu else "cuda" if x.is_cuda else x.device.type  # x.device builds an object: slower
-    try:
-        if torch.is_autocast_enabled(dev):
-            return torch.get_autocast_dtype(dev)
-    except (RuntimeError, ValueError, TypeError):  # a device type autocast does not know
-        pass
-    return x.dtype
+    return autocast_dtype(x) or x.dtype
 
 
 def _autocast_on(t: torch.Tensor) -> bool:

@@ -41,14 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The autocast dtype when autocast is on for x's device, else None."""
-    dev = x.device.type
-    try:
-        return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-    except (RuntimeError, ValueError, TypeError):  # a device type autocast does not know
-        return None
+from lowmembp.ops.backend import autocast_dtype
 
 
 class _LinearSavingInput(torch.autograd.Function):
@@ -87,7 +80,7 @@ def linear_sharing_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     ``save_wide_input``: under autocast with an input wider than the autocast dtype (an fp32 norm output) and a
     weight that needs a gradient, the matmul in the autocast dtype saving x as given (module doc)."""
     if save_wide_input:
-        low = _autocast_dtype(x)
+        low = autocast_dtype(x)
         if (low is not None and x.is_floating_point() and x.dtype != low and torch.is_grad_enabled()
                 and weight.requires_grad):
             return _LinearSavingInput.apply(x, weight, bias, low)

@@ -78,12 +78,12 @@ def _compare(quant: mq.EMAQuantizer, batches, calls_expected: int | None = None,
     fused_q, plain_q = copy.deepcopy(quant), copy.deepcopy(quant)
     calls = []
     if monkeypatch is not None:
-        real = cpu_kernels.mesa_pack8
+        real = cpu_kernels.mesa_pack8_trusted
         def counted(*a, **k):
             calls.append(real(*a, **k))
             return calls[-1]
 
-        monkeypatch.setattr(cpu_kernels, "mesa_pack8", counted)
+        monkeypatch.setattr(cpu_kernels, "mesa_pack8_trusted", counted)
     a_qts, a_warn, a_rng = _run(fused_q, batches, True)
     b_qts, b_warn, b_rng = _run(plain_q, batches, False)
     if calls_expected is not None:
@@ -221,8 +221,8 @@ def test_turned_off_without_kernels(monkeypatch):
     """With the C kernels off the ATen ops run (and give the same bits)."""
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     calls = []
-    real = cpu_kernels.mesa_pack8
-    monkeypatch.setattr(cpu_kernels, "mesa_pack8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = cpu_kernels.mesa_pack8_trusted
+    monkeypatch.setattr(cpu_kernels, "mesa_pack8_trusted", lambda *a, **k: calls.append(1) or real(*a, **k))
     quant = mq.EMAQuantizer(2, "channel")
     qts, _, _ = _run(quant, _batches((3, 4), torch.float32, ["normal"] * 2), True)
     assert len(calls) == 2 and int(quant.count) == 2  # called, returned None: the ATen ops updated the ranges

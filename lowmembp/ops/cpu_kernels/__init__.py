@@ -37,10 +37,10 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["ENV_SWITCH", "COMPILERS", "FLAGS", "cache_dir", "compiler", "library", "build_info", "codes2",
-           "codes2_trusted", "check", "slopes2", "slopes2_trusted", "quantize8", "dequantize8", "round_to",
-           "norm_prod", "norm_bwd", "cast", "addcmul_fused", "aten_sum_width", "row_sums", "norm_bwd_rows",
-           "norm_bwd_rows_trusted", "mesa_pack8", "PACK8_NAN", "PACK8_AMBIGUOUS", "PACK8_SKIPPED", "layer_norm_fwd",
-           "layer_norm_fwd_trusted", "layer_norm_variant",
+           "codes2_trusted", "check", "slopes2", "slopes2_trusted", "quantize8", "dequantize8", "dequantize8_trusted",
+           "round_to", "norm_prod", "norm_bwd", "cast", "addcmul_fused", "aten_sum_width", "row_sums",
+           "norm_bwd_rows", "norm_bwd_rows_trusted", "mesa_pack8", "mesa_pack8_trusted", "PACK8_NAN",
+           "PACK8_AMBIGUOUS", "PACK8_SKIPPED", "layer_norm_fwd", "layer_norm_fwd_trusted", "layer_norm_variant",
            "layer_norm_variants", "layer_norm_probe_rows", "LayerNormVariant"]
 
 ENV_SWITCH = "LOWMEMBP_CPU_KERNELS"  # "0" turns the C kernels off (the eager ATen ops run instead)
@@ -303,8 +303,7 @@ def quantize8(x: torch.Tensor, inner: int, groups: int, scale: torch.Tensor, bet
 def dequantize8(codes: torch.Tensor, inner: int, groups: int, step: torch.Tensor, beta: torch.Tensor,
                 out: torch.Tensor) -> int | None:
     """Mesa's ``q·step[g] + β[g]`` in fp32, rounded once to out's dtype; returns 1 if some value is NaN, else 0."""
-    lib = library()
-    if lib is None or out.dtype not in _DTYPES:
+    if library() is None or out.dtype not in _DTYPES:
         return None
     codes, step, beta = codes.contiguous(), step.float().contiguous(), beta.float().contiguous()
     n = codes.numel()
@@ -312,6 +311,17 @@ def dequantize8(codes: torch.Tensor, inner: int, groups: int, step: torch.Tensor
     _check_tensor(out, n, out.dtype)
     _check_tensor(step, groups, torch.float32)
     _check_tensor(beta, groups, torch.float32)
+    return dequantize8_trusted(codes, n, inner, groups, step, beta, out)
+
+
+def dequantize8_trusted(codes: torch.Tensor, n: int, inner: int, groups: int, step: torch.Tensor, beta: torch.Tensor,
+                        out: torch.Tensor) -> int | None:
+    """:func:`dequantize8` without its checks, for a caller that has made sure of them (contiguous CPU uint8 codes
+    and out of n elements, out fp32, bf16 or fp16; contiguous CPU fp32 step and β of ``groups``): a wrong tensor here
+    is memory corrupted, not an error."""
+    lib = library()
+    if lib is None:
+        return None
     return lib.lmbp_dequantize8(codes.data_ptr(), n, inner, groups, step.data_ptr(), beta.data_ptr(),
                                 out.data_ptr(), _DTYPES[out.dtype], _threads(n))
 
@@ -330,8 +340,7 @@ def mesa_pack8(x: torch.Tensor, inner: int, groups: int, alpha: torch.Tensor, be
     :func:`quantize8` into ``out``. Returns the :data:`PACK8_NAN` bit as quantize8's 1, :data:`PACK8_SKIPPED` if
     ``skipped > 0`` afterwards, or only :data:`PACK8_AMBIGUOUS` when a group's min or max is a zero and the group
     holds a -0.0 (ATen's reduction order picks the sign: nothing is written, the caller runs the ATen ops)."""
-    lib = library()
-    if lib is None or x.dtype not in _DTYPES:
+    if library() is None or x.dtype not in _DTYPES:
         return None
     n = x.numel()
     _check_tensor(x, n, x.dtype)
@@ -340,6 +349,20 @@ def mesa_pack8(x: torch.Tensor, inner: int, groups: int, alpha: torch.Tensor, be
         _check_tensor(t, groups, torch.float32)
     for t in (count, skipped):
         _check_tensor(t, 1, torch.int64)
+    return mesa_pack8_trusted(x, n, inner, groups, alpha, beta, count, skipped, momentum, min_range, seed, step,
+                              beta_out, scale, out)
+
+
+def mesa_pack8_trusted(x: torch.Tensor, n: int, inner: int, groups: int, alpha: torch.Tensor, beta: torch.Tensor,
+                       count: torch.Tensor, skipped: torch.Tensor, momentum: float, min_range: float, seed: int,
+                       step: torch.Tensor, beta_out: torch.Tensor, scale: torch.Tensor,
+                       out: torch.Tensor) -> int | None:
+    """:func:`mesa_pack8` without its checks, for a caller that has made sure of them (contiguous CPU tensors: x of
+    n elements of fp32, bf16 or fp16, uint8 out of n, fp32 alpha, beta, step, beta_out and scale of ``groups``, int64
+    count and skipped): a wrong tensor here is memory corrupted, not an error."""
+    lib = library()
+    if lib is None:
+        return None
     threads = _threads(n)
     work = None  # scratch for per-thread minima, maxima and flags: the kernel's stack up to 1024 groups x threads
     if groups * threads > _PACK8_STACK_GROUPS:
