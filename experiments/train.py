@@ -132,6 +132,7 @@ class Run:
         from experiments.distributed import Context, block_modules
 
         self.cfg = cfg
+        self._training_mode = False  # whether the model is in training mode (evaluate takes it out)
         self.dist = ctx = ctx or Context()
         self.device = device = resolve_device(cfg)
         if device.type == "cuda" and cfg.max_memory_mb:
@@ -173,6 +174,7 @@ class Run:
         net = self.model if net is None else net
         setup, bs = self.setup, self.cfg.eval_batch_size or 2 * self.cfg.batch_size
         net.eval()
+        self._training_mode = False
         batches = (_to(setup.collate(setup.test[i:i + bs]), self.device) for i in range(0, len(setup.test), bs))
         with self.autocast():
             return float(setup.evaluate(net, batches))
@@ -184,7 +186,9 @@ class Run:
         from experiments.probes import StepResult
 
         cfg, setup = self.cfg, self.setup
-        self.model.train()
+        if not self._training_mode:  # after an evaluation only: train() visits every module, a cost that grows with
+            self.model.train()  # their number (a method's extra modules would pay it on every step)
+            self._training_mode = True
         total_loss, n_tok = 0.0, 0
         for micro in range(cfg.grad_accum):
             batch = _to(self.dist.rows(next(self.batches), cfg.batch_size), self.device)  # a rank's rows

@@ -1,6 +1,7 @@
 """The training job: argument errors, tiny runs on every offline task, oom / error as results, atomic records."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -397,3 +398,30 @@ def test_records_without_an_optimizer_read_as_adamw():
     rec = error_record({"task": "mnist5k"}, "x", "2026-01-01T00:00:00+00:00")
     del rec["run"]["optimizer"]
     assert Record.from_dict(rec).run.optimizer == "adamw"
+
+
+def test_step_puts_the_model_in_training_mode_once_after_each_evaluation(tmp_path):
+    from experiments.args import parse_args
+
+    cfg, task = parse_args(["--task", "mnist5k", "--method", "mesa", "--batch-size", "4", *TINY,
+                            "--out", str(tmp_path / "r.json")])
+    run_ = train.Run(cfg, task, train.new_sections(cfg))
+    calls = []
+    real_train = type(run_.model).train
+
+    def counting_train(module, mode=True):  # eval() is train(False): only the calls to training mode count
+        if mode:
+            calls.append(mode)
+        return real_train(module, mode)
+
+    run_.model.train = counting_train.__get__(run_.model)
+    run_.model.eval()
+    run_.evaluate()
+    assert not any(m.training for m in run_.model.modules())
+    for i in range(3):
+        run_.step(i, contextlib.nullcontext())
+        assert all(m.training for m in run_.model.modules())
+    assert calls == [True]  # once after the evaluation, not on every step
+    run_.evaluate()
+    run_.step(3, contextlib.nullcontext())
+    assert calls == [True, True] and all(m.training for m in run_.model.modules())
