@@ -223,6 +223,15 @@ def forward_ad_active() -> bool:
     return getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0
 
 
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` (a memory tracker, a FLOP counter, a fake mode) is in force: the length of
+    torch's Python dispatch-mode stack, else whether ``_python_dispatch`` reports a current mode."""
+    stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    if stack_len is not None:
+        return stack_len() > 0
+    return torch.utils._python_dispatch._get_current_dispatch_mode() is not None
+
+
 # ---------------------------------------------------------------------------------------------------------- compiler
 def lookup_backend(name: str):
     """The ``torch.compile`` backend callable registered under ``name`` (KeyError-like failure if unknown)."""

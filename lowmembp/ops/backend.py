@@ -1,14 +1,13 @@
 """Which implementation an op runs: the Triton kernel, the CPU fast path or the PyTorch reference.
 
-Rule: Triton for CUDA tensors, the PyTorch reference for everything else. The environment variable
-``LOWMEMBP_BACKEND`` forces one: ``triton`` (also on CPU tensors, which works only under Triton's interpreter,
-``TRITON_INTERPRET=1`` set before triton is imported), ``torch`` (the reference) or ``cpu``: the CPU fast path (the
-reference's arithmetic, bit for bit equal to it; CPU tensors only): one-pass C kernels for the approximate
-activations' codes and Mesa's quantiser, the norms' backward in one C call with ATen's row-sum order replicated
-(:mod:`lowmembp.ops.cpu_kernels`, compiled on first use; eager ATen ops where no C compiler is found). The fast path
-is opt-in: its temporaries make a real CPU step's peak differ from the reference's (and so from the fake-tensor
-estimate), and MS-LayerNorm's forward stays ATen's fp32 norm, slower than ``F.layer_norm`` in bf16
-(docs/performance/cpu.md).
+Rule: Triton for CUDA tensors, the CPU fast path for CPU tensors, the PyTorch reference for everything else (and
+for CUDA tensors where Triton is missing). The CPU fast path computes the reference's arithmetic, bit for bit equal
+to it: one-pass C kernels for the approximate activations' codes, Mesa's quantiser and the norms (LayerNorm's
+forward with ATen's own arithmetic replicated, the backward with ATen's row-sum order), compiled on first use
+(:mod:`lowmembp.ops.cpu_kernels`; eager ATen ops, the same bits, where no C compiler is found).
+The environment variable ``LOWMEMBP_BACKEND`` forces one: ``triton`` (also on CPU tensors, which works only under
+Triton's interpreter, ``TRITON_INTERPRET=1`` set before triton is imported), ``cpu`` (CPU tensors only) or ``torch``
+(the reference everywhere: the oracle the tests compare against).
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import os
 
 import torch
 
-from lowmembp._compat import forward_ad_active, functorch_unwrap_grad_tracking, is_fake
+from lowmembp._compat import dispatch_mode_active, forward_ad_active, functorch_unwrap_grad_tracking, is_fake
 
 SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _VALID = ("triton", "cpu", "torch", "auto", "")
@@ -40,7 +39,9 @@ def backend_for(x: torch.Tensor) -> str:
                 "LOWMEMBP_BACKEND=triton on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 "
                 "before triton is imported, or move the tensor to a CUDA device")
         return "triton"
-    return "triton" if x.is_cuda and triton_available() else "torch"
+    if x.is_cuda:
+        return "triton" if triton_available() else "torch"
+    return "cpu" if x.is_cpu else "torch"
 
 
 def eager_backend(x: torch.Tensor) -> str | None:
@@ -51,10 +52,12 @@ def eager_backend(x: torch.Tensor) -> str | None:
     the op itself on small tensors, on a GPU more than the kernel (the host then falls behind the device, and a
     training step waits on it). So where nothing needs the custom op: a plain CPU or CUDA tensor (not a FakeTensor or
     other subclass, not on the meta device), in eager mode (not traced by ``torch.compile``), not wrapped by
-    ``torch.func``, and a backend that is a kernel: ``"triton"`` (CUDA tensors, or CPU tensors under Triton's
-    interpreter) or ``"cpu"`` (the CPU fast path). The PyTorch reference keeps the custom op (the oracle, one code
-    path); so does everything traced or fake."""
-    if type(x) is not torch.Tensor or torch.compiler.is_compiling() or not (x.is_cpu or x.is_cuda):
+    ``torch.func``, with no ``TorchDispatchMode`` in force (a memory tracker sees the custom op as one op, its
+    outputs only, as the fake implementation that the estimator runs), and a backend that is a kernel: ``"triton"``
+    (CUDA tensors, or CPU tensors under Triton's interpreter) or ``"cpu"`` (the CPU fast path). The PyTorch
+    reference keeps the custom op (the oracle, one code path); so does everything traced or fake."""
+    if (type(x) is not torch.Tensor or torch.compiler.is_compiling() or not (x.is_cpu or x.is_cuda)
+            or dispatch_mode_active()):
         return None
     inner, grad_tracking = functorch_unwrap_grad_tracking(x)
     if inner is not x or grad_tracking:

@@ -225,11 +225,11 @@ def test_mesa_public_functions_dispatch(gen, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ dispatch
-def test_backend_for_picks_cpu_when_asked(monkeypatch):
+def test_backend_for_picks_cpu_by_default_and_when_asked(monkeypatch):
     x = torch.ones(3)
     monkeypatch.delenv("LOWMEMBP_BACKEND", raising=False)
-    assert backend_for(x) == "torch"  # opt-in: the reference by default
-    assert backend_for(torch.empty(3, device="meta")) == "torch"
+    assert backend_for(x) == "cpu"  # the default on CPU tensors
+    assert backend_for(torch.empty(3, device="meta")) == "torch"  # no data: the reference (its fake shapes)
     monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")
     assert backend_for(x) == "torch"
     monkeypatch.setenv("LOWMEMBP_BACKEND", "cpu")
