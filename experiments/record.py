@@ -189,6 +189,8 @@ class Environment:
     hostname: str | None = None
     python: str | None = None
     threads: int | None = None  # torch intra-op threads
+    ops_backend: str | None = None  # what lowmembp.ops ran on the run's device: "cpu" (the CPU fast path), "torch"
+    # (the PyTorch reference), "triton"; None in records written before it was recorded (the reference, on a CPU)
 
 
 @dataclass
@@ -427,7 +429,7 @@ COLUMNS = ["task", "model", "method", "optimizer", "batch_size", "seed", "status
            "final_loss", "metric_name", "metric_value", "metric_split", "base_path", "base_sha256",
            "base_metric_before", "device", "torch", "triton", "timm", "transformers", "git_commit", "git_dirty",
            "git_diff_sha256", "hostname",
-           "python", "threads", "notes", "started_at", "finished_at", "schema_version"]
+           "python", "threads", "ops_backend", "notes", "started_at", "finished_at", "schema_version"]
 """Fixed columns of a flattened record, in order. Open-ended ones follow them, by prefix: ``peak_<category>_bytes``
 and ``host_peak_<category>_bytes`` (peak by category), ``act_<kind>_bytes`` (saved bytes by kind), ``opt_<name>``
 (method options), ``hp_<name>`` (hyper-parameters), ``task_<name>`` (task facts)."""
@@ -584,6 +586,14 @@ def environment(device=None) -> Environment:
             env.device = f"cpu ({platform.machine()}, {env.threads} threads)"  # processor() runs `uname -p`
     except Exception as err:  # e.g. cuda asked for on a machine without it
         env.device = f"unknown ({type(err).__name__}: {err})"
+    try:
+        import torch
+
+        from lowmembp.ops.backend import backend_for
+
+        env.ops_backend = backend_for(torch.empty(0, device=device if device is not None else "cpu"))
+    except Exception as err:  # e.g. LOWMEMBP_BACKEND=cpu for a CUDA run
+        env.ops_backend = f"unknown ({type(err).__name__}: {err})"
     return env
 
 

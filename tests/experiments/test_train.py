@@ -78,6 +78,7 @@ def test_tiny_run_writes_a_valid_record(task, method, extra, metric, tmp_path, c
     assert rec["peak"]["device"]["bytes"] > 0 and rec["peak"]["host"] is None and rec["step_time_s"]["n"] == 1
     assert rec["throughput"]["samples_per_s"] > 0 and rec["final_loss"] > 0
     assert rec["environment"]["torch"] == torch.__version__ and rec["environment"]["threads"] == 1
+    assert rec["environment"]["ops_backend"] == "cpu"  # the CPU fast path, the default on CPU tensors
     assert rec["hyperparameters"]["threads"] == 1 and rec["hyperparameters"]["limit"] == 48
     assert rec["task_facts"]["train_pool"] == 48 and rec["schema_version"] == 2
     assert f"[ok] {run_['model']}/{task}/{method}" in capsys.readouterr().out

@@ -180,7 +180,7 @@ def test_headline_figure_when_no_seed_of_a_compared_method_finished(runs):
 def test_pareto_draws_the_new_peers_and_names_a_refused_one():
     """The Pareto figure draws every finished method (the peers velora and tiled-mlp among them), names a method
     whose cells did not finish (cce refused on a CPU) under its panel with the status, says on the x axis that a
-    CPU step time is one of the PyTorch reference ops, and names the machine in its title."""
+    CPU step time names the ops the records ran, and names the machine in its title."""
     import plots_pareto
 
     rows = []
@@ -197,6 +197,7 @@ def test_pareto_draws_the_new_peers_and_names_a_refused_one():
     t = texts(plots_pareto.pareto_figure(runs))
     assert "velora" in t and "tiled-mlp" in t
     assert "not drawn (no finished cell): cce (error)" in t
-    assert "CPU step time p50 (ms), PyTorch reference ops" in t and "(MiB)" in t
+    assert "CPU step time p50 (ms), PyTorch reference ops" in t and "(MiB)" in t  # records without ops_backend
+    assert plots_pareto.time_label(runs.assign(ops_backend="cpu")) == "CPU step time p50 (ms), CPU fast path"
     assert "cpu (x86_64, 1 threads)" in t
     _no_column_names(t)

@@ -99,7 +99,7 @@ def test_headline_is_the_detail_tables_in_percent():
     shown = tables.headline_display(h.reset_index())
     row = shown[shown["method (compared with)"] == "lowmembp (vs baseline)"].iloc[0]
     assert row["peak memory saved: ours / paper"] == "25 % / 27 %"
-    assert "(within noise)" in row[f"{tables.CPU_TIME}: change (%) [p20 … p80]"]
+    assert "(within noise)" in row["CPU step time, CPU fast path (this machine): change (%) [p20 … p80]"]
     assert not [c for c in shown.columns if "paper" in c and ("time" in c or "step" in c)]  # GPU claims stand apart
 
 
@@ -112,9 +112,9 @@ def test_markdown_has_title_caption_units_and_sources(tmp_path, monkeypatch):
     for name in tables.RUN_TABLES:
         md = Path(out[name]["md"]).read_text().splitlines()
         assert md[0] == f"# {tables.TITLES[name]} — cpu (test), fp32"  # what, and on which machine
-        assert md[2] == "Machine: cpu (test), fp32." and md[4] == tables.CAPTIONS[name]
+        assert md[2] == "Machine: cpu (test), fp32." and md[4] == tables.caption(name, _runs())
         html = Path(out[name]["html"]).read_text().replace("&#x27;", "'")
-        assert tables.CAPTIONS[name] in html and "cpu (test), fp32" in html
+        assert tables.caption(name, _runs()) in html and "cpu (test), fp32" in html
     assert "peak (MiB)" in Path(out["memory"]["md"]).read_text()
     assert "step p50 (ms)" in Path(out["speed"]["md"]).read_text()
     assert "Source of a paper value" not in Path(out["memory"]["md"]).read_text()
@@ -270,10 +270,11 @@ def test_cpu_step_times_stand_apart_from_the_papers_gpu_claims(tmp_path, monkeyp
     """On a CPU the step-time column says so and holds ours only; a paper's throughput claim (a GPU figure) stands in
     its own part beside the FLOP ratio of the row's setting and a GPU column that is empty until a GPU ran."""
     monkeypatch.setattr(tables, "flop_ratio", lambda model, method, compared, *a: {"lowmembp": 1.0}.get(method, 1.5))
-    texts = _layouts(tmp_path, _paper_runs())
+    texts = _layouts(tmp_path, _paper_runs().assign(ops_backend="cpu"))
+    label = "CPU step time, CPU fast path (this machine)"  # the records' ops_backend named
     for name in ("headline", "speed"):
         found = md_tables(texts[name])
-        cpu = [t for t in found if any(tables.CPU_TIME in c or "step p50 (ms)" in c for c in t.columns)]
+        cpu = [t for t in found if any(label in c or "step p50 (ms)" in c for c in t.columns)]
         assert cpu and all("paper" not in c for t in cpu for c in t.columns if "step" in c or "time" in c)
         (claims,) = [t for t in found if "paper: step-time ratio (GPU)" in t.columns]
         assert list(claims.columns)[2:] == ["paper: step-time ratio (GPU)", "FLOP ratio (fake tensors)",
@@ -281,11 +282,23 @@ def test_cpu_step_times_stand_apart_from_the_papers_gpu_claims(tmp_path, monkeyp
         row = claims[claims["method (vs compared)"] == "lora+lowmembp (vs lora)"].iloc[0]
         assert row["paper: step-time ratio (GPU)"].startswith("0.993 [")  # Fig. 1: 288 / 290 img/s
         assert row["FLOP ratio (fake tensors)"] == "1.500" and row["GPU step-time ratio (ours)"] == tables.NO_GPU
-        assert texts[name].count(tables.CPU_TIME) >= 1
+        assert texts[name].count(label) >= 1 and "{time}" not in texts[name]
     # stand-in models: no claim, no such part, a footnote that says where the claims are
     stand_in = _layouts(tmp_path, _runs())["headline"]
     assert not [t for t in md_tables(stand_in) if "paper: step-time ratio (GPU)" in t.columns]
     assert "fig1 table (part: Throughput)" in stand_in
+
+
+def test_cpu_step_time_names_the_ops_the_records_ran():
+    """The label of a CPU step time says which ops ran: the records' ops_backend, the reference where a record
+    predates it, both where the records differ."""
+    runs = _runs()
+    assert tables.cpu_time(runs) == "CPU step time, PyTorch reference ops (this machine)"
+    assert tables.cpu_time(runs.assign(ops_backend="cpu")) == "CPU step time, CPU fast path (this machine)"
+    mixed = runs.assign(ops_backend=["cpu", None] * (len(runs) // 2) + ["cpu"] * (len(runs) % 2))
+    assert tables.cpu_ops(mixed) == "CPU fast path and PyTorch reference ops"
+    assert tables.caption("speed", runs.assign(ops_backend="torch")).startswith(
+        "CPU step time, PyTorch reference ops (this machine): step time in ms")
 
 
 def _md_numbers(col: pd.Series) -> pd.Series:
@@ -308,7 +321,7 @@ def test_reference_tables_read_alone_and_hold_the_csvs_figures(name):
         assert np.allclose(_md_numbers(peak["peak ratio: ours"]), csv["peak_ratio_ours"].round(3), equal_nan=True)
     elif name == "speed":
         assert _md_numbers(found[0]["step p50 (ms)"]).tolist() == csv["step_ms_p50"].round(2).tolist()
-        assert tables.CPU_TIME in text
+        assert tables.cpu_time(runs) in text
     elif name in ("accuracy", "accuracy_short"):
         mean = found[0]["mean ± std"].str.split(" ± ").str[0]
         assert _md_numbers(mean).tolist() == csv["metric_mean"].round(2).tolist()

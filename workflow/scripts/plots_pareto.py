@@ -7,7 +7,8 @@ line; a method off it is slower *and* bigger than one on it. Offloading methods 
 marker above the point shows device + host bytes. Only ``ok`` cells with both numbers are drawn; a method whose
 cells of that task did not finish (oom, error: e.g. a kernel refused on this device) is named under the panel with
 its status (:func:`not_drawn`), so a missing point is never silent. On a CPU the x axis says what the time is: CPU
-step time of the PyTorch reference ops (no GPU kernel runs there), not a GPU throughput.
+step time of the ops the records ran (the CPU fast path or the PyTorch reference: ``tables.cpu_ops``), not a GPU
+throughput.
 
 Run by Snakemake (rule pareto_figure, workflow/rules/pareto.smk) or by hand: ``python plots_pareto.py RUNS.csv
 OUT.png``.
@@ -23,6 +24,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from adjustText import adjust_text  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tables import cpu_ops, devices, on_cpu  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -61,11 +65,10 @@ def not_drawn(runs: pd.DataFrame, drawn: pd.DataFrame) -> dict[tuple[str, str], 
 
 
 def time_label(runs: pd.DataFrame) -> str:
-    """The x axis: a CPU's step time is the reference ops' (tables.CPU_TIME); a GPU's is named."""
-    devs = sorted(set(runs["device"].dropna().astype(str))) if "device" in runs else []
-    if not devs or all(d.lower().startswith("cpu") for d in devs):
-        return "CPU step time p50 (ms), PyTorch reference ops"
-    return f"step time p50 (ms) on {', '.join(devs)}"
+    """The x axis: a CPU's step time says which ops ran (``tables.cpu_ops``); a GPU's is named."""
+    if on_cpu(runs):
+        return f"CPU step time p50 (ms), {cpu_ops(runs)}"
+    return f"step time p50 (ms) on {', '.join(devices(runs))}"
 
 
 def pareto_front(df: pd.DataFrame) -> pd.DataFrame:

@@ -18,14 +18,15 @@ this method to ``compared_with`` (below 1: less memory, less time), ``*_ours/pap
   what it changes in the metric, ours beside the papers'.
 
 Each table is written as CSV (every column, for tools) and, for people, as Markdown and HTML (table_html.py) that read
-alone (table_layout.py): a title that says what and on which machine (the records' device and dtype; a reproduction:
-how its numbers were made), a machine line, parts of at most ten columns with units in the headers, and long notes,
-messages and the papers' sources as numbered footnotes. Step times measured on a CPU are labelled :data:`CPU_TIME`
-and never share a column with the papers' GPU throughput claims: those stand in a part of their own, beside the FLOP
-ratio of the row's setting (:func:`flop_ratio`, fake tensors) and a GPU column (:data:`NO_GPU` until
-benchmarks/gpu_run.py has written results/gpu/). All three files come from the same call, atomically
-(``lowmembp.atomic``), to the paths Snakemake gives (rule outputs); the titles come from workflow/catalogue.py. Rows of
-runs.csv with status ``invalid`` (a damaged record) are left out and counted in the table's note.
+alone (table_layout.py): a title that says what and on which machine (the records' device and dtype; a reproduction: how
+its numbers were made), a machine line, parts of at most ten columns with units in the headers, and long notes, messages
+and the papers' sources as numbered footnotes. Step times measured on a CPU are labelled :func:`cpu_time` (which ops
+ran: the records' ``ops_backend``) and never share a column with the papers' GPU throughput claims: those stand in a
+part of their own, beside the FLOP ratio of the row's setting (:func:`flop_ratio`, fake tensors) and a GPU column
+(:data:`NO_GPU` until benchmarks/gpu_run.py has written results/gpu/). All three files come from the same call,
+atomically (``lowmembp.atomic``), to the paths Snakemake gives (rule outputs); the titles come from
+workflow/catalogue.py. Rows of runs.csv with status ``invalid`` (a damaged record) are left out and counted in the
+table's note.
 
 Run by Snakemake (rules run_tables, repro_table, headline), or by hand:
 ``python tables.py runs RUNS.csv OUTDIR`` / ``python tables.py repro NAME REPRO.csv OUTDIR`` /
@@ -462,7 +463,9 @@ def peers_layout(df: pd.DataFrame, runs: pd.DataFrame, notes: Footnotes) -> list
 RUN_TABLES = {"memory": memory_table, "speed": speed_table, "accuracy": accuracy_table,
               "accuracy_short": accuracy_short_table, "peers": peers_table}
 TITLES = {name: catalogue.RUN_TABLE[name].title for name in RUN_TABLES}
-CPU_TIME = "CPU step time, PyTorch reference ops (this machine)"  # what a step time measured on a CPU is
+CPU_OPS = {"cpu": "CPU fast path", "torch": "PyTorch reference ops"}  # what a record's ops_backend ran on a CPU
+CPU_TIME = "CPU step time, {ops} (this machine)"  # what a step time measured on a CPU is: cpu_time(runs)
+TIME = "{time}"  # where a caption names the step time (step_time_label)
 NO_GPU = "—, no GPU run yet"  # the GPU column until benchmarks/gpu_run.py has written results/gpu/
 GPU_RESULTS = HERE.parents[1] / "results" / "gpu"  # benchmarks/gpu_run.py --out (docs/gpu-run.md)
 RATIO_NOTE = ("Ratios divide by the compared method (vs …: lora+X against lora, every other method against "
@@ -472,7 +475,7 @@ RATIO_NOTE = ("Ratios divide by the compared method (vs …: lora+X against lora
 CAPTIONS = {
     "memory": "Peak memory of one training step and the activation bytes saved for backward, in MiB (mean over "
               "seeds), and as ratios to the compared method (below 1 = the method saves memory). " + RATIO_NOTE,
-    "speed": f"{CPU_TIME}: step time in ms (p50 over the timed steps after warm-up, median over seeds; p20–p80 "
+    "speed": f"{TIME}: step time in ms (p50 over the timed steps after warm-up, median over seeds; p20–p80 "
              "beside it) and the ratio to the compared method (above 1 = slower) with its spread p20/p80 … p80/p20; "
              "within noise = yes when that spread contains 1 (the two cannot be told apart on this machine). "
              "Not comparable with the papers' GPU throughput, which is shown apart, beside the FLOP ratio.",
@@ -487,10 +490,10 @@ CAPTIONS = {
              "(lora+X against lora, others against baseline; VeLoRA beside LoRA too; same task, model, optimizer "
              "and batch size), and each optimizer on the same cell: peak memory of one training step in MiB (mean over "
              "seeds), the bytes saved for backward or the peak's split by category, the "
-             f"{CPU_TIME} (p50, median over seeds) and the final training loss (equal where a method is exact).",
+             f"{TIME} (p50, median over seeds) and the final training loss (equal where a method is exact).",
     "headline": "Per method against the method it is compared with (lora+X: lora; others: baseline): peak and "
                 "activation memory saved in % (at the memory batch, the largest batch where both ran), the "
-                f"{CPU_TIME} change in % (+ = slower; [p20 … p80] its spread) and the metric change at the accuracy "
+                f"{TIME} change in % (+ = slower; [p20 … p80] its spread) and the metric change at the accuracy "
                 "batch (points of % for accuracy, perplexity per byte for the LM; paper: 0 where it claims no "
                 "change); ours beside the paper's, '-' = the paper gives no number for this setting. The papers' "
                 "GPU throughput claims are never set against CPU step times: they stand apart, beside the FLOP ratio.",
@@ -554,7 +557,7 @@ def devices(runs: pd.DataFrame) -> list[str]:
 
 
 def on_cpu(runs: pd.DataFrame) -> bool:
-    """Whether every measured cell ran on a CPU (its step times are then CPU measurements of the reference ops)."""
+    """Whether every measured cell ran on a CPU (its step times are then CPU measurements: :func:`cpu_time`)."""
     devs = devices(runs)
     return not devs or all(d.lower().startswith("cpu") for d in devs)
 
@@ -574,8 +577,25 @@ def machine_note(runs: pd.DataFrame) -> list[str]:
             + (f"; host {host}" if host else "") + (f"; torch {torch_v}" if torch_v else "") + "."]
 
 
+def cpu_ops(runs: pd.DataFrame) -> str:
+    """Which ops the records' CPU step times ran (:data:`CPU_OPS`, by their ``ops_backend``): records without it were
+    written while the PyTorch reference was what CPU tensors ran."""
+    kinds = sorted(set(runs["ops_backend"].fillna("torch").astype(str))) if "ops_backend" in runs else ["torch"]
+    return " and ".join(CPU_OPS.get(k, k) for k in kinds) or CPU_OPS["torch"]
+
+
+def cpu_time(runs: pd.DataFrame) -> str:
+    """:data:`CPU_TIME` for these records: "CPU step time, <the ops they ran> (this machine)"."""
+    return CPU_TIME.format(ops=cpu_ops(runs))
+
+
 def step_time_label(runs: pd.DataFrame) -> str:
-    return CPU_TIME if on_cpu(runs) else f"step time on {', '.join(devices(runs))}"
+    return cpu_time(runs) if on_cpu(runs) else f"step time on {', '.join(devices(runs))}"
+
+
+def caption(name: str, runs: pd.DataFrame) -> str:
+    """The table's caption (:data:`CAPTIONS`) with its step time named for these records."""
+    return CAPTIONS[name].replace(TIME, step_time_label(runs))
 
 
 def _num(v, fmt: str = ".3f", unit: str = "") -> str:
@@ -715,7 +735,7 @@ def run_layout(name: str, df: pd.DataFrame, runs: pd.DataFrame, notes: list[str]
     parts = {"memory": memory_layout, "speed": speed_layout, "accuracy": accuracy_layout,
              "accuracy_short": lambda d, r, n: accuracy_layout(d, r, n, short=True),
              "peers": peers_layout}[name](df, runs, fn)
-    return Layout(TITLES[name], machine(runs), CAPTIONS[name], parts, fn.texts, list(notes))
+    return Layout(TITLES[name], machine(runs), caption(name, runs), parts, fn.texts, list(notes))
 
 
 def run_tables(runs_csv: str | Path, outputs: dict[str, dict[str, str]]) -> None:
@@ -747,7 +767,8 @@ def _change(v, unit) -> str:
     return f"{v:+.1f} pt" if unit == "%" else f"{v:+.2f}"
 
 
-def headline_display(df: pd.DataFrame, notes: Footnotes | None = None, time_label: str = CPU_TIME) -> pd.DataFrame:
+def headline_display(df: pd.DataFrame, notes: Footnotes | None = None,
+                     time_label: str = CPU_TIME.format(ops=CPU_OPS["cpu"])) -> pd.DataFrame:
     """The headline table as a person reads it: one phrase per cell, ours / paper; step time ours only (the
     papers' GPU throughput claims stand apart: :func:`headline_layout`). A method whose cells did not finish says
     so, its message a footnote (``notes``)."""
@@ -792,7 +813,7 @@ def headline_layout(df: pd.DataFrame, runs: pd.DataFrame, notes: list[str] = ())
     thr = throughput_part(claims, runs, fn, "step_time_change_%_paper", "sources",
                           lambda d, c="step_time_change_%_ours": 1 + d[c] / 100)
     parts = [Part("What each method saves and costs", shown), *thr]
-    return Layout(catalogue.HEADLINE.title, machine(runs), CAPTIONS["headline"], parts, fn.texts, list(notes))
+    return Layout(catalogue.HEADLINE.title, machine(runs), caption("headline", runs), parts, fn.texts, list(notes))
 
 
 def _batch_seeds(batch, seeds) -> str:
