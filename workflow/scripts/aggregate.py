@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
+HERE = (Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).parent).resolve()  # noqa: F821
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE.parent))
 from experiments.record import COLUMNS, RecordError, flatten, load  # noqa: E402

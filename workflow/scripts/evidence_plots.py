@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
+HERE = (Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).parent).resolve()  # noqa: F821
 sys.path.insert(0, str(HERE))
 import catalogue  # noqa: E402,F401  (the scripts folder's parent is put on the path by evidence_table)
 from evidence_table import read_records  # noqa: E402

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
+HERE = (Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).parent).resolve()  # noqa: F821
 for _p in (HERE, HERE.parent, HERE.parents[1]):  # scripts, the catalogue, the library and experiments/
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))

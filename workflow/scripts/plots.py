@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
 
-HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
+HERE = (Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).parent).resolve()  # noqa: F821
 sys.path.insert(0, str(HERE))
 from tables import (COMPARED, KEYS, _complete, MiB, PERCENT_METRICS, accuracy_batch_size, claim,  # noqa: E402,F401
                     headline_table, is_learning_cell, load_claims, per_cell, read_runs, reference_method,

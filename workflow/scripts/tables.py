@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-HERE = Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).resolve().parent  # noqa: F821
+HERE = (Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).parent).resolve()  # noqa: F821
 for _p in (HERE, HERE.parent, HERE.parents[1]):  # scripts, the catalogue, the library
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
