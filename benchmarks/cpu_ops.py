@@ -7,9 +7,8 @@
 
 For each op, shape, dtype and thread count it times one forward + backward (``torch.autograd.grad``) of
 
-- ``ours``: the CPU fast path (``LOWMEMBP_BACKEND=cpu``, opt-in),
-- ``ref``: the PyTorch reference (``LOWMEMBP_BACKEND=torch``, what CPU tensors run by default), the oracle the fast
-  path equals bit for bit,
+- ``ours``: the CPU fast path (``LOWMEMBP_BACKEND=cpu``, what CPU tensors run by default),
+- ``ref``: the PyTorch reference (``LOWMEMBP_BACKEND=torch``), the oracle the fast path equals bit for bit,
 - ``native``: the op it replaces (``F.gelu`` / ``F.silu`` / ``F.layer_norm`` / ``F.rms_norm``, no affine); for
   Mesa there is no native op: ``native`` is then a plain ``copy_`` of the input into a fresh tensor (the baseline's
   step does not have these passes at all),
@@ -184,10 +183,10 @@ def write_table(rows: list[dict], bandwidth: dict, load: list[float], a, out: st
         df, out, "cpu_ops", "CPU forward + backward of LowMemoryBP's and Mesa's ops against the native ops, with the "
         "roofline",
         caption="Medians of forward + backward (torch.autograd.grad) taken in turns in one process "
-                f"({a.rounds} rounds, rotating order): ours = the CPU fast path (LOWMEMBP_BACKEND=cpu), reference = "
-                "the PyTorch reference (the default on CPU tensors), native = the op it replaces (F.gelu, F.silu, "
-                "F.layer_norm, F.rms_norm; no affine). MB: the least forward + backward must move; roof = MB / the "
-                "copy bandwidth (a copy_ of 256 MiB, read + write). " + mesa,
+                f"({a.rounds} rounds, rotating order): ours = the CPU fast path (the default on CPU tensors), "
+                "reference = the PyTorch reference (LOWMEMBP_BACKEND=torch), native = the op it replaces (F.gelu, "
+                "F.silu, F.layer_norm, F.rms_norm; no affine). MB: the least forward + backward must move; roof = "
+                "MB / the copy bandwidth (a copy_ of 256 MiB, read + write). " + mesa,
         command="PYTHONPATH=$PWD python benchmarks/cpu_ops.py " + " ".join(sys.argv[1:]), load=load, parts=parts)
 
 

@@ -11,7 +11,7 @@ steps of all of them taken in turns in one process (:func:`lowmembp.measurement.
 order), so that every method sees the same load of a shared machine. It prints each method's median step time and
 its ratio to the baseline's. Random initial weights (no ``--init``): the step time does not depend on them. Every
 method other than the baseline is timed twice in the same rounds: with the CPU fast path (``LOWMEMBP_BACKEND=cpu``,
-opt-in) and with the PyTorch references (``LOWMEMBP_BACKEND=torch``, what CPU tensors run by default;
+what CPU tensors run by default) and with the PyTorch references (``LOWMEMBP_BACKEND=torch``, the oracle;
 ``--no-reference`` leaves them out, ``--reference`` times only them). ``--out DIR`` also writes the table as
 ``DIR/cpu_steps.{md,csv}``.
 """
@@ -122,8 +122,8 @@ def write_table(table: list[dict], load: list[float], a) -> None:
         caption=f"Whole AdamW training steps built as `python -m experiments.train` builds them, batch "
                 f"{a.batch_size}, {a.threads} thread(s), every timing taken in turns in one process ({a.rounds} "
                 "rounds after 2 warm-up, rotating order); median step time and its ratio to the baseline's. A method "
-                f"runs the CPU fast path (LOWMEMBP_BACKEND=cpu); '{REFERENCE}': the same run with the PyTorch "
-                "references, what CPU tensors run by default.",
+                f"runs the CPU fast path (the default on CPU tensors); '{REFERENCE}': the same run with the "
+                "PyTorch references (LOWMEMBP_BACKEND=torch).",
         command="PYTHONPATH=$PWD python benchmarks/cpu_steps.py " + " ".join(sys.argv[1:]), load=load,
         parts=[("", shown, "steps")])
 

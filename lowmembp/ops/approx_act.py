@@ -29,10 +29,10 @@ implementations and registered autograd: ``torch.compile`` treats them as opaque
 interpreter is never traced), FakeTensorMode / meta tensors get the shapes from the fake implementation (paper-scale
 memory estimates; same ``ceil(N·bits/8) + 1`` saved bytes), and double backward works (the backward is linear in dy).
 Backends (``lowmembp.ops.backend.backend_for``): Triton kernels on CUDA tensors (and on CPU tensors under
-``TRITON_INTERPRET=1`` with ``LOWMEMBP_BACKEND=triton``), the CPU fast path on CPU tensors with
-``LOWMEMBP_BACKEND=cpu`` (:func:`forward_cpu`, :func:`backward_cpu`: the reference's arithmetic, bit for bit equal to
-it; the codes and the backward one pass each of the C kernels in :mod:`lowmembp.ops.cpu_kernels`), the PyTorch
-reference otherwise and under ``LOWMEMBP_BACKEND=torch``. All give bitwise-equal codes and gradients; Triton's
+``TRITON_INTERPRET=1`` with ``LOWMEMBP_BACKEND=triton``), the CPU fast path on CPU tensors (:func:`forward_cpu`,
+:func:`backward_cpu`: the reference's arithmetic, bit for bit equal to it; the codes and the backward one pass each
+of the C kernels in :mod:`lowmembp.ops.cpu_kernels`), the PyTorch reference otherwise and under
+``LOWMEMBP_BACKEND=torch``. All give bitwise-equal codes and gradients; Triton's
 forward outputs agree with the reference's to fp32 rounding of erf/exp/tanh.
 """
 from __future__ import annotations

@@ -46,13 +46,13 @@ the
 reference allocates the output only (uint8 codes, or the dequantised tensor), in one piece, as the Triton kernel
 does — no chunk loop, no temporaries.
 
-CPU fast path (:func:`quantize_cpu`, :func:`dequantize_cpu`, with ``LOWMEMBP_BACKEND=cpu``): the reference's
+CPU fast path (:func:`quantize_cpu`, :func:`dequantize_cpu`, the default on CPU tensors): the reference's
 arithmetic, bit for bit, in one pass of the C kernels of :mod:`lowmembp.ops.cpu_kernels` (the hash in wrapping 32-bit
 integers, each group's scale and β per row), or, without a C compiler, in eager ATen ops over cache-sized blocks of
 whole group rows.
 
-Backend: Triton on CUDA tensors, the CPU fast path on CPU tensors, the PyTorch reference elsewhere
-(:func:`lowmembp.ops.backend.backend_for`). Kernels
+Backend: Triton on CUDA tensors, the CPU fast path on CPU tensors, the PyTorch reference elsewhere and under
+``LOWMEMBP_BACKEND=torch`` (:func:`lowmembp.ops.backend.backend_for`). Kernels
 load, cast to fp32, compute, cast back (bf16 arithmetic is never used); fp32, fp16 and bf16 inputs are accepted.
 """
 from __future__ import annotations

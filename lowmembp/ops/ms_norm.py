@@ -25,10 +25,10 @@ input as given: ``lowmembp.ops.shared_linear.linear_sharing_input`` does (a trai
 saves its own 16-bit copy; a frozen one saves no input).
 
 Backends (``lowmembp.ops.backend.backend_for``): Triton kernels on CUDA tensors (one program per few rows, a block of
-next_power_of_2(N) columns, 64-bit row offsets), on CPU tensors the CPU fast path (the reference's element-wise work
-in C passes around its ATen row sums and norm, bit for bit equal to it: ``ms_norm_fwd_cpu`` / ``ms_norm_bwd_cpu``),
-the PyTorch reference elsewhere and under ``LOWMEMBP_BACKEND=torch`` (vectorised: ``native_layer_norm`` /
-``_fused_rms_norm`` on fp32).
+next_power_of_2(N) columns, 64-bit row offsets), on CPU tensors the CPU fast path (bit for bit equal to the
+reference: LayerNorm's forward one C call replicating ATen's CPU norm, RMSNorm's C casts around ATen's fp32 norm, the
+backward one C call with ATen's row-sum order: ``ms_norm_fwd_cpu`` / ``ms_norm_bwd_cpu``), the PyTorch reference
+elsewhere and under ``LOWMEMBP_BACKEND=torch`` (vectorised: ``native_layer_norm`` / ``_fused_rms_norm`` on fp32).
 Rows wider than ``MAX_TRITON_N`` use the reference too.
 
 The op is a ``torch.library`` custom op (``lowmembp::ms_norm_fwd`` / ``lowmembp::ms_norm_bwd``, fake implementations

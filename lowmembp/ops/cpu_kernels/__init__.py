@@ -1,4 +1,4 @@
-"""One-pass C kernels of the CPU fast path (``LOWMEMBP_BACKEND=cpu``): ReGELU2 / ReSiLU2's 2-bit codes and their
+"""One-pass C kernels of the CPU fast path (the default on CPU tensors): ReGELU2 / ReSiLU2's 2-bit codes and their
 backward, Mesa's 8-bit quantise and dequantise, MS-LayerNorm's forward (a replica of ATen's CPU LayerNorm), the
 MS-norms' backward (with a replica of ATen's CPU row sum) and their casts.
 
