@@ -225,11 +225,10 @@ def forward_ad_active() -> bool:
 
 def dispatch_mode_active() -> bool:
     """Whether a ``TorchDispatchMode`` (a memory tracker, a FLOP counter, a fake mode) is in force: the length of
-    torch's Python dispatch-mode stack, else whether ``_python_dispatch`` reports a current mode."""
+    torch's Python dispatch-mode stack; True (assume one may be: the caller then takes its always-correct path) where
+    this torch has no such function."""
     stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
-    if stack_len is not None:
-        return stack_len() > 0
-    return torch.utils._python_dispatch._get_current_dispatch_mode() is not None
+    return True if stack_len is None else stack_len() > 0
 
 
 # ---------------------------------------------------------------------------------------------------------- compiler

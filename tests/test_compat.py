@@ -247,6 +247,19 @@ def test_public_pytree_and_dispatch_mode():
         _compat.no_such_name  # noqa: B018
 
 
+def test_dispatch_mode_active(monkeypatch):
+    """Off outside any mode, on inside one (nested too), and True where torch lacks the stack's length (the ops then
+    take their custom op, which is right under a mode and only slower without one)."""
+    assert not _compat.dispatch_mode_active()
+    with _compat.TorchDispatchMode():
+        assert _compat.dispatch_mode_active()
+        with _compat.TorchDispatchMode():
+            assert _compat.dispatch_mode_active()
+    assert not _compat.dispatch_mode_active()
+    monkeypatch.delattr(torch._C, "_len_torch_dispatch_stack")
+    assert _compat.dispatch_mode_active()
+
+
 def test_compile_helpers():
     assert "inductor" in _compat.list_backends() and callable(_compat.lookup_backend("eager"))
     m = torch.nn.Linear(2, 2)

@@ -120,3 +120,30 @@ def test_fake_tensors_take_the_custom_op(monkeypatch):
     with FakeTensorMode():
         y = A.regelu2(torch.empty(2, 8, requires_grad=True))
     assert calls == [1] and y.shape == (2, 8)
+
+
+def test_dispatch_modes_see_the_custom_op_whole(monkeypatch):
+    """Under a TorchDispatchMode (here the memory tracker's base class) the ops go through their custom op, whose CPU
+    implementation is the fast path: the mode sees one op per call and its outputs, not the fast path's inner ops;
+    the values are those of the eager route."""
+    monkeypatch.delenv("LOWMEMBP_BACKEND", raising=False)  # the default: the fast path on CPU tensors
+    from lowmembp._compat import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, 64)
+    assert eager_backend(x) == "cpu"
+    want = N.ms_layer_norm(x)
+    with Seen() as seen:
+        assert eager_backend(x) is None
+        y = N.ms_layer_norm(x)
+    assert torch.equal(y, want)
+    assert any("lowmembp.ms_norm_fwd" in op for op in seen.ops)
+    assert not any("empty" in op for op in seen.ops)  # the fast path's own allocations stay inside the op
