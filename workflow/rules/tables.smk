@@ -31,14 +31,6 @@ rule run_tables:
         "../scripts/tables.py"
 
 
-def repro_table_inputs(wc):
-    """The reproduction's CSV first (what the script reads as input[0]); for fig1 also the GPU run's fig1.csv where
-    one is there (its GPU step-time column), so that a new GPU run remakes the table."""
-    gpu = Path(workflow.basedir) / "results" / "gpu" / "fig1.csv"
-    extra = [str(gpu)] if wc.table == "fig1" and gpu.is_file() else []
-    return [cat.repro_csv(R, repro_of_stem(wc.table).name)] + extra
-
-
 rule repro_table:
     input:
         repro_table_inputs,
