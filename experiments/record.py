@@ -189,8 +189,9 @@ class Environment:
     hostname: str | None = None
     python: str | None = None
     threads: int | None = None  # torch intra-op threads
-    ops_backend: str | None = None  # what lowmembp.ops ran on the run's device: "cpu" (the CPU fast path), "torch"
-    # (the PyTorch reference), "triton"; None in records written before it was recorded (the reference, on a CPU)
+    # what lowmembp.ops ran on the run's device: "cpu" (the CPU fast path), "torch" (the PyTorch reference), "triton";
+    # absent from records written before it was recorded (the reference, on a CPU)
+    ops_backend: str | None = field(default=None, metadata={OMITTED_WHEN_NONE: True})
 
 
 @dataclass

@@ -188,6 +188,23 @@ def test_environment_never_raises():
     assert dataclasses.asdict(R.environment("cpu"))["device"].startswith("cpu")
 
 
+def test_ops_backend_is_recorded_and_records_without_it_still_valid(monkeypatch):
+    """A run's record says which ops ran on its device; a record written before the field existed is valid (JSON
+    schema and loader) and flattens with it empty."""
+    monkeypatch.delenv("LOWMEMBP_BACKEND", raising=False)
+    assert R.environment("cpu").ops_backend == "cpu"
+    monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")
+    assert R.environment("cpu").ops_backend == "torch"
+    monkeypatch.setenv("LOWMEMBP_BACKEND", "nonsense")
+    env = R.environment("cpu")
+    assert env.ops_backend.startswith("unknown (ValueError") and env.device.startswith("cpu")
+    d = full_record().to_dict()
+    assert "ops_backend" not in R.schema()["properties"]["environment"]["required"]
+    d["environment"].pop("ops_backend")
+    jsonschema.Draft202012Validator(R.schema()).validate(d)
+    assert R.Record.from_dict(d).environment.ops_backend is None and R.flatten(d)["ops_backend"] is None
+
+
 def test_the_columns_tables_read_since_version_1_are_still_there():
     v1_columns = ["task", "model", "method", "batch_size", "seed", "status", "message", "steps", "epochs", "dtype",
                   "seq_len", "peak_bytes", "peak_how", "activation_bytes", "step_time_p20", "step_time_p50",
