@@ -20,6 +20,11 @@ tensor, read + write counted); ``bytes`` is what the op must move at least (forw
 divided by the bandwidth, and ``ours/roof`` how far from the memory limit ours runs. On a shared machine the medians
 move with the load; the ratios, taken in turns, are the figures to read. ``--out DIR`` also writes the table as
 ``DIR/cpu_ops.{md,csv}`` (one part per thread count; the machine, load and bandwidth in its lines).
+
+Before timing it holds freed memory in the process (:func:`lowmembp.measurement.timing.hold_freed_memory`: glibc's
+mmap threshold fixed at 32 MiB, no trimming), so each call's fresh tensors reuse freed memory rather than fault
+fresh pages in, which glibc's adaptive defaults do or not depending on the process's history (the same op's time
+then moved by up to 2× between runs); ``--malloc default`` leaves glibc's defaults.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ import torch.nn.functional as F
 from lowmembp.ops.approx_act import regelu2, resilu2
 from lowmembp.ops.mesa_quant import dequantize, draw_seed_tensor, quantize
 from lowmembp.ops.ms_norm import ms_layer_norm, ms_rms_norm
-from lowmembp.measurement.timing import time_interleaved
+from lowmembp.measurement.timing import hold_freed_memory, time_interleaved
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # name: (shape, ours, native, kind)
@@ -117,12 +122,16 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=7, help="timed rounds per case (medians are reported)")
     p.add_argument("--no-ref", action="store_true", help="leave the reference out (faster)")
     p.add_argument("--out", default=None, help="also write the table as OUT/cpu_ops.{md,csv}")
+    p.add_argument("--malloc", choices=["hold", "default"], default="hold",
+                   help="hold: freed memory stays in the process for reuse (glibc; the default); default: glibc's own")
     a = p.parse_args(argv)
     if os.environ.get("LOWMEMBP_BACKEND", "").strip().lower() not in ("", "auto"):
         p.error("unset LOWMEMBP_BACKEND: each column sets its own (ours: cpu, ref: torch)")
     torch.manual_seed(0)
+    a.malloc_held = a.malloc == "hold" and hold_freed_memory()
     load = [os.getloadavg()[0]]
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs visible; load average {os.getloadavg()}")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs visible; load average {os.getloadavg()}; "
+          f"{malloc_note(a.malloc_held)}")
     table, bandwidth = [], {}
     head = (f"{'op':14s} {'shape':16s} {'dtype':5s} {'thr':>3s} {'native ms':>9s} {'ours ms':>8s} {'ref ms':>8s} "
             f"{'ours/nat':>8s} {'ref/nat':>8s} {'MB ours':>8s} {'MB nat':>7s} {'roof ms':>7s} {'ours/roof':>9s}")
@@ -159,6 +168,14 @@ def main(argv=None) -> int:
     return 0
 
 
+def malloc_note(held: bool) -> str:
+    """How the process allocated, for the printout and the table's caption."""
+    if held:
+        return ("freed memory held for reuse (glibc mmap threshold 32 MiB, no trimming: "
+                "lowmembp.measurement.timing.hold_freed_memory)")
+    return "glibc's default malloc thresholds (freed memory may be returned to the OS)"
+
+
 def write_table(rows: list[dict], bandwidth: dict, load: list[float], a, out: str) -> None:
     """``out/cpu_ops.csv`` (every column) and ``out/cpu_ops.md`` (one part per thread count), read alone."""
     import pandas as pd
@@ -186,7 +203,8 @@ def write_table(rows: list[dict], bandwidth: dict, load: list[float], a, out: st
                 f"({a.rounds} rounds, rotating order): ours = the CPU fast path (the default on CPU tensors), "
                 "reference = the PyTorch reference (LOWMEMBP_BACKEND=torch), native = the op it replaces (F.gelu, "
                 "F.silu, F.layer_norm, F.rms_norm; no affine). MB: the least forward + backward must move; roof = "
-                "MB / the copy bandwidth (a copy_ of 256 MiB, read + write). " + mesa,
+                "MB / the copy bandwidth (a copy_ of 256 MiB, read + write). " + mesa + " Allocation: "
+                + malloc_note(a.malloc_held) + ".",
         command="PYTHONPATH=$PWD python benchmarks/cpu_ops.py " + " ".join(sys.argv[1:]), load=load, parts=parts)
 
 

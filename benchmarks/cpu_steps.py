@@ -13,7 +13,8 @@ its ratio to the baseline's. Random initial weights (no ``--init``): the step ti
 method other than the baseline is timed twice in the same rounds: with the CPU fast path (``LOWMEMBP_BACKEND=cpu``,
 what CPU tensors run by default) and with the PyTorch references (``LOWMEMBP_BACKEND=torch``, the oracle;
 ``--no-reference`` leaves them out, ``--reference`` times only them). ``--out DIR`` also writes the table as
-``DIR/cpu_steps.{md,csv}``.
+``DIR/cpu_steps.{md,csv}``. As ``cpu_ops.py``, it holds freed memory in the process before timing
+(``--malloc default``: glibc's own thresholds).
 """
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-reference", action="store_true", help="time only the CPU fast path, not the references")
     p.add_argument("--reference", action="store_true", help="time only the PyTorch references (no fast path)")
     p.add_argument("--out", default=None, help="also write the table as OUT/cpu_steps.{md,csv}")
+    p.add_argument("--malloc", choices=["hold", "default"], default="hold",
+                   help="hold: freed memory stays in the process for reuse (glibc; the default); default: glibc's own")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if os.environ.get("LOWMEMBP_BACKEND", "").strip().lower() not in ("", "auto"):
@@ -64,9 +67,9 @@ def main(argv=None) -> int:
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder's cpu_ops, also when loaded by path
-    from cpu_ops import with_backend
+    from cpu_ops import malloc_note, with_backend
 
-    from lowmembp.measurement.timing import time_interleaved
+    from lowmembp.measurement.timing import hold_freed_memory, time_interleaved
 
     if "baseline" not in a.methods:
         p.error("--methods must include baseline (the ratios are to it)")
@@ -77,8 +80,9 @@ def main(argv=None) -> int:
             parse(method)
         except ValueError as err:
             p.error(str(err))
+    a.malloc_held = a.malloc == "hold" and hold_freed_memory()
     print(f"torch {torch.__version__}; {a.threads} thread(s); batch {a.batch_size}; "
-          f"load average {os.getloadavg()}", flush=True)
+          f"load average {os.getloadavg()}; {malloc_note(a.malloc_held)}", flush=True)
     table, load = [], [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         for task in a.tasks:
@@ -111,6 +115,7 @@ def write_table(table: list[dict], load: list[float], a) -> None:
     import pandas as pd
 
     from bench_tables import write_benchmark_table  # main() put this folder on the path
+    from cpu_ops import malloc_note
 
     df = pd.DataFrame(table)
     shown = pd.DataFrame({"task / model": [f"{t} / {m}" for t, m in zip(df["task"], df["model"])],
@@ -123,7 +128,7 @@ def write_table(table: list[dict], load: list[float], a) -> None:
                 f"{a.batch_size}, {a.threads} thread(s), every timing taken in turns in one process ({a.rounds} "
                 "rounds after 2 warm-up, rotating order); median step time and its ratio to the baseline's. A method "
                 f"runs the CPU fast path (the default on CPU tensors); '{REFERENCE}': the same run with the "
-                "PyTorch references (LOWMEMBP_BACKEND=torch).",
+                "PyTorch references (LOWMEMBP_BACKEND=torch). Allocation: " + malloc_note(a.malloc_held) + ".",
         command="PYTHONPATH=$PWD python benchmarks/cpu_steps.py " + " ".join(sys.argv[1:]), load=load,
         parts=[("", shown, "steps")])
 

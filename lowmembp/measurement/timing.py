@@ -2,6 +2,7 @@
 
     stats = time_steps(step, warmup=3, repeats=20)   # {"p20", "p50", "p80", "n", "how"}, seconds
     times = time_interleaved({"a": step_a, "b": step_b}, rounds=10)   # {"a": [s, ...], "b": [...]}: taking turns
+    hold_freed_memory()   # glibc: freed tensors' memory is reused, not returned to the OS (CPU benchmarks)
 
 CUDA: each step is bracketed by CUDA events (``elapsed_time`` after a synchronise), so asynchronous kernels are
 counted where they run. CPU: ``torch.cuda``-free, ``time.perf_counter`` around the step (CPU ops are synchronous;
@@ -10,13 +11,15 @@ Percentiles use linear interpolation between order statistics (``numpy.percentil
 """
 from __future__ import annotations
 
+import ctypes
+import platform
 import time
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["time_steps", "time_interleaved", "summarize", "throughput"]
+__all__ = ["time_steps", "time_interleaved", "summarize", "throughput", "hold_freed_memory"]
 
 
 def summarize(samples: Sequence[float], how: str = "") -> dict:
@@ -79,6 +82,35 @@ def time_interleaved(steps: Mapping[str, Callable[[int], object]], *, rounds: in
             if r >= warmup:
                 times[n].append(dt)
     return times
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def hold_freed_memory(mmap_threshold: int = 32 << 20) -> bool:
+    """Keep the memory of freed CPU tensors in this process for reuse, for the rest of the process (glibc only).
+
+    PyTorch allocates CPU tensors with the C library's ``malloc``, which glibc serves from fresh ``mmap`` memory above
+    an adaptive threshold (128 KiB at start, raised up to 32 MiB by frees) and gives back to the OS on free (or trims
+    its heap). A fresh mapping costs one page fault per 4 KiB on first touch, the kernel zeroing each page: for a
+    22.5 MB tensor about 5500 faults, as long as the op that fills it here. Whether a tensor of a given size is fresh
+    then depends on the process's history of allocations, so the same op's time can change by 2× between processes or
+    within one. This fixes the threshold at ``mmap_threshold`` bytes (glibc's largest) and turns trimming off
+    (``mallopt``), so that a tensor below it reuses freed heap memory, as tensors do in a caching allocator; larger
+    ones are still mapped fresh. Returns whether it took effect (False on another C library: nothing changes). CPU
+    benchmarks call it before timing (``benchmarks/cpu_ops.py``, ``benchmarks/cpu_steps.py``) and say so; the same
+    effect from outside a process: ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:``
+    ``glibc.malloc.trim_threshold=4294967295``.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))) and bool(mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1))
 
 
 def throughput(step_time_s: dict, batch_size: int, tokens_per_sample: int | None = None) -> dict:

@@ -1,7 +1,13 @@
 """Step-time statistics (lowmembp.measurement.timing): percentiles from given samples, no timed asserts."""
+import os
+import platform
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
+from lowmembp.measurement import timing
 from lowmembp.measurement.timing import summarize, throughput, time_interleaved, time_steps
 
 
@@ -68,3 +74,44 @@ def test_time_interleaved_rejects_bad_counts(kw):
         time_interleaved({"a": lambda r: None}, **kw)
     with pytest.raises(ValueError, match="no steps"):
         time_interleaved({}, rounds=1)
+
+
+_CHURN = """
+import resource, sys, torch
+from lowmembp.measurement.timing import hold_freed_memory
+held = sys.argv[1] == "hold" and hold_freed_memory()
+
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+def churn():  # two 24 MB tensors filled and freed: glibc's default thresholds give their pages back each time
+    a = torch.empty(6_000_000).fill_(1.0)
+    b = torch.empty(6_000_000).fill_(1.0)
+    del a, b
+
+for _ in range(3):
+    churn()
+f0 = faults()
+for _ in range(5):
+    churn()
+print(int(held), faults() - f0)
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_hold_freed_memory_stops_the_page_faults_of_fresh_tensors():
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", _CHURN, mode], capture_output=True, text=True, check=True,
+                             env={**os.environ, "GLIBC_TUNABLES": ""})
+        held, faults = map(int, out.stdout.split())
+        return held, faults
+
+    held, faults = run("hold")
+    assert held == 1 and faults < 100  # the freed heap memory is reused: no page touched for the first time
+    held, faults = run("default")
+    assert held == 0 and faults > 5 * 2 * 5000  # each fresh 24 MB tensor faults its ~5900 pages in again
+
+
+def test_hold_freed_memory_is_a_no_op_without_glibc(monkeypatch):
+    monkeypatch.setattr(timing.platform, "libc_ver", lambda: ("", ""))
+    assert timing.hold_freed_memory() is False
