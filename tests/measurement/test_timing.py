@@ -76,14 +76,15 @@ def test_time_interleaved_rejects_bad_counts(kw):
         time_interleaved({}, rounds=1)
 
 
-_CHURN = """
+_ROUNDS, _PAGES = 10, 3 * 6_000_000 * 4 // 4096  # measured churns; pages of one churn's three tensors
+_CHURN = f"""
+ROUNDS = {_ROUNDS}
 import ctypes, resource, sys, torch
 from lowmembp.measurement.timing import hold_freed_memory
-if sys.argv[1] == "hold":
-    held = hold_freed_memory()
-else:  # glibc's own behaviour whenever its adaptive threshold is below the tensors' size: every one mapped fresh
-    mallopt = ctypes.CDLL(None).mallopt
-    held = not (mallopt(-3, 128 * 1024) and mallopt(-1, 128 * 1024))
+# first glibc's behaviour whenever its adaptive threshold is below the tensors' size: every one mapped fresh
+mallopt = ctypes.CDLL(None).mallopt
+assert mallopt(-3, 128 * 1024) and mallopt(-1, 128 * 1024)
+held = hold_freed_memory() if sys.argv[1] == "hold" else False  # must override that
 
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -97,7 +98,7 @@ def churn():  # three 24 MB tensors (about 5900 pages each), filled and freed
 for _ in range(3):
     churn()
 f0 = faults()
-for _ in range(5):
+for _ in range(ROUNDS):
     churn()
 print(int(held), faults() - f0)
 """
@@ -111,11 +112,14 @@ def test_hold_freed_memory_stops_the_page_faults_of_fresh_tensors():
         held, faults = map(int, out.stdout.split())
         return held, faults
 
-    held, faults = run("hold")
-    # the freed heap memory is reused: at most one heap extension's pages (glibc's heap layout varies), not 15 tensors'
-    assert held == 1 and faults < 3 * 5000
-    held, faults = run("fresh")
-    assert held == 0 and faults > 5 * 3 * 5000  # each fresh 24 MB tensor faults its ~5900 pages in again
+    held, hold_faults = run("hold")
+    assert held == 1
+    held, fresh_faults = run("fresh")
+    assert held == 0 and fresh_faults > 0.9 * _ROUNDS * _PAGES  # each fresh 24 MB tensor faults its ~5860 pages in
+    # held: the freed heap memory is reused. Not always zero: a run on this machine now and then faults one churn's
+    # tensors in again (one tensor in 40 runs here, all three once in CI; cause not found), so the bound allows
+    # a quarter of the fresh faults (two and a half churns' worth, against all ten).
+    assert hold_faults < 0.25 * fresh_faults, (hold_faults, fresh_faults)
 
 
 def test_hold_freed_memory_is_a_no_op_without_glibc(monkeypatch):
