@@ -364,9 +364,10 @@ int lmbp_slopes2(const void *dy, int dtype, const uint8_t *codes, int64_t n, con
 }
 
 /* ------------------------------------------------------------------------------- Mesa's 8-bit quantiser */
-/* the counter-based uniform of element i: lowbias32(i * 0x9E3779B9 + seed), its top 24 bits times 2^-24 */
-static inline float hash_uniform(uint32_t i, uint32_t seed) {
-    uint32_t h = i * 0x9E3779B9u + seed;
+/* the counter-based uniform of element i: lowbias32(i * 0x9E3779B9 + seed), its top 24 bits times 2^-24; the loops
+ * pass h = i * 0x9E3779B9 + seed as a running sum (HASH_STEP per element), which saves a multiply per element */
+#define HASH_STEP 0x9E3779B9u
+static inline float hash_uniform(uint32_t h) {
     h ^= h >> 16;
     h *= 0x7FEB352Du;
     h ^= h >> 15;
@@ -400,13 +401,15 @@ static inline void expand_pattern(const float *a, const float *b, int64_t inner,
     }
 }
 
-#define QUANTIZE8_ELEMENT(LOAD, X, SC, B, INDEX)                                                                       \
+#define QUANTIZE8_ELEMENT(LOAD, X, SC, B, HASH)                                                                        \
     {                                                                                                                  \
         float v = (LOAD(X) - (B)) * (SC);                                                                              \
-        v = v + hash_uniform(INDEX, seed);                                                                             \
+        v = v + hash_uniform(HASH);                                                                                    \
         nan |= (uint32_t)(v != v);                                                                                     \
-        /* floor(v) clamped to [0, 255]: truncation is floor for v >= 0 */                                             \
-        q = (uint8_t)(v >= 255.0f ? 255 : (v >= 0.0f ? (int32_t)v : 0));                                              \
+        /* floor(v) clamped to [0, 255]: clamped first (max / min, a NaN flagged above), truncation is floor there */ \
+        v = v > 0.0f ? v : 0.0f;                                                                                       \
+        v = v < 255.0f ? v : 255.0f;                                                                                   \
+        q = (uint8_t)(int32_t)v;                                                                                       \
     }
 #define DEFINE_QUANTIZE8(NAME, T, LOAD)                                                                                \
     static uint32_t NAME(const T *x, int64_t lo, int64_t hi, int64_t inner, int64_t groups, const float *scale,        \
@@ -421,10 +424,11 @@ static inline void expand_pattern(const float *a, const float *b, int64_t inner,
                 const T *xr = x + i;                                                                                   \
                 const float *sr = sp + o, *br = bp + o;                                                                \
                 uint8_t *qr = out + i, q;                                                                              \
-                uint32_t base = (uint32_t)i;                                                                           \
-                _Pragma("omp simd reduction(| : nan)")                                                                 \
+                uint32_t h = (uint32_t)i * HASH_STEP + seed;                                                           \
+                _Pragma("omp simd reduction(| : nan) linear(h : HASH_STEP)")                                           \
                 for (k = 0; k < len; k++) {                                                                            \
-                    QUANTIZE8_ELEMENT(LOAD, xr[k], sr[k], br[k], base + (uint32_t)k)                                   \
+                    QUANTIZE8_ELEMENT(LOAD, xr[k], sr[k], br[k], h)                                                    \
+                    h += HASH_STEP;                                                                                    \
                     qr[k] = q;                                                                                         \
                 }                                                                                                      \
                 i += len;                                                                                              \
@@ -438,10 +442,11 @@ static inline void expand_pattern(const float *a, const float *b, int64_t inner,
             const T *xr = x + i;                                                                                       \
             uint8_t *qr = out + i, q;                                                                                  \
             if (end - i > (1 << 30)) end = i + (1 << 30); /* 32-bit lanes: the index modulo 2^32 */                    \
-            uint32_t base = (uint32_t)i, len = (uint32_t)(end - i);                                                    \
-            _Pragma("omp simd reduction(| : nan)")                                                                     \
+            uint32_t h = (uint32_t)i * HASH_STEP + seed, len = (uint32_t)(end - i);                                    \
+            _Pragma("omp simd reduction(| : nan) linear(h : HASH_STEP)")                                               \
             for (uint32_t k = 0; k < len; k++) {                                                                       \
-                QUANTIZE8_ELEMENT(LOAD, xr[k], sc, b, base + k)                                                        \
+                QUANTIZE8_ELEMENT(LOAD, xr[k], sc, b, h)                                                               \
+                h += HASH_STEP;                                                                                        \
                 qr[k] = q;                                                                                             \
             }                                                                                                          \
             i = end;                                                                                                   \
