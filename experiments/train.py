@@ -52,6 +52,7 @@ import sys
 import traceback
 
 from experiments.args import ArgError, listing, parse_args
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
 
 OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
@@ -292,7 +293,7 @@ def train(cfg, task, out: dict, ctx=None) -> None:
 def identity(cfg) -> dict:
     return {"task": cfg.task, "model": cfg.model, "method": cfg.method, "batch_size": cfg.batch_size,
             "dtype": cfg.dtype, "seed": cfg.seed, "steps": 0, "epochs": cfg.epochs,
-            "optimizer": getattr(cfg, "optimizer", None) or "adamw"}
+            "optimizer": getattr(cfg, "optimizer", None) or DEFAULT_OPTIMIZER}
 
 
 def new_sections(cfg) -> dict:
@@ -329,7 +330,7 @@ def finish(cfg, sections: dict, status: str, message: str | None, started: str) 
 
 def summary(rec: dict, out: str) -> str:
     run, dev = rec["run"], rec["peak"]["device"]
-    opt = "" if run["optimizer"] == "adamw" else f" optimizer={run['optimizer']}"
+    opt = "" if run["optimizer"] == DEFAULT_OPTIMIZER else f" optimizer={run['optimizer']}"
     parts = [f"[{rec['status']}] {run['model']}/{run['task']}/{run['method']}{opt} bs={run['batch_size']} "
              f"seed={run['seed']} dtype={run['dtype']} steps={run['steps']}"]
     if rec["final_loss"] is not None:

@@ -56,7 +56,7 @@ def _row(section: str, setting: str, method: str, optimizer: str, est: dict) -> 
 def lever_estimates(small: bool = False, sections: tuple[str, ...] | None = None) -> pd.DataFrame:
     """One row per (section, method, optimizer); ``sections``: a subset of :data:`SECTIONS`."""
     from lowmembp.estimator.step import estimate, estimate_by_depth
-    from lowmembp.methods.optimizers import OPTIMIZERS
+    from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
 
     rows = []
     for section in sections or tuple(SECTIONS):
@@ -64,7 +64,7 @@ def lever_estimates(small: bool = False, sections: tuple[str, ...] | None = None
         settings = {**settings, **(SMALL if small else {})}
         if small:
             setting = f"{section}: the reduced version at a tiny width (2 blocks, hidden 64, 64 tokens)"
-        optimizers = OPTIMIZERS if section == "optimizers" else ("adamw",)
+        optimizers = OPTIMIZERS if section == "optimizers" else (DEFAULT_OPTIMIZER,)
         for method in methods:
             options = SMALL_OPTIONS["velora"] if small and "velora" in method else {}
             for optimizer in optimizers:

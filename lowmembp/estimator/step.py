@@ -41,6 +41,7 @@ from lowmembp.estimator.fake_mode import StepFakeMode
 from lowmembp.measurement.saved import SavedTensorAccountant
 from lowmembp.measurement.kinds import KINDS
 from lowmembp.measurement.peak import measure_step_peak, prime_optimizer
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
 from lowmembp.estimator.weights import (FROZEN_BASE_METHODS, WEIGHTS, nf4_peak, nf4_weight_bytes,  # noqa: F401
                                         storage_dtype)
 
@@ -184,7 +185,7 @@ def estimate(model: str | ModelSpec, method: str = "baseline", *, batch_size: in
              seq_len: int | None = None, dtype: str | None = None, layers: int | None = None,
              overrides: dict | None = None, device: str = "fake", peak: bool = True, seed: int = 0,
              attention: str = "sdpa", flops: bool = False, world_size: int = 1, weights: str = "fp32",
-             optimizer: str = "adamw", **method_options) -> dict:
+             optimizer: str = DEFAULT_OPTIMIZER, **method_options) -> dict:
     """Saved-for-backward bytes (whole model and one middle block) and the peak of one training step.
 
     ``model``: a key of :data:`MODELS` or a :class:`ModelSpec`; ``batch_size``/``seq_len``/``dtype`` default to the
@@ -324,7 +325,7 @@ def to_fake_cpu(model: nn.Module) -> nn.Module:
     return model._apply(fresh)
 
 
-def make_optimizer(model: nn.Module, optimizer: str = "adamw") -> torch.optim.Optimizer | None:
+def make_optimizer(model: nn.Module, optimizer: str = DEFAULT_OPTIMIZER) -> torch.optim.Optimizer | None:
     """:func:`estimate`'s optimizer over the trainable parameters (``None`` when there are none): ``optimizer`` a
     name of :data:`lowmembp.methods.optimizers.OPTIMIZERS`; torch's AdamW in its fused form (no per-tensor
     temporaries), also per parameter inside the backward. Make it outside the fake mode (bitsandbytes reads its

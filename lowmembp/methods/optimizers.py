@@ -44,7 +44,7 @@ BNB_BLOCKSIZE = 256       # bitsandbytes' block-wise 8-bit optimizers: one absma
 BNB_QMAP_BYTES = 2 * 256 * 4  # the two quantisation maps (signed, unsigned), fp32, shared by every parameter
 
 
-def make_optimizer(params: Iterable[torch.Tensor], name: str = "adamw", *, lr: float = 1e-3,
+def make_optimizer(params: Iterable[torch.Tensor], name: str = DEFAULT_OPTIMIZER, *, lr: float = 1e-3,
                    weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                    **kw) -> torch.optim.Optimizer:
     """The optimizer ``name`` (a key of :data:`OPTIMIZERS`) over ``params`` (tensors; those without

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from lowmembp import _deprecated_call
 from lowmembp.estimator.step import ModelSpec, build, estimate, full_depth
 from lowmembp.estimator.weights import FROZEN_BASE_METHODS, WEIGHTS, auto_weights, frozen_base, storage_dtype
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
 from lowmembp.methods.registry import parse
 from lowmembp.plan.breakdown import split_peak
 from lowmembp.plan.combination import Peaks, StepSource
@@ -103,7 +104,7 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
          overrides: dict | None = None, num_classes: int | None = None, image_size: int | None = None,
          max_batch: int = 1 << 16, depth: str = "auto", combos: list[str] | None = None,
          more_gpus: list[str | int] | None = None, weights: str | list[str] = AUTO_WEIGHTS, progress=None,
-         start_method: str | None = None, optimizer: str | list[str] = "adamw",
+         start_method: str | None = None, optimizer: str | list[str] = DEFAULT_OPTIMIZER,
          find: str | list[str] = "batch", max_seq_len: int = 1 << 20) -> Plan:
     """Plan every valid method combination (see the module doc). ``methods``/``exclude``/``max_methods`` choose the
     combinations: by default those of at most :data:`lowmembp.plan.combos.DEFAULT_MAX_METHODS` methods, without the
@@ -230,7 +231,7 @@ def evaluate(job: dict, source: StepSource | None = None) -> dict:
     ``source``: fake steps shared with other rows of the same combination (:func:`evaluate_group`)."""
     t0, c0 = time.perf_counter(), time.process_time()
     method, opts, spec = job["method"], job["options"], job["spec"]
-    optimizer, weights = job.get("optimizer", "adamw"), job.get("weights", "fp32")
+    optimizer, weights = job.get("optimizer", DEFAULT_OPTIMIZER), job.get("weights", "fp32")
     row = {"method": method, "options": dict(opts), "optimizer": optimizer, "weights": weights,
            "label": _label(method, opts, optimizer), "status": "ok", "reason": ""}
     cap, bs = job["capacity"], job["batch_size"]
@@ -335,9 +336,9 @@ def _depth_mode(spec: ModelSpec, overrides, depth: str) -> tuple[tuple[int, int]
     return (2, 3), blocks, f"2- and 3-block builds extended to {blocks} blocks (as estimate_by_depth)"
 
 
-def _label(method: str, opts: dict, optimizer: str = "adamw") -> str:
+def _label(method: str, opts: dict, optimizer: str = DEFAULT_OPTIMIZER) -> str:
     return (method + "".join(f" {k}={v}" for k, v in sorted(opts.items()))
-            + ("" if optimizer == "adamw" else f" [{optimizer}]"))
+            + ("" if optimizer == DEFAULT_OPTIMIZER else f" [{optimizer}]"))
 
 
 def _optimizers(optimizer) -> list[str]:

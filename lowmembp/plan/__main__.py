@@ -11,6 +11,7 @@ import os
 import sys
 
 from lowmembp.estimator.step import DTYPES
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
 from lowmembp.plan.combos import ALL, DEFAULT_MAX_METHODS
 
 
@@ -31,8 +32,8 @@ def main(argv: list[str] | None = None, start_method: str | None = None) -> int:
                          "weights as fp32 masters under autocast), fp32, bf16, fp16 (the model loaded in that dtype), "
                          "nf4 (QLoRA's 4-bit base, LoRA-family methods only), or several comma-separated: each "
                          "combination planned with each")
-    ap.add_argument("--optimizer", default="adamw",
-                    help="adamw (default), adamw8bit, adamw-fused-backward, or several comma-separated: each "
+    ap.add_argument("--optimizer", default=DEFAULT_OPTIMIZER,
+                    help=f"{', '.join(OPTIMIZERS)} (default {DEFAULT_OPTIMIZER}), or several comma-separated: each "
                          "combination planned with each (lowmembp.methods.optimizers)")
     ap.add_argument("--find", default="batch", metavar="batch|seq-len",
                     help="seq-len: also the largest sequence length that fits at --batch-size for each row, found by "

@@ -15,6 +15,7 @@ stored alike.
 from __future__ import annotations
 
 from lowmembp.estimator.step import ModelSpec, extend_by_depth
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
 from lowmembp.plan.steps import MIN_BATCH, BatchLine, Steps
 
 __all__ = ["Peaks", "StepSource"]
@@ -29,8 +30,8 @@ class StepSource:
     reported), a :class:`Steps` per optimizer. Built on first use."""
 
     def __init__(self, spec: ModelSpec, method: str, *, layers: tuple, seq_len: int | None, dtype: str,
-                 optimizers=("adamw",), weights: str = "fp32", overrides: dict | None = None, world_size: int = 1,
-                 **method_options):
+                 optimizers=(DEFAULT_OPTIMIZER,), weights: str = "fp32", overrides: dict | None = None,
+                 world_size: int = 1, **method_options):
         self.layers, self.optimizers = tuple(layers), list(dict.fromkeys(optimizers))
         self._kw = dict(spec=spec, method=method, seq_len=seq_len, dtype=dtype, overrides=overrides,
                         world_size=world_size, weights=weights, **method_options)
@@ -88,7 +89,7 @@ class Peaks:
 
     def __init__(self, spec: ModelSpec, method: str, *, shallow: tuple[int, int] | None, depth: int | None,
                  seq_len: int | None, dtype: str, overrides: dict | None = None, world_size: int = 1,
-                 optimizer: str = "adamw", weights: str = "fp32", source: StepSource | None = None,
+                 optimizer: str = DEFAULT_OPTIMIZER, weights: str = "fp32", source: StepSource | None = None,
                  **method_options):
         self.shallow, self.depth = shallow, depth
         self.optimizer, self.weights = optimizer, weights

@@ -5,6 +5,7 @@ import csv
 import json
 
 from lowmembp.plan.breakdown import BREAKDOWN, LEGEND, compact
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
 from lowmembp.plan.sources import GiB
 
 __all__ = ["text_table", "verdict", "to_json", "write_csv", "CSV_COLUMNS"]
@@ -106,7 +107,7 @@ def verdict(p) -> str:
     low = min(ok, key=lambda r: (r["floor_bytes"], len(r["label"])))  # a tie: the plainest combination
     hint = ("" if "nf4" in weights else
             " --weights nf4 plans the LoRA-family combinations with QLoRA's 4-bit base (a quarter of bf16's bytes).")
-    if _as_list(s.get("optimizer", "adamw")) == ["adamw"]:
+    if _as_list(s.get("optimizer", DEFAULT_OPTIMIZER)) == [DEFAULT_OPTIMIZER]:
         hint += (" The optimizer is AdamW with fp32 states: --optimizer adamw,adamw8bit,adamw-fused-backward plans "
                  "8-bit states and the step inside the backward too.")
     if low["floor_bytes"] > cap:

@@ -39,6 +39,7 @@ from lowmembp.estimator.step import (ModelSpec, _batch, block_names, fsdp_peak, 
 from lowmembp.estimator.weights import nf4_peak
 from lowmembp.estimator.fake_mode import DEVICE_QUERY, StepFakeMode, answer_device
 from lowmembp.measurement.peak import CATEGORIES, StorageTracker, prime_optimizer
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
 
 __all__ = ["Steps", "StepRun", "BatchLine", "EventTracker", "RecordingFakeMode", "MIN_BATCH"]
 
@@ -138,7 +139,7 @@ class Steps:
 
     def __init__(self, spec: ModelSpec, method: str, *, layers: int | None, seq_len: int | None, dtype: str,
                  overrides: dict | None = None, world_size: int = 1, seed: int = 0, weights: str = "fp32",
-                 optimizer: str = "adamw", **method_options):
+                 optimizer: str = DEFAULT_OPTIMIZER, **method_options):
         self.spec, self.seq_len, self.dtype, self.world_size = spec, seq_len or spec.seq_len, dtype, world_size
         if weights == "nf4" and world_size > 1:
             raise ValueError("weights='nf4' with world_size > 1 is not modelled (FSDP2 of 4-bit weights)")
