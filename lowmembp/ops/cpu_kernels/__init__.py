@@ -3,11 +3,12 @@ backward, Mesa's 8-bit quantise and dequantise, MS-LayerNorm's forward (a replic
 MS-norms' backward (with a replica of ATen's CPU row sum) and their casts.
 
 The package ships ``kernels.c`` as source. The first call compiles it with the system C compiler (``$CC``, else the
-first of :data:`COMPILERS` on the ``PATH``) into a shared library cached under :func:`cache_dir` (named by a hash of
-the source, the flags, the compiler and the CPU, so another machine sharing the folder builds its own) and loads it
-with :mod:`ctypes`; later calls and later processes load the cached file. Plain C on float / uint16 / uint8 pointers,
-no Python or torch headers: the build takes a few seconds, once (:func:`build_info` says how long). Building writes a
-temporary file and renames it into place, so processes building at the same time each load a complete library.
+first of :data:`COMPILERS` on the ``PATH``) into a shared library cached under :func:`lowmembp.cache.cache_dir`
+(named by a hash of the source, the flags, the compiler and the CPU, so another machine sharing the folder builds its
+own) and loads it with :mod:`ctypes`; later calls and later processes load the cached file. Plain C on float /
+uint16 / uint8 pointers, no Python or torch headers: the build takes a few seconds, once (:func:`build_info` says how
+long). Building writes a temporary file and renames it into place, so processes building at the same time each load
+a complete library.
 
 ``LOWMEMBP_CPU_KERNELS=0`` turns the kernels off. Without a compiler, or if the build fails, a RuntimeWarning says
 so once per process and every function here returns ``None``: the callers then run their eager ATen ops, which give
@@ -36,7 +37,9 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["ENV_SWITCH", "COMPILERS", "FLAGS", "cache_dir", "compiler", "library", "build_info", "codes2",
+from lowmembp.cache import cache_dir
+
+__all__ = ["ENV_SWITCH", "COMPILERS", "FLAGS", "compiler", "library", "build_info", "codes2",
            "codes2_trusted", "check", "slopes2", "slopes2_trusted", "quantize8", "dequantize8", "dequantize8_trusted",
            "round_to", "norm_prod", "norm_bwd", "cast", "addcmul_fused", "aten_sum_width", "row_sums",
            "norm_bwd_rows", "norm_bwd_rows_trusted", "mesa_pack8", "mesa_pack8_trusted", "PACK8_NAN",
@@ -57,14 +60,6 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _lock = threading.Lock()
 _state: dict = {"lib": None, "tried": False, "compiles": 0, "seconds": None, "path": None, "reason": None}
-
-
-def cache_dir() -> Path:
-    """``$LOWMEMBP_CACHE_DIR``, else ``$XDG_CACHE_HOME/lowmembp``, else ``~/.cache/lowmembp``."""
-    env = os.environ.get("LOWMEMBP_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lowmembp"
 
 
 def compiler() -> str | None:
