@@ -1,18 +1,11 @@
 """The benchmark commands check their --methods / --families before any work: an unknown or empty name is a usage
 error (exit 2) that names what is valid, never a traceback after minutes of measuring, nor an empty table."""
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from script_loader import load_script
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"benchmarks/{name}.py")
 
 
 @pytest.mark.parametrize("script", ["compiled_saving", "saved_bytes_methods"])

@@ -1,7 +1,6 @@
 """The CPU benchmarks write their table as the pipeline writes its own (benchmarks/bench_tables.py): the CSV holds
 the figures the Markdown shows, the Markdown reads alone (title, machine line with the load, the command) and each
 part is a snippets section a docs page can include."""
-import importlib.util
 import os
 import platform
 import re
@@ -11,15 +10,13 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"benchmarks/{name}.py")
 
 
 def test_cpu_ops_writes_a_table_that_reads_alone(tmp_path, monkeypatch):

@@ -7,17 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
 
 def _load():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/gpu_check.py")
 
 
 def test_cpu_smoke_runs_every_present_op_and_writes_the_report(tmp_path):

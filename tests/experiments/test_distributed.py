@@ -131,12 +131,9 @@ def test_arguments(tmp_path, monkeypatch, capsys):
 
 def test_the_run_rule_starts_torchrun_for_several_gpus(tmp_path):
     """A sweep cell's ``resources: {gpu: N}`` reaches run_cell.py as ``--nproc N``: N > 1 → torchrun."""
-    import importlib.util
+    from script_loader import load_script
 
-    path = Path(__file__).parents[2] / "workflow" / "scripts" / "run_cell.py"
-    spec = importlib.util.spec_from_file_location("run_cell", path)
-    run_cell = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_cell)
+    run_cell = load_script("workflow/scripts/run_cell.py")
     out = tmp_path / "r.json"
     args = ["--task", "mnist5k", "--method", "baseline", "--batch-size", "8"]
     for n in (0, 1):

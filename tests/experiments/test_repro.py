@@ -266,13 +266,9 @@ def test_the_repro_command_exits_1_for_an_empty_table_and_2_for_a_bad_name(fake_
 
 
 def test_the_pipelines_repro_script_exits_1_for_an_empty_table_and_2_for_usage(fake_repros, tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
+    from script_loader import load_script
 
-    path = Path(__file__).resolve().parents[2] / "workflow" / "scripts" / "repro.py"
-    spec = importlib.util.spec_from_file_location("repro_script", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("workflow/scripts/repro.py")
     out = tmp_path / "t.csv"
     assert script.main(["one-row", str(out), "small=true"]) == 0
     assert len(pd.read_csv(out)) == 1

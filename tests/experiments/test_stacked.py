@@ -2,7 +2,6 @@
 every row a valid composition adding one lever (or putting one in place of another); its categories and peak are
 estimates (reproduced by direct calls, QLoRA's NF4 bytes counted independently); the small-width measurement on the
 CPU allocator agrees with the estimate; the Pareto front is the non-dominated set; the figures are drawn."""
-import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import pandas as pd
 import pytest
 
 from experiments.repro import REPROS, run
+from script_loader import load_script
 from experiments.repro.stacked import (BATCH, CONTEXT, GiB, MODEL, OPTIONS, QLORA, RATIO, ROWS, SMALL_LAYERS,
                                        SMALL_WIDTH, WEIGHTS)
 
@@ -117,10 +117,7 @@ def test_stacked_figure_from_the_table(small_table, tmp_path):
 
 
 def _pareto_module():
-    spec = importlib.util.spec_from_file_location("plots_pareto", ROOT / "workflow/scripts/plots_pareto.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("workflow/scripts/plots_pareto.py")
 
 
 def test_pareto_front_and_figure(tmp_path):

@@ -1,12 +1,11 @@
 """Every method and the main combinations train a tiny ViT, BERT and LLaMA on CPU (loss falls on a fixed batch), and
 the saved bytes come in the expected order at L = 128, k = 16 (models of benchmarks/saved_bytes_methods.py)."""
-import importlib.util
-import pathlib
 
 import pytest
 import torch
 
 import lowmembp
+from script_loader import load_script
 from tiny_models import build
 
 SPECS = ["baseline", "checkpointing", "mesa", "mesa-gelu-ln", "lowmembp", "lowmembp-act", "lowmembp-norm",
@@ -69,11 +68,7 @@ def test_trains_and_loss_falls(family, spec):
 
 
 def _bench():
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "saved_bytes_methods.py"
-    spec = importlib.util.spec_from_file_location("saved_bytes_methods", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/saved_bytes_methods.py")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
