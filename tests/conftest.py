@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from backends import force_backend
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
@@ -52,12 +53,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def triton_backend(monkeypatch):
     """Force the Triton kernels (interpreted on CPU) for the duration of a test."""
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "triton")
+    force_backend(monkeypatch, "triton")
     yield
 
 
 @pytest.fixture
 def torch_backend(monkeypatch):
     """Force the PyTorch reference ops for the duration of a test."""
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")
+    force_backend(monkeypatch, "torch")
     yield

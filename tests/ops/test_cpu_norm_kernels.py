@@ -23,6 +23,7 @@ from lowmembp.ops import cpu_kernels as K
 from lowmembp.ops import ms_norm as M
 
 from bitwise import assert_same
+from backends import force_backend
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HAVE_CC = K.compiler() is not None
@@ -483,7 +484,7 @@ def test_ms_layer_norm_autograd_equals_reference(dtype, threads, gen, monkeypatc
         dy = torch.randn(shape, generator=gen).to(dtype)
         out = {}
         for backend in ("torch", "cpu"):
-            monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+            force_backend(monkeypatch, backend)
             xg = x.clone().requires_grad_()
             y = M.ms_layer_norm(xg, 1e-5)
             (g,) = torch.autograd.grad(y, xg, dy)
