@@ -265,6 +265,11 @@ def _cuda_probes():
 cuda_raw_stream, cuda_current_device = _cuda_probes()
 
 
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is installed: a function, or a non-empty chain (Triton 3.6+'s ``HookChain``)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def triton_compiled_launcher(compiled):
     """A function ``launch(grid0, grid1, grid2, stream, *args)`` that starts Triton's compiled kernel ``compiled`` (what
     ``kernel[grid](...)`` returns) directly, ``args`` being every parameter of the kernel in order, constexprs
@@ -285,10 +290,10 @@ def triton_compiled_launcher(compiled):
         return None
 
     def launch(grid0, grid1, grid2, stream, *args):
-        if hooks.launch_enter_hook is None and hooks.launch_exit_hook is None:
-            run(grid0, grid1, grid2, stream, function, metadata, None, None, None, *args)
-        else:
+        if _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
             compiled[(grid0, grid1, grid2)](*args, stream=stream)
+        else:
+            run(grid0, grid1, grid2, stream, function, metadata, None, None, None, *args)
 
     return launch
 

@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-from backends import force_backend
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
@@ -53,6 +52,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def triton_backend(monkeypatch):
     """Force the Triton kernels (interpreted on CPU) for the duration of a test."""
+    from backends import force_backend  # (here: lowmembp, and triton with it, load after TRITON_INTERPRET is set)
     force_backend(monkeypatch, "triton")
     yield
 
@@ -60,5 +60,6 @@ def triton_backend(monkeypatch):
 @pytest.fixture
 def torch_backend(monkeypatch):
     """Force the PyTorch reference ops for the duration of a test."""
+    from backends import force_backend
     force_backend(monkeypatch, "torch")
     yield

@@ -141,6 +141,12 @@ def eager_backend(x: torch.Tensor) -> str | None:
     return None if backend == "torch" else backend
 
 
+def stream_capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (False without CUDA): the ops then read
+    nothing back from the device and draw their random seeds there."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def device_type(x: torch.Tensor) -> str:
     """``x.device.type``, without building the ``torch.device`` (microseconds an op call on the CPU hot paths)."""
     return "cpu" if x.is_cpu else "cuda" if x.is_cuda else x.device.type
