@@ -2,9 +2,9 @@
 Mesa's rounding seed is drawn on the device while a graph is captured (so that every replay rounds anew).
 
 Here (no GPU) the Triton route runs through Triton's interpreter with a capture simulated (the ops' one question,
-``stream_capturing()``, answered yes); wrappers on torch.Tensor's methods record every read of a tensor's value into Python made by
-lowmembp's own code (``bool``, ``int``, ``float``, ``item``, ``tolist`` on a tensor: a host synchronisation on a GPU,
-and an error while a graph is captured). The tests marked gpu capture real graphs."""
+``stream_capturing()``, answered yes); wrappers on torch.Tensor's methods record every read of a tensor's value into
+Python made by lowmembp's own code (``bool``, ``int``, ``float``, ``item``, ``tolist``: a host synchronisation on a
+GPU, and an error while a graph is captured). The tests marked gpu capture real graphs."""
 import sys
 
 import pytest

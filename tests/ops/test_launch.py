@@ -1,7 +1,7 @@
 """lowmembp.ops.launch.Launcher: the compiled kernel of each signature looked up once, then started directly; and
-the adapter to Triton's compiled kernel (lowmembp._compat.triton_compiled_launcher). The CUDA side runs here on stand-ins
-for the kernel and its compiled form (what Triton returns from ``kernel[grid](...)``); tests marked gpu run it for
-real."""
+the adapter to Triton's compiled kernel (lowmembp._compat.triton_compiled_launcher). The CUDA side runs here on
+stand-ins for the kernel and its compiled form (what Triton returns from ``kernel[grid](...)``); tests marked gpu
+run it for real."""
 import contextlib
 
 import pytest
