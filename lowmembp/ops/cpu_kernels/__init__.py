@@ -10,7 +10,7 @@ uint16 / uint8 pointers, no Python or torch headers: the build takes a few secon
 long). Building writes a temporary file and renames it into place, so processes building at the same time each load
 a complete library.
 
-``LOWMEMBP_CPU_KERNELS=0`` turns the kernels off. Without a compiler, or if the build fails, a RuntimeWarning says
+``LOWMEMBP_CPU_KERNELS=0`` (read when this module is imported) turns the kernels off. Without a compiler, or if the build fails, a RuntimeWarning says
 so once per process and every function here returns ``None``: the callers then run their eager ATen ops, which give
 the same bits.
 
@@ -58,6 +58,7 @@ LIBS = ("-lm",)  # linked after the source: fmaf, which the norms' pass calls wh
 MIN_PER_THREAD = 1 << 16  # elements per thread below which a call runs on one thread
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
+_OFF = os.environ.get(ENV_SWITCH, "1").strip() == "0"  # read once, at import (tests set _OFF itself)
 _lock = threading.Lock()
 _state: dict = {"lib": None, "tried": False, "compiles": 0, "seconds": None, "path": None, "reason": None}
 
@@ -152,7 +153,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, built on first use; None when turned off (``LOWMEMBP_CPU_KERNELS=0``) or when they
     cannot be built (warned once per process)."""
-    if os.environ.get(ENV_SWITCH, "1").strip() == "0":
+    if _OFF:
         return None
     if _state["tried"]:
         return _state["lib"]
