@@ -174,6 +174,16 @@ class Run:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lambda s: _lr_factor(s, self.steps, warmup))
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
+        if self.scaler.is_enabled():
+            # fp16: the scaler skips the update of a step whose gradients overflow (its first steps, at scale 2^16),
+            # so the optimizer's state might not exist yet at the peak's step 1; make it now (one step on zero
+            # gradients), so that step 1 is a steady step
+            from lowmembp.measurement.peak import prime_optimizer
+
+            prime_optimizer(self.optimizer)
+            out.setdefault("notes", []).append(
+                "fp16: the optimizer's state was made before step 0 (one step on zero gradients), so that the peak "
+                "of step 1 is a steady step's")
         self.batches = _batches(setup.train, cfg.batch_size, cfg.seed, setup.collate)
         self.captured = None
         if self.capture != "none":
@@ -269,10 +279,18 @@ class Run:
         budget = None if cfg.max_memory_mb is None else cfg.max_memory_mb * 2**20
         from experiments.distributed import peak_measure
 
+        measure = peak_measure(self.dist, self.device)
+        if measure is None and getattr(cfg, "synthetic_data", False):
+            # the generated batch is made once, before the step: count it, as a batch made inside the step counts
+            from functools import partial
+
+            from lowmembp.measurement.peak import measure_step_peak
+
+            measure = partial(measure_step_peak, external=tuple(self.setup.collate([]).values()))
         return [SavedBytesProbe(self.model, schedule.saved_bytes_at),
                 PeakProbe(self.model, self.optimizer, schedule.peak_at, budget,
                           is_fatal=lambda e: is_oom(e) or isinstance(e, FloatingPointError),
-                          measure=peak_measure(self.dist, self.device)),
+                          measure=measure),
                 StepTimer(self.device, schedule)]
 
     def save(self, path: str, out: dict) -> None:
