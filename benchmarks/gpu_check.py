@@ -436,6 +436,9 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
         os.environ["LOWMEMBP_BACKEND"] = "triton"  # the public functions too take the (interpreted) kernels
     import torch
+    if args.cpu_smoke:
+        from lowmembp.ops.backend import set_backend
+        set_backend("triton")  # (also where lowmembp was imported before: the variable is read at its import)
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here. Run it on a GPU machine, or `--cpu-smoke` for the interpreter "
               "smoke test.", file=sys.stderr)
