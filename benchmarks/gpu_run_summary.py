@@ -16,11 +16,20 @@ def _rows(path: Path) -> list[dict]:
 
 def _table(head: list[str], rows: list[list]) -> list[str]:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join("" if v is None else str(v) for v in r) + " |" for r in rows]
+    out += ["| " + " | ".join("" if v is None else str(v).replace("|", "\\|") for v in r) + " |" for r in rows]
     return out + [""]
 
 
 def write_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
+    """Write ``out/summary.md`` (:func:`render_summary`) and return its text."""
+    text = render_summary(out, facts, paper_fig1)
+    (out / "summary.md").write_text(text)
+    return text
+
+
+def render_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
+    """The summary of the run in ``out`` from its files alone (``facts``: its machine.json), so that a committed
+    summary can be written again from the committed data: ``python benchmarks/gpu_run_summary.py results/gpu``."""
     smoke = facts.get("smoke")
     gpu = facts.get("gpu") or {}
     v = facts.get("versions", {})
@@ -58,10 +67,11 @@ def write_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
                   "Times: forward / backward median ms; ×ours: impl time / ours (below 1: faster than ours). "
                   "Saved: bytes kept for backward per input element. Errors against the reference of its semantics.",
                   ""]
-        lines += _table(["op", "shape", "dtype", "impl", "status", "fwd ms", "bwd ms", "fwd ×ours", "bwd ×ours",
-                         "saved B/elem", "y err", "dx err", "note"],
-                        [[r["op"], r["shape"], r["dtype"], r["impl"], r["status"], r["fwd_ms"], r["bwd_ms"],
-                          r["fwd_vs_ours"], r["bwd_vs_ours"], r["saved_bytes_per_element"], r["y_err"], r["dx_err"],
+        lines += _table(["op, shape, dtype", "impl", "status", "fwd ms", "bwd ms", "fwd ×ours", "bwd ×ours",
+                         "saved B/elem", "err y / dx", "note"],
+                        [[f"{r['op']} {r['shape']} {_short_dtype(r['dtype'])}", r["impl"], r["status"],
+                          _sig(r["fwd_ms"]), _sig(r["bwd_ms"]), _sig(r["fwd_vs_ours"], 2), _sig(r["bwd_vs_ours"], 2),
+                          _sig(r["saved_bytes_per_element"]), f"{_err(r['y_err'])} / {_err(r['dx_err'])}",
                           r["note"][:80]] for r in kern])
     fig1 = _rows(out / "fig1.csv")
     if fig1:
@@ -92,14 +102,34 @@ def write_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
         lines += _table(["config", "method", "optimizer", "estimate MiB", "measured MiB", "ratio", "note"],
                         [[r["config"], r["method"], r.get("optimizer", ""), _mib(r["estimate_bytes"]),
                           _mib(r["measured_bytes"]), r["ratio"], r.get("note", "")[:80]] for r in err])
-    m = out / "margin.json"
-    if m.is_file():
+    m = next((f for f in (out / "margin.json", out / "margin.candidate.json") if f.is_file()), None)
+    if m is not None:
         mg = json.loads(m.read_text())
-        lines += [f"Planner margin (margin.json): fraction {mg['fraction']}, reserved "
+        kept = "" if m.name == "margin.json" else ", kept as a candidate, not installed"
+        lines += [f"Planner margin ({m.name}{kept}): fraction {mg['fraction']}, reserved "
                   f"{mg['reserved_bytes'] / 2 ** 30:.2f} GiB — {mg['source']}", ""]
-    text = "\n".join(lines) + "\n"
-    (out / "summary.md").write_text(text)
-    return text
+    return "\n".join(lines) + "\n"
+
+
+def _short_dtype(name: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, name)
+
+
+def _err(v) -> str:
+    try:
+        return f"{float(v):.1e}"
+    except (TypeError, ValueError):
+        return "" if v is None else str(v)
+
+
+def _sig(v, digits: int = 3) -> str:
+    """A measured figure to ``digits`` significant digits (3 for times: a median of repeated timings; 2 for
+    ratios' and errors' last digits that the timing noise or the tolerance does not support)."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return "" if v is None else str(v)
+    return f"{x:.{digits}g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.{max(digits - 1, 1)}e}"
 
 
 def _mib(b):
@@ -123,4 +153,19 @@ def _vs_first(r: dict, rows: list[dict]) -> list:
         speed = f"{float(r['throughput']) / float(base['throughput']):.3f}x"
     except (TypeError, ValueError, KeyError, ZeroDivisionError):
         pass
-    return [peak, r.get("throughput", ""), speed]
+    try:
+        throughput = f"{float(r['throughput']):.0f}"
+    except (TypeError, ValueError, KeyError):
+        throughput = r.get("throughput", "")
+    return [peak, throughput, speed]
+
+
+if __name__ == "__main__":  # write a run's summary.md again from its files: python benchmarks/gpu_run_summary.py DIR
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_run import PAPER_FIG1
+
+    run = Path(sys.argv[1] if len(sys.argv) > 1 else "results/gpu")
+    write_summary(run, json.loads((run / "machine.json").read_text()), PAPER_FIG1)
+    print(run / "summary.md")
