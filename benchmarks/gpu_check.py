@@ -414,6 +414,7 @@ def write_report(out: Path, meta: dict, rows: list) -> None:
              "% of copy: of a device copy (dst.copy_(src)) moving as many bytes, timed alike. reference: the "
              "PyTorch reference of the same semantics; native: the op it replaces.",
              "",
+             "<!-- --8<-- [start:checks] -->",
              "| op | shape, dtype | check | kernel ms | GB/s | % of copy | reference ms | native ms | detail |",
              "|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
@@ -425,6 +426,7 @@ def write_report(out: Path, meta: dict, rows: list) -> None:
                      f"{_fmt(x.get('gbps'), '.0f')} | {_fmt(x.get('pct_copy'), '.0f')} | "
                      f"{_fmt(x.get('ref_ms'), '.3g')} | "
                      f"{_fmt(x.get('native_ms'), '.3g')} | {str(x['detail']).replace('|', chr(92) + '|')} |")
+    lines.append("<!-- --8<-- [end:checks] -->")
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
 
 

@@ -14,9 +14,13 @@ def _rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def _table(head: list[str], rows: list[list]) -> list[str]:
+def _table(head: list[str], rows: list[list], section: str = "") -> list[str]:
+    """A Markdown table; ``section``: wrapped in pymdownx.snippets' section markers, so that a docs page includes it
+    by name (``--8<-- "benchmarks/gpu_run.md:fig1"``), not by line numbers."""
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join("" if v is None else str(v).replace("|", "\\|") for v in r) + " |" for r in rows]
+    if section:
+        out = [f"<!-- --8<-- [start:{section}] -->", *out, f"<!-- --8<-- [end:{section}] -->"]
     return out + [""]
 
 
@@ -43,7 +47,7 @@ def render_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
              f"Command: `{facts.get('command')}`", "", "## Parts", ""]
     lines += _table(["part", "status", "rc", "seconds", "limit s", "note"],
                     [[k, s.get("status"), s.get("rc"), s.get("seconds"), s.get("limit_s", "background"),
-                      s.get("note", "")] for k, s in (facts.get("parts") or {}).items()])
+                      s.get("note", "")] for k, s in (facts.get("parts") or {}).items()], "parts")
     gc = out / "gpu_check" / "gpu_check.json"
     if gc.is_file():
         try:
@@ -72,7 +76,7 @@ def render_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
                         [[f"{r['op']} {r['shape']} {_short_dtype(r['dtype'])}", r["impl"], r["status"],
                           _sig(r["fwd_ms"]), _sig(r["bwd_ms"]), _sig(r["fwd_vs_ours"], 2), _sig(r["bwd_vs_ours"], 2),
                           _sig(r["saved_bytes_per_element"]), f"{_err(r['y_err'])} / {_err(r['dx_err'])}",
-                          r["note"][:80]] for r in kern])
+                          r["note"][:80]] for r in kern], "kernels")
     fig1 = _rows(out / "fig1.csv")
     if fig1:
         lines += ["## Fig. 1: ViT-B/16, batch 64, fp16 autocast, LoRA r4 (fig1.csv)", "",
@@ -85,7 +89,7 @@ def render_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
                          "paper MiB", "paper img/s", "note"],
                         [[r["lora_targets"], r["method"], r["status"], r["peak_mib"], *_vs_first(r, fig1),
                           *(paper_fig1.get(r["method"], ("", "")) if r["lora_targets"] == "qkv" else ("", "")),
-                          r["note"][:80]] for r in fig1])
+                          r["note"][:80]] for r in fig1], "fig1")
     llama = _rows(out / "llama.csv")
     if llama:
         lines += ["## LLaMA-7B width, 4 layers, bf16 autocast (llama.csv)", "",
@@ -95,13 +99,13 @@ def render_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
         lines += _table(["config", "method", "optimizer", "status", "peak MiB", "peak vs ref", "tokens/s",
                          "speed vs ref", "step ms p50", "note"],
                         [[r["config"], r["method"], r.get("optimizer", ""), r["status"], r["peak_mib"],
-                          *_vs_first(r, llama), r["step_ms_p50"], r["note"][:80]] for r in llama])
+                          *_vs_first(r, llama), r["step_ms_p50"], r["note"][:80]] for r in llama], "llama")
     err = _rows(out / "estimator_error.csv")
     if err:
         lines += ["## Estimator error: measured peak / fake-tensor estimate (estimator_error.csv)", ""]
         lines += _table(["config", "method", "optimizer", "estimate MiB", "measured MiB", "ratio", "note"],
                         [[r["config"], r["method"], r.get("optimizer", ""), _mib(r["estimate_bytes"]),
-                          _mib(r["measured_bytes"]), r["ratio"], r.get("note", "")[:80]] for r in err])
+                          _mib(r["measured_bytes"]), r["ratio"], r.get("note", "")[:80]] for r in err], "estimator")
     m = next((f for f in (out / "margin.json", out / "margin.candidate.json") if f.is_file()), None)
     if m is not None:
         mg = json.loads(m.read_text())
