@@ -37,6 +37,7 @@ forward outputs agree with the reference's to fp32 rounding of erf/exp/tanh.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import os
@@ -442,7 +443,7 @@ def _fwd_cpu(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
             return _fwd_reference(x, kind, thresholds, with_codes)  # the mathematics)
         y = _native_act(xc, kind, tiny=bool(seen & cpu_kernels.TINY_BF16))  # x's shape: no view to return
         if with_codes:
-            cpu_kernels.write_byte(packed, nbytes, 0)  # the flag byte: no NaN, no +inf
+            ctypes.c_uint8.from_address(packed.data_ptr() + nbytes).value = 0  # the flag byte: no NaN, no +inf
         return y, packed
     flat = xc.reshape(-1)
     # without the C kernels: the codes from eager ATen ops, block by block
@@ -492,10 +493,12 @@ def _bwd_cpu(dy: torch.Tensor, packed: torch.Tensor, s32) -> torch.Tensor:
         return _bwd_reference(dy, packed, s32)  # 2-bit codes only (the reference checks the count)
     bits = 2
     dyc = dy.contiguous()
-    flag = cpu_kernels.read_byte(packed, nbytes)
+    flag = cpu_kernels.read_byte_trusted(packed, nbytes)  # (checked above: contiguous CPU uint8, nbytes + 1)
     if flag == 0 and dyc.dtype in SUPPORTED_FLOAT_DTYPES:  # one C pass; a NaN product in fp16 / bf16 is rounded
         dx = torch.empty_like(dyc)  # by ATen's own ops below; dx in dy's shape: no view to return
-        table = _const_tensor(tuple(s32), "cpu")  # tuple: s32 is a list in a double backward
+        table = _SLOPES_CPU.get(s32) if type(s32) is tuple else None  # (a list in a double backward)
+        if table is None:
+            table = _SLOPES_CPU[tuple(s32)] = _const_tensor(tuple(s32), "cpu")
         nan = cpu_kernels.slopes2_trusted(dyc, n, packed, table, dx)
         if nan is not None and not (nan and dy.dtype != torch.float32):
             return dx
@@ -678,6 +681,9 @@ def _device_table(key: tuple, like: torch.Tensor, dev: int) -> torch.Tensor:
         rows = values if kind == "t" else _slope_rows(values)
         t = _TABLES[full] = torch.tensor(rows, dtype=torch.float32, device=like.device)
     return t
+
+
+_SLOPES_CPU: dict = {}  # slopes tuple -> its fp32 CPU tensor (the C backward's table)
 
 
 def _const_tensor(values: tuple, device) -> torch.Tensor:
