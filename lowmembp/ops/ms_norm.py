@@ -243,6 +243,7 @@ _CPU_MAX_N = CPU_BLOCK  # wider rows: the reference (a block holds at least one 
 # elements per pass of the C kernels on one thread (measured best on a 2 MiB L2): backward (fp32 g, y, g·y: 768 KiB)
 # and forward (fp32 x and y: 1 MiB)
 _KERNEL_BLOCK, _KERNEL_BLOCK_FWD = 1 << 16, 1 << 17
+_SMALL = 1 << 14  # elements below which the forward's C casts around ATen's norm cost more than the reference's ops
 _ATEN_GRAIN = 32768  # at::internal::GRAIN_SIZE: ATen reduces a single row this long in two passes over threads
 
 
@@ -277,8 +278,10 @@ def ms_norm_fwd_cpu(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dty
         if nan:  # a NaN: its bits (and its row's rstd) are the reference's
             return ms_norm_fwd_ref(x, kind, eps, out_dtype)
     kernels = cpu_kernels.library() is not None
-    if x.dtype == torch.float32 and out_dtype == torch.float32:
-        return ms_norm_fwd_ref(x, kind, eps, out_dtype)  # fp32 in and out: the reference is one native call already
+    if (x.dtype == torch.float32 and out_dtype == torch.float32) or x.numel() < _SMALL:
+        # fp32 in and out: the reference is one native call already; a small tensor: its three calls cost less
+        # than the blocks' and casts' set-up (the same bits either way)
+        return ms_norm_fwd_ref(x, kind, eps, out_dtype)
     x2d = x.reshape(-1, n)
     rows = x2d.shape[0]
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
