@@ -547,48 +547,57 @@ if triton is not None:
     @triton.jit
     def _act_fwd_kernel(x_ptr, y_ptr, code_ptr, t_ptr, ws_ptr, n, nbytes,
                         KIND: tl.constexpr, BITS: tl.constexpr, NT: tl.constexpr, NEG_ZERO: tl.constexpr,
-                        UNBOUNDED: tl.constexpr, WRITE_CODES: tl.constexpr, BLOCK: tl.constexpr):
-        # One program: BLOCK groups of 8 consecutive elements (a group fills BITS code bytes), a [BLOCK, 8] tile.
+                        UNBOUNDED: tl.constexpr, WRITE_CODES: tl.constexpr, BLOCK: tl.constexpr,
+                        TILES: tl.constexpr):
+        # One program: TILES tiles of BLOCK groups of 8 consecutive elements (a group fills BITS code bytes), each a
+        # [BLOCK, 8] tile; the flags are gathered per element over the tiles and reduced once per program.
         pid = tl.program_id(0).to(tl.int64)
-        grp = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         lane = tl.arange(0, 8)
-        idx = grp[:, None] * 8 + lane[None, :]
-        mask = idx < n
-        x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        if KIND == 0:  # gelu (erf)
-            y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))  # 1/√2
-        elif KIND == 1:  # gelu_tanh: 0.5·x·(1 + tanh(u)) = x·sigmoid(2u) (no libdevice tanh in the interpreter)
-            u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # √(2/π)
-            y = x / (1.0 + tl.exp(-2.0 * u))
-        elif KIND == 2:  # quick_gelu
-            y = x / (1.0 + tl.exp(-1.702 * x))
-        elif KIND == 3:  # silu
-            y = x / (1.0 + tl.exp(-x))
-        elif KIND == 4:  # relu
-            y = tl.where(x > 0.0, x, 0.0)
-        else:  # relu2
-            r = tl.where(x > 0.0, x, 0.0)
-            y = r * r
-        finite = tl.abs(x) < float("inf")  # false for ±inf and NaN
-        if NEG_ZERO:
-            special = tl.where(x < 0.0, -0.0, x)
-        else:
-            special = tl.where(x < 0.0, 0.0, x)
-        y = tl.where(finite, y, special)
-        tl.store(y_ptr + idx, y.to(y_ptr.dtype.element_ty), mask=mask)
+        kb = tl.arange(0, 4)
+        seen = tl.zeros([BLOCK, 8], dtype=tl.int32)
+        for i in range(TILES):
+            grp = (pid * TILES + i) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+            idx = grp[:, None] * 8 + lane[None, :]
+            mask = idx < n
+            x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            if KIND == 0:  # gelu (erf)
+                y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))  # 1/√2
+            elif KIND == 1:  # gelu_tanh: 0.5·x·(1 + tanh(u)) = x·sigmoid(2u) (no libdevice tanh in the interpreter)
+                u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # √(2/π)
+                y = x / (1.0 + tl.exp(-2.0 * u))
+            elif KIND == 2:  # quick_gelu
+                y = x / (1.0 + tl.exp(-1.702 * x))
+            elif KIND == 3:  # silu
+                y = x / (1.0 + tl.exp(-x))
+            elif KIND == 4:  # relu
+                y = tl.where(x > 0.0, x, 0.0)
+            else:  # relu2
+                r = tl.where(x > 0.0, x, 0.0)
+                y = r * r
+            finite = tl.abs(x) < float("inf")  # false for ±inf and NaN
+            if NEG_ZERO:
+                special = tl.where(x < 0.0, -0.0, x)
+            else:
+                special = tl.where(x < 0.0, 0.0, x)
+            y = tl.where(finite, y, special)
+            tl.store(y_ptr + idx, y.to(y_ptr.dtype.element_ty), mask=mask)
+            if WRITE_CODES:
+                code = tl.zeros([BLOCK, 8], dtype=tl.int32)
+                for j in tl.static_range(NT):
+                    code += (x > tl.load(t_ptr + j)).to(tl.int32)
+                code = tl.where(mask, code, 0)
+                word = tl.sum(code << (lane[None, :] * BITS), axis=1)  # disjoint bits: sum == or (int32 wraps)
+                byte = (word[:, None] >> (kb[None, :] * 8)) & 0xFF
+                bidx = grp[:, None] * BITS + kb[None, :]
+                tl.store(code_ptr + bidx, byte.to(tl.uint8), mask=(kb[None, :] < BITS) & (bidx < nbytes))
+                seen = seen | tl.where(mask & (x != x), 1, 0)
+                if UNBOUNDED:
+                    seen = seen | tl.where(mask & (x == float("inf")), 2, 0)
         if WRITE_CODES:
-            code = tl.zeros([BLOCK, 8], dtype=tl.int32)
-            for j in tl.static_range(NT):
-                code += (x > tl.load(t_ptr + j)).to(tl.int32)
-            code = tl.where(mask, code, 0)
-            word = tl.sum(code << (lane[None, :] * BITS), axis=1)  # disjoint bits: sum == or (int32 wraps)
-            kb = tl.arange(0, 4)
-            byte = (word[:, None] >> (kb[None, :] * 8)) & 0xFF
-            bidx = grp[:, None] * BITS + kb[None, :]
-            tl.store(code_ptr + bidx, byte.to(tl.uint8), mask=(kb[None, :] < BITS) & (bidx < nbytes))
-            flag = tl.max(tl.max(tl.where(mask & (x != x), 1, 0), axis=1), axis=0)
-            if UNBOUNDED:
-                flag = flag | (tl.max(tl.max(tl.where(mask & (x == float("inf")), 2, 0), axis=1), axis=0))
+            if UNBOUNDED:  # two bits from different elements: the max of each, then or
+                flag = tl.max(tl.max(seen & 1, axis=1), axis=0) | tl.max(tl.max(seen & 2, axis=1), axis=0)
+            else:
+                flag = tl.max(tl.max(seen, axis=1), axis=0)
             tl.atomic_or(ws_ptr, flag, mask=flag != 0)
             ticket = tl.atomic_add(ws_ptr + 1, 1)  # acq_rel: the OR above is seen by whoever takes the last ticket
             if ticket == tl.num_programs(0) - 1:
@@ -625,11 +634,13 @@ def _interpreting() -> bool:
 _INTERPRET = _interpreting()  # set before triton is imported, so fixed for the process
 
 
-def _launch_cfg(groups: int) -> tuple[int, int]:
-    """(BLOCK groups of 8 elements per program, num_warps). The interpreter pays per program: one big block."""
+def _launch_cfg(groups: int) -> tuple[int, int, int]:
+    """(BLOCK groups of 8 elements per tile, TILES tiles per program, num_warps). The interpreter pays per program:
+    one big block. On a GPU 4096-element tiles, four per program on large tensors: a quarter of the programs, so a
+    quarter of the forward's flag reductions and atomic tickets."""
     if _INTERPRET:
-        return max(16, min(triton.next_power_of_2(max(groups, 1)), 1 << 12)), 4
-    return 512, 8  # 4096 elements per program
+        return max(16, min(triton.next_power_of_2(max(groups, 1)), 1 << 12)), 1, 4
+    return 512, (4 if groups >= 512 * 4 * 512 else 1), 8
 
 
 def _need_triton():
@@ -663,9 +674,9 @@ def _fwd_triton(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
         dev = xc.get_device()
         t = _device_table(("t", tuple(thresholds)), xc, dev)
         ws = _workspace(xc.device, dev) if with_codes else t
-        block, warps = _launch_cfg((n + 7) >> 3)
-        _FWD(-(-((n + 7) >> 3) // block), (xc, y, packed if with_codes else y, t, ws, n, nbytes),
-             (_KIND_ID[kind], bits, len(thresholds), kind in _NEG_ZERO, kind in _UNBOUNDED, with_codes, block),
+        block, tiles, warps = _launch_cfg((n + 7) >> 3)
+        _FWD(-(-((n + 7) >> 3) // (block * tiles)), (xc, y, packed if with_codes else y, t, ws, n, nbytes),
+             (_KIND_ID[kind], bits, len(thresholds), kind in _NEG_ZERO, kind in _UNBOUNDED, with_codes, block, tiles),
              warps, dev)
     elif with_codes:
         packed.zero_()  # no element: the flag byte alone, 0
@@ -705,7 +716,7 @@ def _bwd_triton(dy: torch.Tensor, packed: torch.Tensor, s32) -> torch.Tensor:
     dx = torch.empty_like(dyc)
     if n:
         dev = dyc.get_device()
-        block, warps = _launch_cfg((n + 7) >> 3)
+        block, _, warps = _launch_cfg((n + 7) >> 3)
         _BWD(-(-((n + 7) >> 3) // block), (dyc, packed, _device_table(("s", tuple(s32)), dyc, dev), dx, n, nbytes),
              (bits, len(s32), block), warps, dev)
     return dx

@@ -385,11 +385,11 @@ for arch in (80, 90):
     for dt in ("fp32", "bf16"):
         sig = dict(x_ptr="*" + dt, y_ptr="*" + dt, code_ptr="*u8", t_ptr="*fp32", ws_ptr="*i32", n="i64",
                    nbytes="i64", KIND="constexpr", BITS="constexpr", NT="constexpr", NEG_ZERO="constexpr",
-                   UNBOUNDED="constexpr", WRITE_CODES="constexpr", BLOCK="constexpr")
+                   UNBOUNDED="constexpr", WRITE_CODES="constexpr", BLOCK="constexpr", TILES="constexpr")
         more = arch == 90 and dt == "fp32"  # the other kinds / bits once: each compile costs seconds
         for kind, bits in ((0, 2), (3, 2)) + (((1, 3), (5, 4), (4, 1)) if more else ()):
             const = dict(KIND=kind, BITS=bits, NT=2 ** bits - 1, NEG_ZERO=kind < 4, UNBOUNDED=kind == 5,
-                         WRITE_CODES=True, BLOCK=512)
+                         WRITE_CODES=True, BLOCK=512, TILES=4)
             k = triton.compile(ASTSource(A._act_fwd_kernel, sig, const, div16(sig)),
                                target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8))
             assert "ld.global.v" in k.asm["ptx"], "forward loads are not vectorised"
@@ -582,3 +582,22 @@ def test_torch_func_gradient_transforms_and_forward_ad_raise(torch_backend):
     with fwAD.dual_level(), pytest.raises(RuntimeError, match="forward-mode AD"):
         A.regelu2(fwAD.make_dual(x, torch.ones_like(x)))
     torch.testing.assert_close(torch.func.vmap(A.regelu2)(x), A.regelu2(x))  # vmap alone works
+
+
+@pytest.mark.parametrize("kind", ["gelu", "relu2"])
+@pytest.mark.parametrize("special", ["none", "nan", "inf", "both"])
+def test_triton_forward_over_several_tiles_and_programs(kind, special, monkeypatch, gen):
+    """The GPU's launch shape through the interpreter: programs of several tiles (the flags gathered over the tiles,
+    one ticket per program, the last program writing the flag byte), on an odd length that ends mid-tile. The codes,
+    output and flag byte equal the reference's, and the workspace is back at zero for the next call."""
+    monkeypatch.setattr(A, "_launch_cfg", lambda groups: (16, 3, 4))  # 384 elements a program
+    x = torch.randn(1, 1283, generator=gen) * 4
+    if special in ("nan", "both"):
+        x[0, 700] = float("nan")
+    if special in ("inf", "both"):
+        x[0, 1281] = float("inf")
+    y, packed = A.forward_triton(x, kind)
+    y_ref, p_ref = A.forward_reference(x, kind)
+    assert torch.equal(packed, p_ref)  # codes and the flag byte
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert all(int(v) == 0 for v in A._WORKSPACE.values() for v in v)
