@@ -202,6 +202,9 @@ def part_note(name: str, ctx: Ctx) -> str:
 # ---------------------------------------------------------------------------------------------- processes
 def _env(ctx: Ctx, extra: dict | None = None) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    sent = commit_sent(ctx)
+    if sent and "LOWMEMBP_GIT_COMMIT" not in env:  # the job records of the parts name the commit sent, too
+        env["LOWMEMBP_GIT_COMMIT"] = sent["sent"]
     paths = [str(ROOT), str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.update(extra or {})
