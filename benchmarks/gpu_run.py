@@ -15,7 +15,8 @@ time allows). Then the parts, in priority order, each in its own process with it
   bound      the device-bound setting through the training job: ViT-B/16 at batch 256 -> bound.csv, bound_runs/
   host_time  benchmarks/host_time.py --device cuda (host time per op call), where that file is in the tree
   smoke      the GPU smoke sweep (config/gpu-smoke.yaml) through Snakemake -> smoke/ (runs, runs.csv, tables)
-  llama      LLaMA-7B-width 4-layer steps: LoRA and its peers, full fine-tuning per optimizer -> llama.csv
+  llama      LLaMA-7B width, 4 layers, through the training job (bf16 weights, as the job's alpaca task loads them):
+             LoRA and its peers, full fine-tuning per optimizer -> llama.csv, llama_runs/
   gpu_check  benchmarks/gpu_check.py: every Triton kernel against its reference, GB/s and % of a device copy
   kernels    ours vs the official LowMemoryBP CUDA ops vs Liger vs PyTorch (benchmarks/gpu_run_kernels.py)
   pytest     ``pytest -m gpu`` over the test files that hold gpu tests -> pytest_gpu.txt, pytest_gpu.xml
@@ -149,9 +150,9 @@ def run_part(name: str, ctx: Ctx, deadline: float) -> int:
         sink.close()
         return 1 if kernel_rows_failing(rows) or stopped else 0
     if name in ("fig1", "bound", "llama"):
-        from gpu_run_steps import JOB_PARTS, STEP_COLUMNS, run_job_part, run_steps
+        from gpu_run_steps import STEP_COLUMNS, run_job_part
         sink = CsvSink(ctx.out / f"{name}.csv", STEP_COLUMNS)
-        facts = (run_job_part if name in JOB_PARTS else run_steps)(ctx, name, sink, deadline)
+        facts = run_job_part(ctx, name, sink, deadline)
         sink.close()
         (ctx.out / f"{name}_allocator.json").write_text(json.dumps(facts, indent=1))
         rows = read_csv(ctx.out / f"{name}.csv")
