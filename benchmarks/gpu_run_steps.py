@@ -338,6 +338,9 @@ def run_job_part(ctx, part: str, sink, deadline: float, rounds: int | None = Non
             rows[row_key(c)] = record_row(c, records[name], ratios.get(name), smoke, path)
             if c.ops == "official" and rows[row_key(c)]["status"] == "ok":
                 rows[row_key(c)]["note"] += f"; {why}"
+        import gc
+
+        gc.collect()  # the group's models (their step closures hold cycles) before the next group's build
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     for c in cfgs:
