@@ -725,3 +725,22 @@ def test_official_ops_swap_into_a_lowmembp_vit_and_run(tmp_path):
     assert calls.count("ln") == 3
     with pytest.raises(ValueError, match="apply lowmembp first"):
         official.swap_into(torch.nn.Linear(2, 2), ops)
+
+
+def test_smoke_cells_run_through_run_cell_where_snakemake_is_missing(tmp_path, monkeypatch):
+    """Without snakemake on the GPU machine, the smoke part runs the config's cells with the command lines the
+    pipeline builds, through run_cell.py; here a tiny synthetic config on the CPU."""
+    import yaml
+    cfg = {"results": "unused", "sweeps": {"vit": {
+        "tasks": [{"task": "cifar100", "model": "vit-b16"}], "methods": ["lora", "lora+lowmembp"], "batch_sizes": [2],
+        "steps": 3, "synthetic_data": True,
+        "train_args": ["--layers", "1", "--synthetic-overrides", json.dumps(steps.VIT_SMOKE), "--threads", "1"]}}}
+    config = tmp_path / "smoke.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    monkeypatch.setattr(gpu_run, "SMOKE_CONFIG", config)
+    ctx = _ctx(tmp_path)
+    assert gpu_run.smoke_without_snakemake(ctx, deadline=1e12) == 0
+    for method in ("lora", "lora+lowmembp"):
+        rec = json.loads((ctx.out / "smoke" / "runs" / "cifar100" / "vit-b16" / method / "bs2" / "seed0.json")
+                         .read_text())
+        assert rec["status"] == "ok" and rec["run"]["synthetic_data"] is True
