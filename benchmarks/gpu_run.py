@@ -578,7 +578,8 @@ def prepare(ctx: Ctx, a, status: dict, t0: float, end: float) -> None:
             print(f"gpu_run: no official sources at {lomem}: their rows are recorded as skipped "
                   "(run benchmarks/prepare_gpu_run.sh and carry third_party)", flush=True)
     if set(ESTIMATED_PARTS) & set(a.parts):
-        est_limit = limit if "official_build" in procs else min(limit, 60.0 if not ctx.smoke else limit)
+        # beside the build, about as long as it takes; alone, a minute (the rest: "no estimate", time limit)
+        est_limit = limit if ctx.smoke else min(limit, 150.0 if "official_build" in procs else 60.0)
         procs["estimates"] = Proc("estimates", part_command("estimates", ctx, time.time() + est_limit - 5),
                                   ctx.out / "estimates.log",
                                   _env(ctx, {"CUDA_VISIBLE_DEVICES": "", "GPU_RUN_EST_THREADS": "2"}))
