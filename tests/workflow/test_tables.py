@@ -436,3 +436,13 @@ def test_headline_names_each_rows_device_and_never_sets_a_cpu_time_against_a_gpu
     runs.loc[:, "device"] = gpu  # all on the GPU: compared again, each row says where
     h = tables.headline_table(runs, tables.load_claims()).set_index("method")
     assert pd.notna(h.loc["lora+lowmembp", "step_time_change_%_ours"])
+
+
+def test_speed_table_sets_no_cpu_time_against_a_gpu_time():
+    runs = _paper_runs().assign(device="cpu (x86_64, 1 threads)")
+    runs.loc[runs["method"] == "lora+lowmembp", "device"] = "NVIDIA H100 80GB HBM3"
+    spd = tables.speed_table(runs, tables.load_claims())
+    gpu_rows = spd[spd["method"] == "lora+lowmembp"]
+    assert len(gpu_rows) and gpu_rows["time_ratio_ours"].isna().all()
+    assert gpu_rows["time_ratio_ours_p20/p80"].isna().all()
+    assert spd[spd["method"] == "lowmembp"]["time_ratio_ours"].notna().any()  # both on the CPU: compared

@@ -153,6 +153,19 @@ def _ref_values(df: pd.DataFrame, value: str) -> np.ndarray:
                                                 df["batch_size"])], dtype=float)
 
 
+def same_device(df: pd.DataFrame, runs: pd.DataFrame) -> pd.Series:
+    """Per row of ``df`` (one cell each): whether its records and those of its compared method ran on the same device
+    kind (:func:`device_kind`; True where either is unknown or there is no compared method), so that a CPU's step
+    time is never set against a GPU's."""
+    out = []
+    for t, m, x, o, b in zip(df["task"], df["model"], df["method"], df["optimizer"], df["batch_size"]):
+        ref = reference_method(x)
+        mine = cell_devices(runs, t, m, x, o, b)
+        theirs = cell_devices(runs, t, m, ref, o, b) if ref else []
+        out.append(not mine or not theirs or mine == theirs)
+    return pd.Series(out, index=df.index, dtype=bool)
+
+
 def with_reference(df: pd.DataFrame, value: str, ref_value: str | None = None) -> pd.Series:
     """df[value] / df[ref_value or value] of the compared method in the same task, model, optimizer and batch
     size."""
@@ -219,10 +232,11 @@ def speed_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
     df[COMPARED] = df["method"].map(lambda x: reference_method(x) or "")
     for p in ("p20", "p50", "p80"):
         df[f"step_ms_{p}"] = df[f"step_time_{p}"] * 1e3
-    df["_time"] = with_reference(df, "step_time_p50")
+    df["_time"] = with_reference(df, "step_time_p50").where(same_device(df, runs))
     df = add_paper(df, "_time", "step_time_ratio", claims, "time")
-    df["time_ratio_ours_p20/p80"] = with_reference(df, "step_time_p20", "step_time_p80")  # lowest the ratio can be
-    df["time_ratio_ours_p80/p20"] = with_reference(df, "step_time_p80", "step_time_p20")  # highest
+    same = same_device(df, runs)  # a step time is only set against one measured on the same device
+    df["time_ratio_ours_p20/p80"] = with_reference(df, "step_time_p20", "step_time_p80").where(same)  # lowest
+    df["time_ratio_ours_p80/p20"] = with_reference(df, "step_time_p80", "step_time_p20").where(same)  # highest
     lo, hi = df["time_ratio_ours_p20/p80"], df["time_ratio_ours_p80/p20"]
     df["within_noise"] = np.where(lo.isna() | hi.isna(), "", np.where((lo <= 1) & (hi >= 1), "yes", "no"))
     extra = pd.Series(np.where(df["within_noise"] == "yes", WITHIN_NOISE, ""))
