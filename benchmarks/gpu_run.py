@@ -269,8 +269,11 @@ def smoke_command(ctx: Ctx) -> list[str]:
 def part_command(name: str, ctx: Ctx, deadline: float) -> list[str]:
     """The command line of a part that runs in a process of its own."""
     py = sys.executable
-    if name == "host_time":
-        return [py, str(HOST_TIME), "--device", "cpu" if ctx.smoke else "cuda", "--out", str(ctx.out / "host_time")]
+    if name == "host_time":  # every op, fp32 / bf16 / fp16 and fp16 autocast, ours / native / official (if built)
+        cmd = [py, str(HOST_TIME), "--device", "cpu" if ctx.smoke else "cuda", "--rounds", "5", "--calls", "100",
+               "--autocast", "--out", str(ctx.out / "host_time")]
+        official = ctx.third_party / "lomem"
+        return cmd + (["--official", str(official), "--build-dir", str(ctx.build_dir)] if official.is_dir() else [])
     if name == "smoke":
         return smoke_command(ctx)
     if name == "gpu_check":

@@ -672,7 +672,14 @@ def test_host_time_slot_runs_the_leads_benchmark_where_it_is(tmp_path, monkeypat
     (tmp_path / "host_time.py").write_text("")
     assert gpu_run.skip_reason("host_time", ctx) is None
     cmd = gpu_run.part_command("host_time", ctx, 0.0)
-    assert cmd[1:] == [str(tmp_path / "host_time.py"), "--device", "cuda", "--out", str(ctx.out / "host_time")]
+    assert cmd[1:3] == [str(tmp_path / "host_time.py"), "--device"] and cmd[3] == "cuda" and "--autocast" in cmd
+    assert cmd[cmd.index("--out") + 1] == str(ctx.out / "host_time")
+    # with the official sources prepared, their column too (built in the run's build folder)
+    assert ("--official" in cmd) == (ctx.third_party / "lomem").is_dir()
+    (ctx.third_party / "lomem").mkdir(parents=True, exist_ok=True)
+    cmd = gpu_run.part_command("host_time", ctx, 0.0)
+    assert cmd[cmd.index("--official") + 1] == str(ctx.third_party / "lomem")
+    assert cmd[cmd.index("--build-dir") + 1] == str(ctx.build_dir)
 
 
 def test_smoke_part_runs_the_smoke_sweep_through_snakemake(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 
 from experiments import record as R
 from lowmembp.atomic import file_mode
+from backends import force_backend
 
 # a version-1 record as the job wrote it before schema 2 (tweets-lm, lora+lowmembp, 3 steps), trimmed env
 V1 = {
@@ -191,11 +192,11 @@ def test_environment_never_raises():
 def test_ops_backend_is_recorded_and_records_without_it_still_valid(monkeypatch):
     """A run's record says which ops ran on its device; a record written before the field existed is valid (JSON
     schema and loader) and flattens with it empty."""
-    monkeypatch.delenv("LOWMEMBP_BACKEND", raising=False)
+    force_backend(monkeypatch, None)
     assert R.environment("cpu").ops_backend == "cpu"
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")
+    force_backend(monkeypatch, "torch")
     assert R.environment("cpu").ops_backend == "torch"
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "nonsense")
+    force_backend(monkeypatch, "nonsense")
     env = R.environment("cpu")
     assert env.ops_backend.startswith("unknown (ValueError") and env.device.startswith("cpu")
     d = full_record().to_dict()
