@@ -354,11 +354,12 @@ def train(cfg, task, out: dict, ctx=None) -> None:
 
         what = (f"warms up ({CAPTURE_WARMUP} extra steps on its batch) and captures" if run.capture == "cuda-graphs"
                 else "compiles")
-        reserved, most = torch.cuda.memory_reserved(run.device), torch.cuda.max_memory_reserved(run.device)
+        reserved = (f"; reserved after the run {torch.cuda.memory_reserved(run.device)} bytes (max "
+                    f"{torch.cuda.max_memory_reserved(run.device)}: the graph's private pool included)"
+                    if run.device.type == "cuda" else "")
         out.setdefault("notes", []).append(
             f"--capture {run.capture}: steps 0-1 eager (saved bytes, peak: peak.device is the eager step's), step 2 "
-            f"{what}, timed from step {run.schedule.time_from}; reserved after the run {reserved} bytes (max {most}: "
-            "the graph's private pool included)")
+            f"{what}, timed from step {run.schedule.time_from}{reserved}")
     if getattr(cfg, "synthetic_data", False):
         out.setdefault("notes", []).append("synthetic data: no metric (generated inputs are not evaluated)")
         out["metric"] = None
