@@ -13,7 +13,10 @@ time allows). Then the parts, in priority order, each in its own process with it
              LoRA r4 on qkv then on all linears — eager; captured in a CUDA graph (--capture cuda-graphs); and
              LowMemoryBP with the official CUDA ops swapped into the same ViT -> fig1.csv, fig1_runs/*.json
   bound      the device-bound setting through the training job: ViT-B/16 at batch 256 -> bound.csv, bound_runs/
-  host_time  benchmarks/host_time.py --device cuda (host time per op call), where that file is in the tree
+  profile    benchmarks/profile_step.py on Fig. 1's LoRA and LowMemoryBP (qkv, eager): host time per op, device
+             time per kernel, the device's busy share -> profile/
+  host_time  benchmarks/host_time.py --device cuda --autocast (host time per op call: ours, torch's, the official
+             extension's) -> host_time/
   smoke      the GPU smoke sweep (config/gpu-smoke.yaml) through Snakemake -> smoke/ (runs, runs.csv, tables)
   llama      LLaMA-7B width, 4 layers, through the training job (bf16 weights, as the job's alpaca task loads them):
              LoRA and its peers, full fine-tuning per optimizer -> llama.csv, llama_runs/
@@ -45,6 +48,7 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -62,8 +66,8 @@ HERE = Path(__file__).resolve().parent
 # 80-120 ms a step: 30-40 s; the smoke sweep 5 job processes of 15-30 s each. The caps add up to more than the
 # budget: a part gets its cap while the budget lasts, each later part keeps FLOOR_S, and the last ones get what
 # is left.
-PARTS = {"fig1": (130, 600), "bound": (70, 300), "host_time": (60, 300), "smoke": (150, 300), "llama": (120, 300),
-         "gpu_check": (65, 300), "kernels": (80, 300), "pytest": (75, 300)}
+PARTS = {"fig1": (130, 600), "bound": (70, 300), "profile": (40, 300), "host_time": (60, 300), "smoke": (150, 300),
+         "llama": (120, 300), "gpu_check": (65, 300), "kernels": (80, 300), "pytest": (75, 300)}
 PREPARE_S = (240, 300)  # the official build and the estimates, before any timed part: the most they may take
 OFFICIAL_PARTS = ("fig1", "host_time", "kernels")  # the parts that use the official ops
 ESTIMATED_PARTS = ("fig1", "bound", "llama")  # the parts whose configurations get a fake-tensor estimate
@@ -274,6 +278,14 @@ def part_command(name: str, ctx: Ctx, deadline: float) -> list[str]:
                "--autocast", "--out", str(ctx.out / "host_time")]
         official = ctx.third_party / "lomem"
         return cmd + (["--official", str(official), "--build-dir", str(ctx.build_dir)] if official.is_dir() else [])
+    if name == "profile":  # where Fig. 1's step time goes: LoRA and LowMemoryBP on qkv, eager
+        from gpu_run_steps import job_argv, step_configs
+
+        cmd = [py, str(HERE / "profile_step.py"), "--out", str(ctx.out / "profile"), "--warmup", "5", "--steps", "3"]
+        for c in step_configs(ctx.smoke):
+            if c.config == "fig1-qkv" and c.method in ("lora", "lora+lowmembp"):
+                cmd += ["--cell", f"{c.method}={shlex.join(job_argv(c, ctx.smoke))}"]
+        return cmd
     if name == "smoke":
         return smoke_command(ctx)
     if name == "gpu_check":

@@ -640,7 +640,7 @@ def test_prepare_copies_the_sources_and_the_wheel(tmp_path):
 
 # --- the prepared run's structure (issue 48 items 5-7, issue 49 items 1 and 4) -------------------------------------
 def test_parts_run_in_priority_order_and_the_build_finishes_before_any(tmp_path, monkeypatch):
-    assert list(gpu_run.PARTS)[:4] == ["fig1", "bound", "host_time", "smoke"]
+    assert list(gpu_run.PARTS)[:5] == ["fig1", "bound", "profile", "host_time", "smoke"]
     assert 0 < gpu_run.PREPARE_S[0] < 300
     events = []
 
@@ -751,3 +751,17 @@ def test_smoke_cells_run_through_run_cell_where_snakemake_is_missing(tmp_path, m
         rec = json.loads((ctx.out / "smoke" / "runs" / "cifar100" / "vit-b16" / method / "bs2" / "seed0.json")
                          .read_text())
         assert rec["status"] == "ok" and rec["run"]["synthetic_data"] is True
+
+
+def test_profile_part_profiles_fig1s_lora_and_lowmembp(tmp_path):
+    """The profile part: benchmarks/profile_step.py on Fig. 1's eager LoRA and LoRA + LowMemoryBP cells (qkv)."""
+    import shlex
+
+    cmd = gpu_run.part_command("profile", _ctx(tmp_path), 0.0)
+    assert cmd[1].endswith("profile_step.py") and cmd[cmd.index("--out") + 1] == str(tmp_path / "o" / "profile")
+    cells = dict(c.split("=", 1) for c in (cmd[i + 1] for i, a in enumerate(cmd) if a == "--cell"))
+    assert set(cells) == {"lora", "lora+lowmembp"}
+    for method, job in cells.items():
+        job = shlex.split(job)
+        assert job[job.index("--method") + 1] == method and job[job.index("--batch-size") + 1] == "64"
+        assert "--synthetic-data" in job and "--capture" not in job and "--device" not in job
