@@ -47,10 +47,10 @@ from __future__ import annotations
 import torch
 from lowmembp._compat import FakeTensor, FakeTensorMode, fast_fake_enabled, fast_fake_internals, storage_key, \
     tree_leaves
+from lowmembp.measurement.peak import DEVICE_QUERY
 
 __all__ = ["StepFakeMode", "KEY_MARK", "DEVICE_QUERY", "answer_device", "RECIPES"]
 
-DEVICE_QUERY = torch.ops.prim.device.default
 _I = fast_fake_internals()  # torch's private pieces the fast path uses, None where they are not as expected
 # FakeTensorMode.dispatch's own answer to prim.device (None without the fast path)
 answer_device = _I.answer_device if _I is not None else None

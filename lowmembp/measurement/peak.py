@@ -21,12 +21,11 @@ Categories: parameters (and buffers), gradients (``.grad`` of trainable paramete
 optimizer state, activations (created in the forward: saved tensors and forward temporaries alike), temporaries
 (created in the backward or the optimizer step and not kept), other (inputs, anything registered from outside).
 
-Host memory (activation offloading, the ``offload`` method): storages reported through :func:`note_host` while a
-tracker runs are host bytes — taken out of the device total (and its categories) and followed apart; the result
-then has ``"host": {"bytes": peak host bytes, "by_category": {"activations": the same}, "at_device_peak": host
-bytes when the device peak fell, "how"}``. On
-CUDA the host bytes come from the method's ledger (``model._lowmembp_host_ledger``), the device bytes from the
-allocator.
+Host memory (activation offloading, the ``offload`` method): storages the method reports to its listeners
+(:data:`lowmembp.methods.offload.HOST_LISTENERS`, which a running tracker joins) are host bytes — taken out of the
+device total (and its categories) and followed apart; the result then has ``"host": {"bytes": peak host bytes,
+"by_category": {"activations": the same}, "at_device_peak": host bytes when the device peak fell, "how"}``. On CUDA
+the host bytes come from the method's ledger (``model._lowmembp_host_ledger``), the device bytes from the allocator.
 
 Why not torch's ``MemTracker``: it serves (same categories; it raises on frozen parameters, easy to subclass around),
 but its per-op bookkeeping (a deep copy per active module whenever the peak grows) made a ViT-B step on fake tensors
@@ -46,26 +45,20 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from lowmembp._compat import TorchDispatchMode, current_graph_task_id, storage_key, tree_flatten
+from lowmembp.methods.offload import HOST_LISTENERS
 
-# DEVICE_QUERY answers a tensor's device (most ops on fake tensors: autograd and autocast asking): no storage, no
-# FLOPs, so the trackers pass it straight through (here and lowmembp.plan.steps)
-from lowmembp.estimator.fake_mode import DEVICE_QUERY
+__all__ = ["StorageTracker", "measure_step_peak", "prime_optimizer", "profiler_peak", "CATEGORIES", "PHASES",
+           "DEVICE_QUERY"]
 
-__all__ = ["StorageTracker", "measure_step_peak", "prime_optimizer", "profiler_peak", "note_host", "CATEGORIES",
-           "PHASES"]
+# answers a tensor's device (most ops on fake tensors: autograd and autocast asking): no storage, no FLOPs, so the
+# trackers pass it straight through (here, lowmembp.estimator.fake_mode and lowmembp.plan.steps)
+DEVICE_QUERY = torch.ops.prim.device.default
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
 # the phases of a step a peak can fall in (StorageTracker.peak_phase): the forward through the blocks, the head and
 # the loss after the last block, the backward (recomputation included), the optimizer's step
 PHASES = ("forward", "loss", "backward", "optimizer")
 _HOST = "host"  # not a category: host storages are kept out of the device total
-_ACTIVE: list["StorageTracker"] = []
-
-
-def note_host(t: torch.Tensor) -> None:
-    """Tell every running :class:`StorageTracker` that ``t``'s storage lives in host memory (offloading)."""
-    for tracker in _ACTIVE:
-        tracker.to_host(t)
 
 
 class StorageTracker(TorchDispatchMode):
@@ -80,7 +73,7 @@ class StorageTracker(TorchDispatchMode):
         self._live: dict[int, list] = {}   # storage key -> [nbytes, category, weakref]
         self._in_opt = False
         self._handles: list = []
-        self.host = 0             # live host bytes (see note_host), their peak, and their value at the device peak
+        self.host = 0             # live host bytes (see to_host), their peak, and their value at the device peak
         self.host_peak = 0
         self.host_at_peak = 0
         self._fwd_phase = "forward"  # "loss" once the last block's forward returned (watch_phases)
@@ -233,7 +226,8 @@ class StorageTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def _start(self) -> None:
-        """Everything but the dispatch mode itself: the optimizer hooks, and :func:`note_host` reaching us."""
+        """Everything but the dispatch mode itself: the optimizer hooks, and the offloading's host storages reaching
+        :meth:`to_host` (:data:`lowmembp.methods.offload.HOST_LISTENERS`)."""
         def pre(opt, args, kwargs):
             self._in_opt = True
             for group in opt.param_groups:  # what the optimizer steps is a gradient (also one stepped, and freed,
@@ -246,11 +240,11 @@ class StorageTracker(TorchDispatchMode):
             self._track_opt_state(opt)
 
         self._handles += [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
-        _ACTIVE.append(self)
+        HOST_LISTENERS.append(self.to_host)
 
     def _stop(self) -> None:
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
+        if self.to_host in HOST_LISTENERS:
+            HOST_LISTENERS.remove(self.to_host)
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -269,8 +269,10 @@ def _unfold(base: nn.Module, f: NormFold, deltas: dict) -> None:
                                 dtype=ref.dtype if ref is not None else p0.dtype)
         setattr(stock, name, nn.Parameter(new, requires_grad=p0.requires_grad))
     _set(base, f.path, stock)
+    from lowmembp.models.fold import remove_residual_affine
+
     for r in (_get(base, p) for p in f.residuals):
-        _remove_residual_affine(r)
+        remove_residual_affine(r)
 
 
 def _fit_beta(f: NormFold, leaves, inv, beta, post: bool) -> torch.Tensor:
@@ -339,17 +341,6 @@ def _unfold_lora(layer: nn.Module, inv, beta, path: str, deltas: dict) -> None:
             if key in deltas:
                 c, scale = c + deltas[key][1], scale + deltas[key][2]
             deltas[key] = (layer, c, scale, a.weight.dtype)
-
-
-def _remove_residual_affine(receiver: nn.Module) -> None:
-    from lowmembp.models.fold import _residual_pre_hook
-
-    receiver._modules.pop("residual_affine", None)
-    receiver.__dict__.pop("_lowmembp_residual_arg", None)
-    for hooks in (receiver._forward_pre_hooks,):
-        for k in [k for k, h in hooks.items() if h is _residual_pre_hook]:
-            hooks.pop(k)
-            getattr(receiver, "_forward_pre_hooks_with_kwargs", {}).pop(k, None)
 
 
 def _retie(base: nn.Module, rec: ExportRecord) -> None:

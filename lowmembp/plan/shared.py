@@ -34,8 +34,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from lowmembp.estimator.step import ModelSpec, _autocast, _batch, _loss, block_names, fsdp_peak, make_optimizer, \
-    prepare_model
+from lowmembp.estimator.fsdp import fsdp_peak
+from lowmembp.estimator.step import autocast_to, make_optimizer, prepare_model
+from lowmembp.estimator.zoo import ModelSpec, block_names, compute_loss, make_batch
 from lowmembp.estimator.weights import nf4_peak
 from lowmembp.measurement.peak import prime_optimizer
 from lowmembp.plan.steps import EventTracker, RecordingFakeMode, StepRun, _peak_dict
@@ -205,7 +206,7 @@ class SharedSteps:
         """Each optimizer's step at ``batch_size`` (and ``seq_len`` tokens) from one forward and backward."""
         fused = FUSED_BACKWARD in self.opts and self.opts[FUSED_BACKWARD] is not None
         with self.mode:
-            batch = _batch(self.spec, self.model, batch_size, seq_len or self.seq_len, self.vocab)
+            batch = make_batch(self.spec, self.model, batch_size, seq_len or self.seq_len, self.vocab)
             counter = None
             if flops:
                 from lowmembp.measurement.flops import step_flop_counter
@@ -226,8 +227,8 @@ class SharedSteps:
             with t.recording(self.mode):
                 handles = _watch_inner(t, inner) if fused else []
                 try:
-                    with t.saved_hooks(), _autocast(self.dtype):
-                        loss = _loss(self.spec, self.model, batch)
+                    with t.saved_hooks(), autocast_to(self.dtype):
+                        loss = compute_loss(self.spec, self.model, batch)
                     loss.backward()
                 finally:
                     for h in handles + own:

@@ -34,11 +34,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from lowmembp.estimator.step import (ModelSpec, _batch, block_names, fsdp_peak, make_optimizer, prepare_model,
-                                     train_step)
+from lowmembp.estimator.fsdp import fsdp_peak
+from lowmembp.estimator.step import make_optimizer, prepare_model, train_step
+from lowmembp.estimator.zoo import ModelSpec, block_names, make_batch
 from lowmembp.estimator.weights import nf4_peak
-from lowmembp.estimator.fake_mode import DEVICE_QUERY, StepFakeMode, answer_device
-from lowmembp.measurement.peak import CATEGORIES, StorageTracker, prime_optimizer
+from lowmembp.estimator.fake_mode import StepFakeMode, answer_device
+from lowmembp.measurement.peak import CATEGORIES, DEVICE_QUERY, StorageTracker, prime_optimizer
 from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
 
 __all__ = ["Steps", "StepRun", "BatchLine", "EventTracker", "RecordingFakeMode", "MIN_BATCH"]
@@ -158,7 +159,7 @@ class Steps:
     def run(self, batch_size: int, flops: bool = False, seq_len: int | None = None) -> StepRun:
         """One step at ``batch_size`` (and ``seq_len`` tokens: the built model's own length when None)."""
         with self.mode:
-            batch = _batch(self.spec, self.model, batch_size, seq_len or self.seq_len, self.vocab)
+            batch = make_batch(self.spec, self.model, batch_size, seq_len or self.seq_len, self.vocab)
             counter = None
             if flops:
                 from lowmembp.measurement.flops import step_flop_counter

@@ -120,12 +120,13 @@ VIT = dict(overrides={"img_size": 32, "embed_dim": 48, "num_heads": 3}, seq_len=
 
 def _stacked_run(steps, b):
     """One step with the tracker entered as its own dispatch mode above the fake mode (what estimate() does)."""
-    from lowmembp.estimator.step import _batch, train_step
+    from lowmembp.estimator.step import train_step
+    from lowmembp.estimator.zoo import make_batch
     from lowmembp.measurement.flops import step_flop_counter
     from lowmembp.plan.steps import EventTracker
 
     with steps.mode:
-        batch = _batch(steps.spec, steps.model, b, steps.seq_len, steps.vocab)
+        batch = make_batch(steps.spec, steps.model, b, steps.seq_len, steps.vocab)
         tracker = EventTracker(step_flop_counter())
         tracker.track_external(steps.model, steps.opt, *batch.values())
         tracker.watch(steps.model)
