@@ -120,10 +120,10 @@ class EventTracker(StorageTracker):
             mode.observer = None
             self._stop()
 
-    def _count(self, st, key, category):
-        before = len(self._live)
-        super()._count(st, key, category)
-        if len(self._live) > before and category in self.current:
+    def count_storage(self, st, key, category):
+        new = self.category_of(key) is None
+        super().count_storage(st, key, category)
+        if new and category in self.current:
             self.events.append((self.total, tuple(self.current[c] for c in CATEGORIES), self.saved, self.phase()))
 
 
