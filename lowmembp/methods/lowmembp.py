@@ -217,14 +217,15 @@ def apply_lowmembp(model, share_lora_inputs=True, norm_dtype="auto"):
     return convert(model, acts=True, norms=True, share_lora_inputs=share_lora_inputs, norm_dtype=norm_dtype)
 
 
-@register("lowmembp-act", "LowMemoryBP activations only: GELU→ReGELU2, SiLU→ReSiLU2 (2-bit codes saved)",
-          order=20, excludes=("lowmembp", "mesa-gelu-ln"))
-def apply_lowmembp_act(model):
-    return convert(model, acts=True, norms=False)
-
-
 @register("lowmembp-norm", "LowMemoryBP norms only: LayerNorm/RMSNorm→MS-norms with γ/β folded into the next "
           "linears (option norm_dtype)", options=_OPTS, order=20, excludes=("lowmembp", "mesa-gelu-ln"),
-          check=_check_options)
+          check=_check_options, shown_by=lambda layers: any(name in ("MSLayerNorm", "MSRMSNorm") for _, name in layers))
 def apply_lowmembp_norm(model, share_lora_inputs=True, norm_dtype="auto"):
     return convert(model, acts=False, norms=True, share_lora_inputs=share_lora_inputs, norm_dtype=norm_dtype)
+
+
+@register("lowmembp-act", "LowMemoryBP activations only: GELU→ReGELU2, SiLU→ReSiLU2 (2-bit codes saved)",
+          order=20, excludes=("lowmembp", "mesa-gelu-ln"),
+          shown_by=lambda layers: any(module.startswith("lowmembp.ops.approx_act") for module, _ in layers))
+def apply_lowmembp_act(model):
+    return convert(model, acts=True, norms=False)
