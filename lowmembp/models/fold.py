@@ -26,12 +26,6 @@ import torch
 import torch.nn as nn
 
 
-def norm_affine(norm: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(γ, β) as stored on a LayerNorm / LLaMA-style RMSNorm; either may be None (no affine, no bias). For the
-    *effective* γ (Gemma's ``1 + w``) use ``NormSite.affine()`` of the layout."""
-    return getattr(norm, "weight", None), getattr(norm, "bias", None)
-
-
 def _fold_conv1d(lin: nn.Module, gamma, beta, where: str, shared: set[int]) -> None:
     """transformers ``Conv1D`` (GPT-2): ``y = x @ W + b`` with W in×out, so ``W' = diag(γ)·W``, ``b' = b + βᵀ·W``."""
     _check_weight(lin, where)
