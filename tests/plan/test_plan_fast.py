@@ -10,6 +10,8 @@ from lowmembp.plan.combination import Peaks
 from lowmembp.plan.combos import combinations
 from lowmembp.plan.steps import BatchLine, Steps
 
+pytestmark = pytest.mark.slow  # the full suite only: the planner's shortcuts against direct steps
+
 # LLaMA at a tiny width, 4 blocks (the planner extends its 2- and 3-block builds), bf16 autocast as the paper
 LLAMA = dict(overrides={"hidden_size": 32, "intermediate_size": 56, "num_attention_heads": 4,
                         "num_key_value_heads": 2, "vocab_size": 61, "num_hidden_layers": 4}, seq_len=16, dtype="bf16")
