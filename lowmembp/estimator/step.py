@@ -1,30 +1,22 @@
-"""Paper-scale memory estimates without a GPU: the real timm / transformers code on fake tensors.
+"""Paper-scale memory estimates without a GPU: one training step of the real timm / transformers code on fake tensors.
 
     est = estimate("vit-b16", "lora+lowmembp", batch_size=64, dtype="fp16")
-    est -> {"model", "method", "batch_size", "seq_len", "dtype", "layers", "saved": <memory.SavedTensorAccountant
-            report>, "per_block": {kind: bytes} (one middle block), "peak": <peak.measure_step_peak result>}
+    est -> {"model", "method", "batch_size", "seq_len", "dtype", "layers", "saved": <SavedTensorAccountant report>,
+            "per_block": {kind: bytes} (one middle block), "peak": <measure_step_peak's result>}
 
-How: the model is built on the meta device (timm calls ``.item()`` at construction, which fake tensors refuse; real
-runs build on the CPU), ``lora`` (peft) wraps it there, then :func:`to_fake_cpu` (``to_empty``'s result, made faster)
-moves it into a ``FakeTensorMode`` (:class:`lowmembp.estimator.fake_mode.StepFakeMode`; fake tensors carry shapes,
-dtypes and
-storages but no data), the remaining methods are applied there, and one training step (forward, loss, backward, fused
-AdamW step: no per-tensor temporaries) runs for real on the fake tensors, under the saved-tensor accountant (forward)
-and the peak tracker (whole step), after the optimizer state is created by one step on zero gradients (so the measured
-step is a steady one). Nothing large is allocated; ViT-B at batch 64 takes a few seconds on one core.
-``device="cpu"`` runs the identical procedure on real tensors (small configs: the tests compare the two).
+How: the model of :mod:`lowmembp.estimator.zoo` is built on the meta device (timm reads values at construction,
+which fake tensors cannot give), the peft methods wrap it there, :func:`to_fake_cpu` moves it into a
+:class:`lowmembp.estimator.fake_mode.StepFakeMode` (shapes, dtypes and storages, no data), the other methods are
+applied there, and one training step (forward, loss, backward, the optimizer's step) runs on the fake tensors under
+the saved-tensor accountant (forward) and the peak tracker (whole step), after the optimizer state was made (a
+steady step). Nothing large is allocated. ``device="cpu"`` runs the same procedure on real tensors (the tests
+compare the two).
 
-Numbers are exact storage bytes of the CPU kernels' choices under CPU autocast (flash attention saves q, k, v, o and
-the log-sum-exp, as on a GPU). Not included: CUDA allocator rounding and caching, cuBLAS/cuDNN workspaces, the CUDA
-context, the data loader, and what the GPU autocast casts differently. Code that reads a value back from a fake
-tensor (``.item()``) fails here, as it would under any fake mode: the ops of this package do not (Mesa draws its seed
-from a real CPU generator and, on fake tensors, allocates its codes without computing them).
-
-Offloading (``offload``): its copies are made on the fake host, so the device storages die as on a GPU, and the peak
-tracker counts the copies as host memory (``peak["host"]``). The tensors are fake *CPU* tensors: FakeTensorMode makes
-``device="cuda"`` fake tensors and runs their forward, but torch 2.14's autograd engine refuses their backward
-without a GPU (``hasPrimaryContext expects a valid device index``). ``liger`` refuses fake tensors (its Triton
-kernels need a GPU): its figures come from a GPU run.
+The numbers are exact storage bytes of the CPU kernels' choices under CPU autocast (flash attention saves q, k, v,
+o and the log-sum-exp, as on a GPU). Not included: allocator rounding and caching, cuBLAS / cuDNN workspaces, the
+CUDA context, the data loader, what the GPU autocast casts differently. Why the tensors are fake *CPU* tensors:
+autograd refuses the backward of fake CUDA tensors without a GPU. ``offload``'s copies are fake host tensors, counted
+as host memory (``peak["host"]``); ``liger`` refuses fake tensors (its Triton kernels need a GPU).
 """
 from __future__ import annotations
 
