@@ -66,7 +66,7 @@ def fsdp_peak(pk: dict, model: nn.Module, optimizer, blocks: list[str], n: int) 
     out = dict(pk, by_category=cats)
     out["bytes"] = int(pk["bytes"] - sum(old.values()) + sum(new.values()))
     out["how"] = (f"{pk['how']}; one rank of {n} under FSDP2 (parameters, gradients and optimizer state sharded, "
-                  f"the root's parameters and the gathered blocks' whole; lowmembp.estimator.fsdp.fsdp_peak)")
+                  f"the root's parameters and the gathered blocks' whole; lowmembp.estimator.step.fsdp_peak)")
     out["world_size"] = n
     out["staging_bytes"] = staging
     return out

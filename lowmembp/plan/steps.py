@@ -129,7 +129,7 @@ class EventTracker(StorageTracker):
 
 class StepRun:
     """One measured step: ``peak`` (estimate()'s ``"peak"`` dict before any FSDP sharding), ``flops`` (or None),
-    ``events`` (see :class:`EventTracker`), and what :func:`lowmembp.estimator.step.fsdp_peak` needs."""
+    ``events`` (see :class:`EventTracker`), and what :func:`lowmembp.estimator.fsdp.fsdp_peak` needs."""
 
     def __init__(self, batch_size: int, peak: dict, flops: int | None, events: list[tuple]):
         self.batch_size, self.peak, self.flops, self.events = batch_size, peak, flops, events
