@@ -34,6 +34,7 @@ from lowmembp.measurement.kinds import KINDS
 from lowmembp.measurement.peak import measure_step_peak, prime_optimizer
 from lowmembp.measurement.saved import SavedTensorAccountant
 from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
+from lowmembp.methods.registry import SPEC_OPTION_MARK, apply, method_options as options_of
 
 # the step's own names, and (first line) the zoo's, FSDP's and NF4's that it has always offered as well
 __all__ = ["MODELS", "ModelSpec", "model_spec", "paper_model_name", "build", "block_names", "fsdp_peak",
@@ -144,8 +145,8 @@ def prepare_model(spec: ModelSpec, method: str, mode, *, layers: int | None = No
     methods applied there, then inside ``mode`` (the ``FakeTensorMode``, or a null context on the CPU) moved to fake
     CPU storage, the other methods applied, in train mode. The caller seeds torch and enters ``mode`` again for the
     step (the planner runs several steps on one such model: :mod:`lowmembp.plan.steps`). ``weights``: see
-    :func:`estimate` (the built model is cast before any method, as a model loaded in that dtype)."""
-    from lowmembp.methods.registry import SPEC_OPTION_MARK, apply, method_options as options_of
+    :func:`estimate` (the built model is cast before any method, as a model loaded in that dtype). The methods are
+    applied through this module's ``apply`` (an emulation may patch it: experiments.repro.official_qlora)."""
 
     names = [n.strip() for n in method.split("+")]  # each with the options written into it ("tokentune@k=4")
     plain = [n.partition(SPEC_OPTION_MARK)[0].strip() for n in names]
