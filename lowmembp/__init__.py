@@ -16,8 +16,9 @@ The package's rooms, each a subpackage whose ``__init__`` says what it holds and
 - :mod:`lowmembp.estimator`: a whole training step on fake tensors at paper scale;
 - :mod:`lowmembp.plan`: the planner (every combination of methods for one model and GPU).
 
-Two modules stay loose: ``atomic`` (crash-safe file writes, used by the planner and the training job alike) and
-``_compat`` (the one place where private torch names are used).
+Loose modules at the bottom, which every room may use: ``atomic`` (crash-safe file writes, used by the planner and
+the training job alike), ``cache`` (where what is made once per machine is kept), ``_compat`` (the one place where
+private torch names are used) and ``_deprecation`` (deprecated spellings kept working for one release).
 
 ``import lowmembp`` imports torch and the method registry only; everything else (the methods themselves,
 transformers, peft, timm, the estimator and the planner) loads on first use.
@@ -26,9 +27,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
-import types
-import warnings
 
 
 class _OptionalKernelNotice(logging.Filter):
@@ -45,20 +43,7 @@ class _OptionalKernelNotice(logging.Filter):
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_OptionalKernelNotice())
 
-def _deprecated_call(module_name: str, new_name: str, target) -> None:
-    """Let the module ``module_name`` be called as the function it used to be shadowed by (one release only):
-    ``lowmembp.methods()`` and ``lowmembp.plan(...)`` still work and warn, naming ``new_name``."""
-
-    class _CallableModule(types.ModuleType):
-        def __call__(self, *args, **kwargs):
-            warnings.warn(f"calling {module_name}(...) is deprecated and will be removed in the next release; "
-                          f"use {new_name}(...)", DeprecationWarning, stacklevel=2)
-            return target()(*args, **kwargs)
-
-    sys.modules[module_name].__class__ = _CallableModule
-
-
-from lowmembp.methods.registry import apply, list_methods  # noqa: E402  (after _deprecated_call, which it uses)
+from lowmembp.methods.registry import apply, list_methods  # noqa: E402  (after the filter: peft may load bitsandbytes)
 
 __version__ = "0.1.0"
 

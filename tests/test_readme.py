@@ -8,6 +8,8 @@ import pytest
 
 from doc_blocks import ROOT, blocks, run_block
 
+pytestmark = pytest.mark.slow  # the full suite only: runs the README's code blocks
+
 README = ROOT / "README.md"
 BLOCKS = blocks(README)
 

@@ -41,7 +41,8 @@ def allocator_peak(model_name: str, method: str, *, layers: int, batch_size: int
     """The CPU allocator's peak of the step :func:`lowmembp.estimator.step.estimate` estimates, on real tensors."""
     import torch
 
-    from lowmembp.estimator.step import _batch, make_optimizer, model_spec, prepare_model, train_step
+    from lowmembp.estimator.step import make_optimizer, prepare_model, train_step
+    from lowmembp.estimator.zoo import make_batch, model_spec
     from lowmembp.measurement.peak import prime_optimizer, profiler_peak
 
     spec = model_spec(model_name)
@@ -49,7 +50,7 @@ def allocator_peak(model_name: str, method: str, *, layers: int, batch_size: int
     model = prepare_model(spec, method, contextlib.nullcontext(), layers=layers, overrides=overrides, device="cpu",
                           **options)
     opt = make_optimizer(model)
-    batch = _batch(spec, model, batch_size, seq_len or spec.seq_len, (overrides or {}).get("vocab_size"))
+    batch = make_batch(spec, model, batch_size, seq_len or spec.seq_len, (overrides or {}).get("vocab_size"))
     prime_optimizer(opt)
     return profiler_peak(model, opt, lambda: train_step(spec, model, batch, opt, dtype), warmup=0,
                          external=tuple(batch.values()))

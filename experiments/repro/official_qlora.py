@@ -92,9 +92,9 @@ def emulated():
     """While open, :func:`lowmembp.estimator.step.estimate` (and ``estimate_by_depth``) build the official run's model:
     :func:`official_dtypes` applied right after peft wraps the meta model (``module.to`` cannot swap parameters inside
     the fake mode), before the other methods (lowmembp folds the norms into the now-fp32 γ, as the official merge)."""
-    import lowmembp
+    from lowmembp.estimator import step
 
-    original = lowmembp.apply  # lowmembp.estimator.step.prepare_model calls it through the package attribute
+    original = step.apply  # lowmembp.estimator.step.prepare_model applies the methods through this name
 
     def apply(model, method, **opts):
         out = original(model, method, **opts)
@@ -106,11 +106,11 @@ def emulated():
     import torch.nn.functional as F
 
     dropout = F.dropout
-    lowmembp.apply, F.dropout = apply, cuda_dropout
+    step.apply, F.dropout = apply, cuda_dropout
     try:
         yield
     finally:
-        lowmembp.apply, F.dropout = original, dropout
+        step.apply, F.dropout = original, dropout
 
 
 def paged_optimizer_bytes(result: dict) -> int:

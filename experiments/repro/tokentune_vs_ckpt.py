@@ -32,7 +32,7 @@ def step_ms(methods, batch_size: int, *, seq_len: int = 128, k: int = 16, layers
     import torch
 
     import lowmembp
-    from lowmembp.estimator.step import MODELS, _batch, _loss, build
+    from lowmembp.estimator.zoo import MODELS, build, compute_loss, make_batch
     from lowmembp.measurement.timing import time_interleaved
 
     spec = MODELS["bert-large"]
@@ -46,13 +46,13 @@ def step_ms(methods, batch_size: int, *, seq_len: int = 128, k: int = 16, layers
             if method != "baseline":
                 model = lowmembp.apply(model, method, **_opts(method, k))
             model.train()
-            batch = _batch(spec, model, batch_size, seq_len, (overrides or {}).get("vocab_size"))
+            batch = make_batch(spec, model, batch_size, seq_len, (overrides or {}).get("vocab_size"))
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
             runs[method] = (model, batch, opt)
 
         def step(model, batch, opt):
             def run(_round):
-                _loss(spec, model, batch).backward()
+                compute_loss(spec, model, batch).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             return run

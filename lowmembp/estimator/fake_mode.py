@@ -28,14 +28,9 @@ changing what an op returns:
   implementations allocate fresh outputs from the arguments' shapes). A first output that does not fit a recipe
   (aliasing where none was expected, a storage larger than its shape needs, an offset) gets none.
 
-``prim.device`` (a tensor's device: on LLaMA-7B shapes two thirds of a fake step's dispatches, the autograd engine
-asking) is answered at once by the handler ``FakeTensorMode.dispatch`` itself calls for it.
-
-Anything else (symbolic shapes, constants, non-strided or quantized tensors, real tensors, another mode's fakes,
-callables, SymInts) goes to torch's own code, whole, which also bypasses the cache where torch does.
-``tests/estimator/test_fake_mode.py``: a whole training step gives the same ops with the same output metadata and
-the same storage sharing in both modes, recipes are in use, and a recipe-built tensor is the ``FakeTensor``
-torch would build.
+``prim.device`` (two thirds of a fake step's dispatches, the autograd engine asking) is answered at once by the
+handler ``FakeTensorMode.dispatch`` itself calls for it. Anything else (symbolic shapes, constants, non-strided or
+quantized tensors, real tensors, another mode's fakes, callables, SymInts) goes to torch's own code, whole.
 
 All of this is an optimisation over torch's private internals (gathered and checked by
 :func:`lowmembp._compat.fast_fake_internals`). Where they differ from what it expects, or with the environment
@@ -47,10 +42,10 @@ from __future__ import annotations
 import torch
 from lowmembp._compat import FakeTensor, FakeTensorMode, fast_fake_enabled, fast_fake_internals, storage_key, \
     tree_leaves
+from lowmembp.measurement.peak import DEVICE_QUERY
 
 __all__ = ["StepFakeMode", "KEY_MARK", "DEVICE_QUERY", "answer_device", "RECIPES"]
 
-DEVICE_QUERY = torch.ops.prim.device.default
 _I = fast_fake_internals()  # torch's private pieces the fast path uses, None where they are not as expected
 # FakeTensorMode.dispatch's own answer to prim.device (None without the fast path)
 answer_device = _I.answer_device if _I is not None else None

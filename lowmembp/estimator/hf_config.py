@@ -1,6 +1,6 @@
 """A transformers model from a ``config.json`` on disk (no hub): the config, the head it trains, the model.
 
-    spec = hf_spec("path/to/config.json", seq_len=2048)     # a lowmembp.estimator.step.ModelSpec (family "hf")
+    spec = hf_spec("path/to/config.json", seq_len=2048)     # a lowmembp.estimator.zoo.ModelSpec (family "hf")
     estimate(spec, "lora", batch_size=4)                    # built on the meta device like the paper models
 
 The head: the config's ``architectures`` decide (``...ForCausalLM`` / ``...LMHeadModel``: causal language modelling
@@ -86,9 +86,9 @@ def build_from_config(path: str | Path, *, layers: int | None = None, overrides:
 
 def hf_spec(path: str | Path, *, seq_len: int | None = None, batch_size: int = 1, dtype: str = "bf16",
             num_classes: int = 2):
-    """A :class:`lowmembp.estimator.step.ModelSpec` for the config at ``path`` (``seq_len``: default the config's
+    """A :class:`lowmembp.estimator.zoo.ModelSpec` for the config at ``path`` (``seq_len``: default the config's
     ``max_position_embeddings``, capped at 2048)."""
-    from lowmembp.estimator.step import ModelSpec
+    from lowmembp.estimator.zoo import ModelSpec
 
     p = _config_file(path).resolve()
     if seq_len is None:

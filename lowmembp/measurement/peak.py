@@ -21,12 +21,11 @@ Categories: parameters (and buffers), gradients (``.grad`` of trainable paramete
 optimizer state, activations (created in the forward: saved tensors and forward temporaries alike), temporaries
 (created in the backward or the optimizer step and not kept), other (inputs, anything registered from outside).
 
-Host memory (activation offloading, the ``offload`` method): storages reported through :func:`note_host` while a
-tracker runs are host bytes — taken out of the device total (and its categories) and followed apart; the result
-then has ``"host": {"bytes": peak host bytes, "by_category": {"activations": the same}, "at_device_peak": host
-bytes when the device peak fell, "how"}``. On
-CUDA the host bytes come from the method's ledger (``model._lowmembp_host_ledger``), the device bytes from the
-allocator.
+Host memory (activation offloading, the ``offload`` method): storages the method reports to its listeners
+(:data:`lowmembp.methods.offload.HOST_LISTENERS`, which a running tracker joins) are host bytes — taken out of the
+device total (and its categories) and followed apart; the result then has ``"host": {"bytes": peak host bytes,
+"by_category": {"activations": the same}, "at_device_peak": host bytes when the device peak fell, "how"}``. On CUDA
+the host bytes come from the method's ledger (``model._lowmembp_host_ledger``), the device bytes from the allocator.
 
 Why not torch's ``MemTracker``: it serves (same categories; it raises on frozen parameters, easy to subclass around),
 but its per-op bookkeeping (a deep copy per active module whenever the peak grows) made a ViT-B step on fake tensors
@@ -38,6 +37,7 @@ each step (do that in ``step``).
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Callable
 
@@ -46,26 +46,20 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from lowmembp._compat import TorchDispatchMode, current_graph_task_id, storage_key, tree_flatten
+from lowmembp.methods.offload import HOST_LISTENERS
 
-# DEVICE_QUERY answers a tensor's device (most ops on fake tensors: autograd and autocast asking): no storage, no
-# FLOPs, so the trackers pass it straight through (here and lowmembp.plan.steps)
-from lowmembp.estimator.fake_mode import DEVICE_QUERY
+__all__ = ["StorageTracker", "measure_step_peak", "prime_optimizer", "profiler_peak", "CATEGORIES", "PHASES",
+           "DEVICE_QUERY", "HOST"]
 
-__all__ = ["StorageTracker", "measure_step_peak", "prime_optimizer", "profiler_peak", "note_host", "CATEGORIES",
-           "PHASES"]
+# answers a tensor's device (most ops on fake tensors: autograd and autocast asking): no storage, no FLOPs, so the
+# trackers pass it straight through (here, lowmembp.estimator.fake_mode and lowmembp.plan.steps)
+DEVICE_QUERY = torch.ops.prim.device.default
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
 # the phases of a step a peak can fall in (StorageTracker.peak_phase): the forward through the blocks, the head and
 # the loss after the last block, the backward (recomputation included), the optimizer's step
 PHASES = ("forward", "loss", "backward", "optimizer")
-_HOST = "host"  # not a category: host storages are kept out of the device total
-_ACTIVE: list["StorageTracker"] = []
-
-
-def note_host(t: torch.Tensor) -> None:
-    """Tell every running :class:`StorageTracker` that ``t``'s storage lives in host memory (offloading)."""
-    for tracker in _ACTIVE:
-        tracker.to_host(t)
+HOST = "host"  # not a category: host storages are kept out of the device total
 
 
 class StorageTracker(TorchDispatchMode):
@@ -80,7 +74,7 @@ class StorageTracker(TorchDispatchMode):
         self._live: dict[int, list] = {}   # storage key -> [nbytes, category, weakref]
         self._in_opt = False
         self._handles: list = []
-        self.host = 0             # live host bytes (see note_host), their peak, and their value at the device peak
+        self.host = 0             # live host bytes (see to_host), their peak, and their value at the device peak
         self.host_peak = 0
         self.host_at_peak = 0
         self._fwd_phase = "forward"  # "loss" once the last block's forward returned (watch_phases)
@@ -94,21 +88,21 @@ class StorageTracker(TorchDispatchMode):
         """Count ``t``'s storage under ``category`` (re-tag it if already counted)."""
         st = _storage(t) if isinstance(t, torch.Tensor) else None
         if st is not None:
-            self._count(st, storage_key(st), category)
+            self.count_storage(st, storage_key(st), category)
 
-    def _count(self, st, key: int, category: str) -> None:
+    def count_storage(self, st, key: int, category: str) -> None:
         """Count storage ``st`` (``key``: its address, what ``StorageWeakRef(st).cdata`` is) under ``category``."""
         entry = self._live.get(key)
         if entry is not None:
-            if entry[1] != category and _HOST not in (entry[1], category):
+            if entry[1] != category and HOST not in (entry[1], category):
                 self.current[entry[1]] -= entry[0]
                 self.current[category] += entry[0]
                 entry[1] = category
             return
         nbytes = int(st.nbytes())
-        ref = weakref.ref(st, lambda _r, key=key: self._free(key))
+        ref = weakref.ref(st, lambda _r, key=key: self.free_storage(key))
         self._live[key] = [nbytes, category, ref]
-        if category == _HOST:
+        if category == HOST:
             self._add_host(nbytes)
             return
         self.current[category] += nbytes
@@ -151,7 +145,7 @@ class StorageTracker(TorchDispatchMode):
         outer = top_saved_tensors_hooks()
 
         def pack(t):
-            self._mark_saved(t)
+            self.mark_saved(t)
             return outer[0](t) if outer is not None else t
 
         def unpack(x):
@@ -159,8 +153,12 @@ class StorageTracker(TorchDispatchMode):
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    def _mark_saved(self, t) -> None:
-        key = self._key(t) if isinstance(t, torch.Tensor) else None
+    def mark_saved(self, t) -> None:
+        """Count ``t``'s storage as saved for backward (see :meth:`saved_hooks`)."""
+        self.mark_saved_storage(self.key_of(t) if isinstance(t, torch.Tensor) else None)
+
+    def mark_saved_storage(self, key: int | None) -> None:
+        """:meth:`mark_saved` of the storage counted under ``key``: only one made in the forward, or the batch."""
         entry = self._live.get(key) if key is not None else None
         if entry is not None and key not in self._saved_keys and entry[1] in ("activations", "other"):
             self._saved_keys.add(key)
@@ -168,16 +166,21 @@ class StorageTracker(TorchDispatchMode):
 
     def to_host(self, t: torch.Tensor) -> None:
         """Move ``t``'s storage out of the device total into the host bytes (counted from now until it dies)."""
-        key = self._key(t)
+        key = self.key_of(t)
         if key is None:
             return
+        if key not in self._live:
+            self.track(t, HOST)
+        else:
+            self.move_to_host(key)
+
+    def move_to_host(self, key: int) -> None:
+        """:meth:`to_host` of the storage counted under ``key`` (nothing if none is, or it is already host)."""
         entry = self._live.get(key)
-        if entry is None:
-            self.track(t, _HOST)
-        elif entry[1] != _HOST:
+        if entry is not None and entry[1] != HOST:
             self.current[entry[1]] -= entry[0]
             self.total -= entry[0]
-            entry[1] = _HOST
+            entry[1] = HOST
             self._add_host(entry[0])
 
     def _add_host(self, nbytes: int) -> None:
@@ -195,7 +198,7 @@ class StorageTracker(TorchDispatchMode):
             for b in model.buffers():
                 self.track(b, "parameters")
         if optimizer is not None:
-            self._track_opt_state(optimizer)
+            self.track_optimizer_state(optimizer)
         for t in tensors:
             self.track(t, "other")
 
@@ -206,18 +209,33 @@ class StorageTracker(TorchDispatchMode):
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     lambda p: self.track(p.grad, "gradients") if p.grad is not None else None))
 
-    def _track_opt_state(self, optimizer) -> None:
+    def category_of(self, key: int) -> str | None:
+        """The category of the storage counted under ``key`` ("host" for host memory), or None if none is."""
+        entry = self._live.get(key)
+        return None if entry is None else entry[1]
+
+    @contextlib.contextmanager
+    def in_optimizer_step(self):
+        """Count what is made inside this block as an optimizer step's (temporaries), as the step hooks do."""
+        self._in_opt = True
+        try:
+            yield
+        finally:
+            self._in_opt = False
+
+    def track_optimizer_state(self, optimizer) -> None:
+        """Count ``optimizer``'s state tensors as optimizer state."""
         for state in optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor):
                     self.track(v, "optimizer_state")
 
-    def _free(self, key: int) -> None:
+    def free_storage(self, key: int) -> None:
         entry = self._live.pop(key, None)
         if key in self._saved_keys:
             self._saved_keys.discard(key)
             self.saved -= entry[0] if entry is not None else 0
-        if entry is not None and entry[1] == _HOST:
+        if entry is not None and entry[1] == HOST:
             self.host -= entry[0]
         elif entry is not None:
             self.current[entry[1]] -= entry[0]
@@ -233,7 +251,8 @@ class StorageTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def _start(self) -> None:
-        """Everything but the dispatch mode itself: the optimizer hooks, and :func:`note_host` reaching us."""
+        """Everything but the dispatch mode itself: the optimizer hooks, and the offloading's host storages reaching
+        :meth:`to_host` (:data:`lowmembp.methods.offload.HOST_LISTENERS`)."""
         def pre(opt, args, kwargs):
             self._in_opt = True
             for group in opt.param_groups:  # what the optimizer steps is a gradient (also one stepped, and freed,
@@ -243,14 +262,14 @@ class StorageTracker(TorchDispatchMode):
 
         def post(opt, args, kwargs):
             self._in_opt = False
-            self._track_opt_state(opt)
+            self.track_optimizer_state(opt)
 
         self._handles += [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
-        _ACTIVE.append(self)
+        HOST_LISTENERS.append(self.to_host)
 
     def _stop(self) -> None:
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
+        if self.to_host in HOST_LISTENERS:
+            HOST_LISTENERS.remove(self.to_host)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -279,10 +298,10 @@ class StorageTracker(TorchDispatchMode):
         for t in outs:
             st = _storage(t) if isinstance(t, torch.Tensor) else None
             if st is not None and storage_key(st) not in self._live:
-                self._count(st, storage_key(st), cat)
+                self.count_storage(st, storage_key(st), cat)
 
     @staticmethod
-    def _key(t):
+    def key_of(t):
         """The address of ``t``'s storage (``StorageWeakRef(storage).cdata``), or None where it has none."""
         st = _storage(t)
         return None if st is None else storage_key(st)

@@ -7,9 +7,9 @@ method is first looked up), the optimizer levers chosen beside them, and the exp
 May import: :mod:`lowmembp.ops`, :mod:`lowmembp.models`, :mod:`lowmembp._compat`, torch, peft, timm, transformers
 (the last three inside the method modules only, on first use). Never the measurement, estimator or planner rooms.
 """
-from lowmembp import _deprecated_call
+from lowmembp._deprecation import make_module_callable
 from lowmembp.methods.registry import apply, list_methods, method_options, parse, register
 
 __all__ = ["apply", "list_methods", "method_options", "parse", "register"]
 
-_deprecated_call(__name__, "lowmembp.list_methods", lambda: list_methods)
+make_module_callable(__name__, "lowmembp.list_methods", lambda: list_methods)

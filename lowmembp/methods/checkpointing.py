@@ -87,6 +87,7 @@ def wrap_block(block: nn.Module) -> nn.Module:
 
 
 def is_checkpointed(block: nn.Module) -> bool:
+    """Whether ``block`` is wrapped by :func:`wrap_block` (TokenTune reads it to checkpoint its rows)."""
     return bool(getattr(block, "_lowmembp_checkpointed", False))
 
 

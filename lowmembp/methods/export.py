@@ -24,9 +24,8 @@ What is undone (the converted model is left as it is unless ``inplace=True``; th
 - Tied embeddings untied by folding are tied again (and the config flag restored) when the head still equals the
   embedding; otherwise the export stays untied with ``tie_word_embeddings=False`` and warns (``save_pretrained`` /
   ``from_pretrained`` then round-trip exactly; a strict ``load_state_dict`` into a fresh *tied* model cannot).
-- ``lowmembp-act``: ReGELU2 / ReSiLU2 become the original activation modules.
-- ``checkpointing`` (block wrappers, library switches), ``tiled-mlp`` and ``tokentune`` (patched forwards) are
-  removed; a compiled model (``compile``, ``nn.Module.compile``, a ``torch.compile`` wrapper) comes back eager.
+- ``lowmembp-act``: ReGELU2 / ReSiLU2 become the original activation modules. ``checkpointing``, ``tiled-mlp`` and
+  ``tokentune`` (wrappers, switches, patched forwards) are removed; a compiled model comes back eager.
 - ``mesa`` / ``mesa-gelu-ln``: Mesa linears become ``nn.Linear``, Mesa norms and activations the recorded originals
   (same parameters), patched attention modules lose their Mesa matmuls / softmax and get their attention
   implementation back (timm ``fused_attn``, the transformers config's ``_attn_implementation``).
@@ -36,9 +35,8 @@ fresh unconverted model of the same architecture; for transformers models ``save
 round-trips. Converted models get ``save_pretrained`` replaced by one that saves ``export(model)`` (a deep copy:
 for a large model call ``export(model, inplace=True).save_pretrained(dir)`` at the end instead).
 
-Recording: the conversions note, before they change a site, what cannot be read back from the live model
-(:mod:`lowmembp.methods.export_record`). "Zero to rounding" (a term the stock form cannot hold, dropped) means within
-max(1e-5, 2·eps of the parameter dtype) of the magnitudes it is computed from.
+What cannot be read back from the live model is recorded by the conversions (:mod:`lowmembp.methods.export_record`).
+"Zero to rounding": within max(1e-5, 2·eps of the parameter dtype) of the magnitudes it is computed from.
 """
 from __future__ import annotations
 
@@ -269,8 +267,10 @@ def _unfold(base: nn.Module, f: NormFold, deltas: dict) -> None:
                                 dtype=ref.dtype if ref is not None else p0.dtype)
         setattr(stock, name, nn.Parameter(new, requires_grad=p0.requires_grad))
     _set(base, f.path, stock)
+    from lowmembp.models.fold import remove_residual_affine
+
     for r in (_get(base, p) for p in f.residuals):
-        _remove_residual_affine(r)
+        remove_residual_affine(r)
 
 
 def _fit_beta(f: NormFold, leaves, inv, beta, post: bool) -> torch.Tensor:
@@ -339,17 +339,6 @@ def _unfold_lora(layer: nn.Module, inv, beta, path: str, deltas: dict) -> None:
             if key in deltas:
                 c, scale = c + deltas[key][1], scale + deltas[key][2]
             deltas[key] = (layer, c, scale, a.weight.dtype)
-
-
-def _remove_residual_affine(receiver: nn.Module) -> None:
-    from lowmembp.models.fold import _residual_pre_hook
-
-    receiver._modules.pop("residual_affine", None)
-    receiver.__dict__.pop("_lowmembp_residual_arg", None)
-    for hooks in (receiver._forward_pre_hooks,):
-        for k in [k for k, h in hooks.items() if h is _residual_pre_hook]:
-            hooks.pop(k)
-            getattr(receiver, "_forward_pre_hooks_with_kwargs", {}).pop(k, None)
 
 
 def _retie(base: nn.Module, rec: ExportRecord) -> None:

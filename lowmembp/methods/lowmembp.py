@@ -2,48 +2,35 @@
 
     model = lowmembp.apply(model, "lowmembp")          # or "lora+lowmembp", "lowmembp-act", "lowmembp-norm"
 
-- ``lowmembp-act`` (the paper's "activation" variant): every erf-GELU → ``ReGELU2``, every SiLU → ``ReSiLU2``,
-  and tanh-GELU / QuickGELU / ReLU / squared ReLU → ``approx_act.make_approx(kind)`` where that exists (else kept and
-  listed in ``lowmembp_report["skipped_acts"]``): exact forward, 2-bit codes saved instead of the input.
-- ``lowmembp-norm`` (the paper's "mergeln" variant): every LayerNorm / RMSNorm the adapter can fold →
-  ``MSLayerNorm`` / ``MSRMSNorm`` (lowmembp.ops.ms_norm, no affine), with γ and β folded into every linear that reads
-  the norm (lowmembp.models.fold: float64, cast back; peft LoRA branches folded too), the final norm folded into the
-  head (ViT ``head`` — after token/avg pooling, ``fc_norm`` or ``norm`` — Swin ``head.fc``, LLaMA ``lm_head`` /
-  ``score``; tied embeddings are untied), and for post-norm BERT / RoBERTa the affine re-applied on the residual
-  path (``lowmembp.models.fold.ResidualAffine``). The effective γ comes from the layout (``NormSite.affine()``:
-  Gemma's ``1 + w``); models without a dedicated adapter are mapped by data flow (lowmembp.models.dataflow).
-- After converting, every converted norm (with its consumers and residual receivers) and activation is checked
-  against a copy of the original on random inputs (lowmembp.methods._verify); a mismatch raises
-  ``ConversionCheckError`` naming the site. ``lowmembp_report["sites"]`` lists every site: converted or kept, and why.
-- ``lowmembp``: both.
-- Option ``norm_dtype`` (``lowmembp`` and ``lowmembp-norm``; spec ``"lowmembp@norm_dtype=fp32"``): the dtype the MS
-  norms emit and save (lowmembp.ops.ms_norm ``OUT_DTYPES``). ``"auto"`` (default): the autocast dtype under
-  autocast, so the next linear's input cast is a no-op and one 16-bit tensor is saved for both. ``"fp32"`` /
-  ``"input"``: what the official lomem kernel does (``lomem/csrc/layer_norm.cpp:20``, the output in the input's
-  dtype: fp32 under AMP), 4 bytes per element saved; the LoRA layers and the trainable plain ``nn.Linear`` readers
-  then save that same fp32 storage (``lowmembp.ops.shared_linear``, ``save_wide_input``; a frozen linear saves no
-  input either way). For reproducing the official numbers (experiments.repro.fig1); it costs memory.
+- ``lowmembp-act`` (the paper's "activation" variant): erf-GELU → ``ReGELU2``, SiLU → ``ReSiLU2``, tanh-GELU /
+  QuickGELU / ReLU / squared ReLU → ``approx_act.make_approx(kind)`` where that exists (else kept, listed in
+  ``lowmembp_report["skipped_acts"]``): exact forward, 2-bit codes saved instead of the input.
+- ``lowmembp-norm`` (the paper's "mergeln" variant): every LayerNorm / RMSNorm the adapter can fold → ``MSLayerNorm``
+  / ``MSRMSNorm`` (no affine), γ and β folded into every linear that reads the norm (lowmembp.models.fold, in float64;
+  LoRA branches too), the final norm into the head (tied embeddings untied), and for post-norm BERT / RoBERTa the
+  affine re-applied on the residual path (``ResidualAffine``). The effective γ comes from the layout
+  (``NormSite.affine()``: Gemma's ``1 + w``).
+- ``lowmembp``: both. Every converted site is then checked against a copy of the original on random inputs
+  (lowmembp.methods._verify: ``ConversionCheckError`` names a mismatch); ``lowmembp_report["sites"]`` lists each site,
+  converted or kept, and why.
+- Option ``norm_dtype`` (spec ``"lowmembp@norm_dtype=fp32"``): the dtype the MS norms emit and save. ``"auto"``: the
+  autocast dtype, so the next linear's cast is a no-op and one 16-bit tensor is saved for both; ``"fp32"`` /
+  ``"input"``: as the official lomem kernel (4 bytes an element, which the LoRA and trainable linear readers then
+  save too: lowmembp.ops.shared_linear), for reproducing the official numbers.
 
-Exact in the forward (fp32: to rounding) with these stated exceptions, which are kept or reported, never silent:
+Exact in the forward (fp32: to rounding), with these exceptions, kept or reported, never silent:
 
-- Norms whose output leaves the model or meets non-linear pooling keep their original module (exact): BERT's last
-  LayerNorm (the last hidden state is the model output and the input of pooler/classifier), a bare backbone's final
-  norm, ViT attention / max pooling, Swin blocks padded to the window size. See ``model.lowmembp_report["kept"]``.
-- Dropout with p > 0 between a norm and its readers (BERT's embedding dropout, ``lora_dropout``, ViT ``head_drop``)
-  now drops the normalised value before β is added back: equal in expectation, not sample by sample.
-- The backbone's intermediate hidden states that are norm outputs (BERT ``output_hidden_states``) and a task
-  model's final normalised hidden state (LLaMA ``hidden_states[-1]``) no longer include γ/β. Logits are unchanged.
-- After conversion W', b' (and LoRA A', its new bias) are free parameters (see lowmembp.models.fold); build the
-  optimizer after converting (folded parameters are updated in place, but new biases are new parameters).
+- Norms whose output leaves the model or meets non-linear pooling keep their module (BERT's last LayerNorm, a bare
+  backbone's final norm, ViT attention / max pooling, Swin blocks padded to the window): ``lowmembp_report["kept"]``.
+- Dropout with p > 0 between a norm and its readers drops the normalised value before β is added back: equal in
+  expectation, not sample by sample.
+- Intermediate hidden states that are norm outputs (``output_hidden_states``) exclude γ/β; logits are unchanged.
+- The folded W', b' (and LoRA A', its new bias) are free parameters: build the optimizer after converting.
 
-Refuses: a model no adapter recognises (UnsupportedModelError naming the families), a model that already holds MS
-norms (for the norm half) or ReGELU2/ReSiLU2 (for the act half), merged or DoRA LoRA layers, weights already
-quantised. QLoRA: ``lowmembp.apply(model, "lora+lowmembp", quantize="nf4")`` in one call folds γ into the full-precision
-weights
-(and verifies that, fp against fp) and then quantises them to NF4 (lowmembp.methods.qlora, the official LowMemoryBP
-order): the result holds NF4(W·diag γ), not the baseline QLoRA model's NF4(W) — a difference of the order of NF4's
-own error.
-Works on real, meta and fake tensors (no data-dependent Python).
+Refuses: a model no adapter recognises, a model that already holds MS norms (norm half) or ReGELU2 / ReSiLU2 (act
+half), merged or DoRA LoRA layers, quantised weights. QLoRA (``"lora+lowmembp"`` with ``quantize="nf4"``) folds γ into
+the full-precision weights, verifies, then quantises to NF4 (lowmembp.methods.qlora, the official order): NF4(W·diag
+γ), not QLoRA's NF4(W). Works on real, meta and fake tensors (no data-dependent Python).
 """
 from __future__ import annotations
 
@@ -217,14 +204,15 @@ def apply_lowmembp(model, share_lora_inputs=True, norm_dtype="auto"):
     return convert(model, acts=True, norms=True, share_lora_inputs=share_lora_inputs, norm_dtype=norm_dtype)
 
 
-@register("lowmembp-act", "LowMemoryBP activations only: GELU→ReGELU2, SiLU→ReSiLU2 (2-bit codes saved)",
-          order=20, excludes=("lowmembp", "mesa-gelu-ln"))
-def apply_lowmembp_act(model):
-    return convert(model, acts=True, norms=False)
-
-
 @register("lowmembp-norm", "LowMemoryBP norms only: LayerNorm/RMSNorm→MS-norms with γ/β folded into the next "
           "linears (option norm_dtype)", options=_OPTS, order=20, excludes=("lowmembp", "mesa-gelu-ln"),
-          check=_check_options)
+          check=_check_options, shown_by=lambda layers: any(name in ("MSLayerNorm", "MSRMSNorm") for _, name in layers))
 def apply_lowmembp_norm(model, share_lora_inputs=True, norm_dtype="auto"):
     return convert(model, acts=False, norms=True, share_lora_inputs=share_lora_inputs, norm_dtype=norm_dtype)
+
+
+@register("lowmembp-act", "LowMemoryBP activations only: GELU→ReGELU2, SiLU→ReSiLU2 (2-bit codes saved)",
+          order=20, excludes=("lowmembp", "mesa-gelu-ln"),
+          shown_by=lambda layers: any(module.startswith("lowmembp.ops.approx_act") for module, _ in layers))
+def apply_lowmembp_act(model):
+    return convert(model, acts=True, norms=False)

@@ -50,10 +50,17 @@ HF_IMPL = "mesa_eager"
 _MESA_ACT_KINDS = ("gelu", "gelu_tanh", "silu")
 
 
+def _shows_mesa(layers: set, linears: bool) -> bool:
+    """Whether layers ``{(module, class name)}`` show Mesa's conversion (with its linears, or without)."""
+    mesa = any(module.startswith("lowmembp.ops.mesa_layers") for module, _ in layers)
+    return mesa and linears == any(name == "MesaLinear" for _, name in layers)
+
+
 @register("mesa", "Mesa 8-bit activations: Linear, GELU/SiLU, LayerNorm/RMSNorm inputs and eager attention "
           "(softmax, matmuls) saved in int8 with EMA ranges",
           options={"mesa_groups": 8, "mesa_attention": "auto", "mesa_momentum": MOMENTUM},
-          order=30, excludes=("mesa-gelu-ln",) + _EXCLUDES)
+          order=30, excludes=("mesa-gelu-ln",) + _EXCLUDES, covers=("mesa-gelu-ln",),
+          shown_by=lambda layers: _shows_mesa(layers, linears=True))
 def apply_mesa(model: nn.Module, mesa_groups: int = 8, mesa_attention: str = "auto",
                mesa_momentum: float = MOMENTUM) -> nn.Module:
     return convert(model, linears=True, acts=True, norms=True, attention=mesa_attention, groups=mesa_groups,
@@ -61,7 +68,8 @@ def apply_mesa(model: nn.Module, mesa_groups: int = 8, mesa_attention: str = "au
 
 
 @register("mesa-gelu-ln", "Mesa 8-bit activations on GELU/SiLU and LayerNorm/RMSNorm only (LowMemoryBP Fig. 1)",
-          options={"mesa_groups": 8, "mesa_momentum": MOMENTUM}, order=30, excludes=("mesa",) + _EXCLUDES)
+          options={"mesa_groups": 8, "mesa_momentum": MOMENTUM}, order=30, excludes=("mesa",) + _EXCLUDES,
+          shown_by=lambda layers: _shows_mesa(layers, linears=False))
 def apply_mesa_gelu_ln(model: nn.Module, mesa_groups: int = 8, mesa_momentum: float = MOMENTUM) -> nn.Module:
     return convert(model, linears=False, acts=True, norms=True, attention="keep", groups=mesa_groups,
                    momentum=mesa_momentum)

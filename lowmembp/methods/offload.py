@@ -44,6 +44,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lowmembp._compat import top_saved_tensors_hooks
 from lowmembp.methods.registry import register
 
+# Who is told of each storage the method keeps in host memory (``listener(tensor)``): a running peak tracker of
+# lowmembp.measurement.peak adds itself, so that it counts those bytes as host memory. (The measurement room sits
+# above the methods: it listens here; the method never imports it.)
+HOST_LISTENERS: list = []
+
+
+def _note_host(t: torch.Tensor) -> None:
+    for listener in tuple(HOST_LISTENERS):
+        listener(t)
+
 
 @register("offload", "saved activations to host memory (pinned, side stream on CUDA; accounted on CPU; option "
                      "min_bytes)", options={"min_bytes": 1024}, order=55, excludes=("tokentune",))
@@ -183,11 +193,9 @@ class Offloader:
 
     # -- moving -----------------------------------------------------------------------------------------------------
     def _offload(self, t: torch.Tensor) -> _Held:
-        from lowmembp.measurement.peak import note_host
-
         fake = type(t).__name__ == "FakeTensor"
         if t.device.type == "cpu" and not fake:
-            note_host(t)                  # already host memory: nothing moves; it is accounted as host bytes
+            _note_host(t)                # already host memory: nothing moves; it is accounted as host bytes
             # an alias without grad_fn: holding t itself would tie the graph to itself (a cycle autograd never frees)
             held = _Held(t.detach(), t.device, False)
             self.ledger.add(t, held)
@@ -202,7 +210,7 @@ class Offloader:
         else:  # fake tensors (estimates) and other devices: a plain copy to the host
             host = _empty_like(t, "cpu")
             host.copy_(t)
-        note_host(host)
+        _note_host(host)
         held = _Held(host, t.device, True)
         self.ledger.add(host, held)
         return held

@@ -42,6 +42,8 @@ class Method:
     kinds: dict[str, tuple[type, ...]] = field(default_factory=dict)  # option -> types its text may read as, in order
     check: Callable[..., None] | None = None  # check(**options, defaults filled): ValueError for a bad value
     parts: tuple[str, ...] = ()  # methods that, applied together, are exactly this one (lowmembp = -act + -norm)
+    shown_by: Callable[[set], bool] | None = None  # shown_by({(module, class name) of each layer}): carried?
+    covers: tuple[str, ...] = ()  # methods a model carrying this one shows without carrying them (its parts, ...)
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -52,7 +54,8 @@ _OPTION_VALUE = re.compile(r"[A-Za-z0-9._-]+")
 
 def register(name: str, description: str, *, options: dict[str, Any] | None = None, order: int = 100,
              excludes: tuple[str, ...] | dict[str, str] = (), kinds: dict[str, tuple[type, ...]] | None = None,
-             check: Callable[..., None] | None = None, parts: tuple[str, ...] = ()):
+             check: Callable[..., None] | None = None, parts: tuple[str, ...] = (),
+             shown_by: Callable[[set], bool] | None = None, covers: tuple[str, ...] = ()):
     """Decorator: register ``fn(model, **options) -> model`` as method ``name``.
 
     ``kinds``: for an option whose default's type does not say how to read its text, the types to try in order
@@ -60,14 +63,16 @@ def register(name: str, description: str, *, options: dict[str, Any] | None = No
     filled) before any work (the training job calls it when it parses its arguments); raises ValueError.
     ``parts``: the methods whose combination is exactly this method (the planner lists only one of the two).
     ``excludes``: the methods this one cannot be combined with; a dict maps each to the reason the refusal gives
-    (without one, or with "": "both rewrite the same layers")."""
+    (without one, or with "": "both rewrite the same layers"). ``shown_by``: for a method whose layers show on the
+    model, whether the set of ``(module, class name)`` of a model's layers shows it (:func:`carried_methods`);
+    ``covers``: the methods a model carrying this one shows without carrying them (besides ``parts``)."""
     reasons = dict(excludes) if isinstance(excludes, dict) else {}
 
     def deco(fn):
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is registered twice")
         _REGISTRY[name] = Method(name, description, fn, dict(options or {}), order, tuple(excludes), reasons,
-                                 dict(kinds or {}), check, tuple(parts))
+                                 dict(kinds or {}), check, tuple(parts), shown_by, tuple(parts) + tuple(covers))
         return fn
     return deco
 
@@ -251,22 +256,15 @@ def _conflict(a: Method, b: Method) -> str:
 
 
 def carried_methods(model: nn.Module) -> list[str]:
-    """The methods ``model`` already carries: those ``apply`` recorded, plus those its layers show (MS norms /
-    approximate activations: lowmembp-norm / lowmembp-act; Mesa layers: mesa or mesa-gelu-ln) when the record
-    was lost (e.g. the method's own function was called directly)."""
+    """The methods ``model`` already carries: those ``apply`` recorded, plus those its layers show (each method's
+    ``shown_by``: MS norms, approximate activations, Mesa layers) when the record was lost (e.g. the method's own
+    function was called directly)."""
+    _load_all()
     out = list(getattr(model, "_lowmembp_methods", ()))
-    mods = {(type(m).__module__ or "", type(m).__name__) for m in model.modules()}
-    names = {n for _, n in mods}
-    shown = []
-    if names & {"MSLayerNorm", "MSRMSNorm"}:
-        shown.append("lowmembp-norm")
-    if any(mod.startswith("lowmembp.ops.approx_act") for mod, _ in mods):
-        shown.append("lowmembp-act")
-    if any(mod.startswith("lowmembp.ops.mesa_layers") for mod, _ in mods):
-        shown.append("mesa" if "MesaLinear" in names else "mesa-gelu-ln")
-    covered = {"lowmembp": ("lowmembp-norm", "lowmembp-act"), "mesa": ("mesa-gelu-ln",)}
+    layers = {(type(m).__module__ or "", type(m).__name__) for m in model.modules()}
+    shown = [m.name for m in _REGISTRY.values() if m.shown_by is not None and m.shown_by(layers)]
     for name in shown:
-        if name not in out and not any(name in covered.get(o, ()) for o in out):
+        if name not in out and not any(name in _REGISTRY[o].covers for o in out if o in _REGISTRY):
             out.append(name)
     return out
 

@@ -76,6 +76,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lowmembp.methods.checkpointing import is_checkpointed
 from lowmembp.methods.registry import register
 from lowmembp.methods.tokentune_forward import FAMILIES, make_context, merge, run_blocks, take
 
@@ -153,7 +154,7 @@ class TokenTuneState:
         """Per block: checkpoint its selected part? (the ``checkpointing`` method's per-block mark, timm's
         ``grad_checkpointing``, transformers' per-layer ``gradient_checkpointing``, or a wrapper put in its place)."""
         flag = bool(getattr(self.owner, "grad_checkpointing", False))
-        return [flag or site.get() is not blk or bool(getattr(blk, "_lowmembp_checkpointed", False))
+        return [flag or site.get() is not blk or is_checkpointed(blk)
                 or bool(getattr(blk, "gradient_checkpointing", False))
                 for site, blk in zip(self.sites, self.blocks)]
 

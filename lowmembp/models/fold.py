@@ -26,12 +26,6 @@ import torch
 import torch.nn as nn
 
 
-def norm_affine(norm: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(γ, β) as stored on a LayerNorm / LLaMA-style RMSNorm; either may be None (no affine, no bias). For the
-    *effective* γ (Gemma's ``1 + w``) use ``NormSite.affine()`` of the layout."""
-    return getattr(norm, "weight", None), getattr(norm, "bias", None)
-
-
 def _fold_conv1d(lin: nn.Module, gamma, beta, where: str, shared: set[int]) -> None:
     """transformers ``Conv1D`` (GPT-2): ``y = x @ W + b`` with W in×out, so ``W' = diag(γ)·W``, ``b' = b + βᵀ·W``."""
     _check_weight(lin, where)
@@ -177,3 +171,12 @@ def install_residual_affine(receiver: nn.Module, gamma, beta, arg: int | str = 1
     if arg != 1:
         object.__setattr__(receiver, "_lowmembp_residual_arg", arg)
     receiver.register_forward_pre_hook(_residual_pre_hook, with_kwargs=True)
+
+
+def remove_residual_affine(receiver: nn.Module) -> None:
+    """Undo :func:`install_residual_affine` on ``receiver`` (the export's way back to the stock model)."""
+    receiver._modules.pop("residual_affine", None)
+    receiver.__dict__.pop("_lowmembp_residual_arg", None)
+    for k in [k for k, h in receiver._forward_pre_hooks.items() if h is _residual_pre_hook]:
+        receiver._forward_pre_hooks.pop(k)
+        getattr(receiver, "_forward_pre_hooks_with_kwargs", {}).pop(k, None)

@@ -304,13 +304,6 @@ def get_layout(model: nn.Module) -> ModelLayout:
         f"final norm and the head's linears.")
 
 
-def module_path(root: nn.Module, target: nn.Module) -> str:
-    for name, m in root.named_modules():
-        if m is target:
-            return name
-    return "?"
-
-
 def site(owner: nn.Module, attr: str, prefix: str = "", cls=Site, **kw):
     """A :class:`Site` (or ``cls``) for ``owner.attr`` whose path is ``prefix.attr``."""
     return cls(owner, str(attr), f"{prefix}.{attr}" if prefix else str(attr), **kw)

@@ -176,9 +176,9 @@ def check_float_input(x: torch.Tensor, op: str) -> None:
 def is_shape_only(x: torch.Tensor) -> bool:
     """True for tensors without data — the meta device or a FakeTensor (memory estimates run ops on these).
 
-    The ops no longer need it (they are ``torch.library`` custom ops whose fake implementations serve such tensors);
-    it remains for eager-only code paths (e.g. a check that must not read a fake value). Never call it on a traced
-    path: under ``torch.compile`` it is a graph break.
+    For eager-only code paths that must not read a value (Mesa's range checks and warnings); the ops themselves serve
+    such tensors through their custom ops' fake implementations. Never call it on a traced path: under
+    ``torch.compile`` it is a graph break.
     """
     return x.is_meta or is_fake(x)
 

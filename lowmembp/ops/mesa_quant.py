@@ -75,7 +75,6 @@ from lowmembp.ops.backend import (
     is_shape_only,
     stream_capturing,
 )
-from lowmembp._compat import unset_fake_temporarily
 from lowmembp.ops import cpu_kernels
 from lowmembp.ops.launch import Launcher
 
@@ -94,20 +93,6 @@ _GOLDEN = 0x9E3779B9
 _H1 = 0x7FEB352D
 _H2 = 0x846CA68B
 _MIN_RANGE = 1e-12  # a constant group (α = 0) quantises to β exactly
-_fused_pack = True
-
-
-def fused_pack_enabled() -> bool:
-    """Whether :meth:`EMAQuantizer.pack` runs its one-call CPU path where it can (default True)."""
-    return _fused_pack
-
-
-def set_fused_pack(enabled: bool) -> bool:
-    """Turn :meth:`EMAQuantizer.pack`'s one-call CPU path on or off (off: the ATen ops of :func:`group_min_max`,
-    :func:`ema_update` and :func:`quantize`, the same bits); returns the previous setting."""
-    global _fused_pack
-    old, _fused_pack = _fused_pack, bool(enabled)
-    return old
 
 
 # ----------------------------------------------------------------------------------------------------------- groups
@@ -257,15 +242,6 @@ def draw_seed_tensor(device=None) -> torch.Tensor:
     """A 0-d int64 seed in [0, 2³¹ − 1) from torch's default generator of ``device`` (default the CPU's; traceable:
     no ``.item()``; on a CUDA device graph-safe: a captured CUDA graph draws a new one at every replay)."""
     return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=device or "cpu")
-
-
-def draw_seed() -> int:
-    """A seed in [0, 2³¹ − 1) from torch's default CPU generator (``torch.manual_seed`` reproduces the sequence).
-
-    Drawn on a real CPU tensor with any ``FakeTensorMode`` unset for the moment, so it also works while the data are
-    fake or on the meta device (a fake tensor has no value to read back)."""
-    with unset_fake_temporarily():
-        return int(torch.randint(0, 2**31 - 1, (1,), device="cpu").item())
 
 
 def _check_groups(x, inner, groups, alpha, beta):
@@ -640,7 +616,7 @@ class EMAQuantizer(nn.Module):
             # fewer channel groups than asked (gcd): resize once, before the first update
             self._resize(groups, x.device)
         seed = None
-        if self.training and fused_pack_enabled() and self._fusable(x):
+        if self.training and self._fusable(x):
             seed = draw_seed_tensor()  # the one draw of the call, as quantize makes it below
             qt = self._pack_cpu(x.detach(), inner, groups, seed)
             if qt is not None:

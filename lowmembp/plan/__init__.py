@@ -38,8 +38,9 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-from lowmembp import _deprecated_call
-from lowmembp.estimator.step import ModelSpec, build, estimate, full_depth
+from lowmembp._deprecation import make_module_callable
+from lowmembp.estimator.step import estimate, full_depth
+from lowmembp.estimator.zoo import ModelSpec, build
 from lowmembp.estimator.weights import FROZEN_BASE_METHODS, WEIGHTS, auto_weights, frozen_base, storage_dtype
 from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
 from lowmembp.methods.registry import parse
@@ -415,4 +416,4 @@ def plan(*args, **kwargs) -> Plan:
     return make_plan(*args, **kwargs)
 
 
-_deprecated_call(__name__, "lowmembp.make_plan", lambda: make_plan)
+make_module_callable(__name__, "lowmembp.make_plan", lambda: make_plan)

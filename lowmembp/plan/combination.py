@@ -14,7 +14,8 @@ stored alike.
 """
 from __future__ import annotations
 
-from lowmembp.estimator.step import ModelSpec, extend_by_depth
+from lowmembp.estimator.step import extend_by_depth
+from lowmembp.estimator.zoo import ModelSpec
 from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
 from lowmembp.plan.steps import MIN_BATCH, BatchLine, Steps
 

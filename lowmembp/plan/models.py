@@ -1,4 +1,4 @@
-"""What ``--model`` names: a paper model (:data:`lowmembp.estimator.step.MODELS`), a timm model name, or a transformers
+"""What ``--model`` names: a paper model (:data:`lowmembp.estimator.zoo.MODELS`), a timm model name, or a transformers
 ``config.json`` on disk (file or folder; no hub). Every one is built on the meta device by
 :mod:`lowmembp.estimator.step`.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from lowmembp.estimator.step import MODELS, ModelSpec, paper_model_name
+from lowmembp.estimator.zoo import MODELS, ModelSpec, paper_model_name
 
 __all__ = ["resolve_model"]
 

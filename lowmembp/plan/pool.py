@@ -128,12 +128,13 @@ def _pool(jobs: int, n_tasks: int, preload: list[str], start_method: str | None)
 def modules_needed(spec, overrides, combos: list[str]) -> list[str]:
     """What every worker would import: the planner, the model's own modules (transformers' LLaMA alone takes ~2.4 s)
     and peft when a combination uses it (~1.3 s); imported once, before the workers start."""
-    from lowmembp.estimator.step import _PEFT_METHODS, build
+    from lowmembp.estimator.zoo import build
+    from lowmembp.estimator.weights import FROZEN_BASE_METHODS
 
     try:
         model = build(spec, layers=2, overrides=overrides, device="meta")
     except ValueError:  # depth per stage (Swin): the whole model, still on the meta device
         model = build(spec, overrides=overrides, device="meta")
     own = sorted({type(m).__module__ for m in model.modules()} - {"__main__"})
-    uses_peft = any(part in _PEFT_METHODS for c in combos for part in c.split("+"))
+    uses_peft = any(part in FROZEN_BASE_METHODS for c in combos for part in c.split("+"))
     return ["lowmembp.plan.worker", "lowmembp.plan.steps", "transformers", *own, *(["peft"] if uses_peft else [])]

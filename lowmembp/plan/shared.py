@@ -34,10 +34,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from lowmembp.estimator.step import ModelSpec, _autocast, _batch, _loss, block_names, fsdp_peak, make_optimizer, \
-    prepare_model
+from lowmembp.estimator.fsdp import fsdp_peak
+from lowmembp.estimator.step import autocast_to, make_optimizer, prepare_model
+from lowmembp.estimator.zoo import ModelSpec, block_names, compute_loss, make_batch
 from lowmembp.estimator.weights import nf4_peak
-from lowmembp.measurement.peak import prime_optimizer
+from lowmembp.measurement.peak import HOST as HOST_CATEGORY, prime_optimizer
 from lowmembp.plan.steps import EventTracker, RecordingFakeMode, StepRun, _peak_dict
 
 __all__ = ["SharedSteps", "TimelineTracker", "replay", "NotShared", "FUSED_BACKWARD", "STEP_PARTS", "QUIET"]
@@ -46,7 +47,6 @@ FUSED_BACKWARD = "adamw-fused-backward"  # the optimizer that steps inside the b
 # timeline entries: (COUNT, uid, bytes or None when already live, category, phase) | (FREE, uid) | (SAVED, uid)
 # | (HOST, uid): a live storage moved to the host
 COUNT, FREE, SAVED, HOST = range(4)
-_HOST = "host"
 
 
 # What the optimizers' steps write in a timeline, kept for the worker's life (as torch keeps its fake-tensor cache):
@@ -90,37 +90,37 @@ class TimelineTracker(EventTracker):
 
     def uid(self, t: torch.Tensor) -> int | None:
         """The uid of ``t``'s storage while it is counted, else None."""
-        key = self._key(t)
+        key = self.key_of(t)
         return self.alias.get(key, self._uids.get(key))
 
-    def _count(self, st, key, category):
+    def count_storage(self, st, key, category):
         if key in self.alias:  # a stand-in: only its re-tags are written, the storage itself is not counted
             self._out.append((COUNT, self.alias[key], None, category, self.phase()))
             return
-        if key in self._live:
+        if self.category_of(key) is not None:
             self._out.append((COUNT, self._uids[key], None, category, self.phase()))
         else:
             self._uids[key] = uid = self._next
             self._next += 1
             self._out.append((COUNT, uid, int(st.nbytes()), category, self.phase()))
-        super()._count(st, key, category)
+        super().count_storage(st, key, category)
 
-    def _free(self, key):
+    def free_storage(self, key):
         uid = self._uids.pop(key, None)
         if uid is not None:
             self._out.append((FREE, uid))
-        super()._free(key)
+        super().free_storage(key)
 
-    def _mark_saved(self, t):
-        key = self._key(t) if isinstance(t, torch.Tensor) else None
+    def mark_saved(self, t):
+        key = self.key_of(t) if isinstance(t, torch.Tensor) else None
         if key in self._uids:
             self._out.append((SAVED, self._uids[key]))
-        super()._mark_saved(t)
+        super().mark_saved(t)
 
     def to_host(self, t):
-        key = self._key(t)
-        entry = self._live.get(key) if key is not None else None
-        if entry is not None and entry[1] != _HOST:
+        key = self.key_of(t)
+        category = self.category_of(key) if key is not None else None
+        if category is not None and category != HOST_CATEGORY:
             self._out.append((HOST, self._uids[key]))
         super().to_host(t)
 
@@ -156,22 +156,14 @@ def replay(entries) -> EventTracker:
                     continue
                 st = held[uid] = _Storage(e[2])
             r.now = e[4]
-            r._count(st, uid, e[3])
+            r.count_storage(st, uid, e[3])
         elif kind == FREE:
             if held.pop(uid, None) is not None:
                 pass  # the stand-in died here: the tracker's weak reference freed it
         elif kind == SAVED:
-            entry = r._live.get(uid)
-            if entry is not None and uid not in r._saved_keys and entry[1] in ("activations", "other"):
-                r._saved_keys.add(uid)
-                r.saved += entry[0]
+            r.mark_saved_storage(uid)
         elif kind == HOST:
-            entry = r._live.get(uid)
-            if entry is not None and entry[1] != _HOST:
-                r.current[entry[1]] -= entry[0]
-                r.total -= entry[0]
-                entry[1] = _HOST
-                r._add_host(entry[0])
+            r.move_to_host(uid)
     r.held = held  # alive until the caller is done reading (their frees would only lower the totals)
     return r
 
@@ -205,7 +197,7 @@ class SharedSteps:
         """Each optimizer's step at ``batch_size`` (and ``seq_len`` tokens) from one forward and backward."""
         fused = FUSED_BACKWARD in self.opts and self.opts[FUSED_BACKWARD] is not None
         with self.mode:
-            batch = _batch(self.spec, self.model, batch_size, seq_len or self.seq_len, self.vocab)
+            batch = make_batch(self.spec, self.model, batch_size, seq_len or self.seq_len, self.vocab)
             counter = None
             if flops:
                 from lowmembp.measurement.flops import step_flop_counter
@@ -216,7 +208,7 @@ class SharedSteps:
             for z, opt in self.opts.items():
                 with t.part(("state", z)):
                     if opt is not None:
-                        t._track_opt_state(opt)
+                        t.track_optimizer_state(opt)
             t.track_external(None, None, *batch.values())
             inner, grads = [], {}  # fused-backward's steps in the backward; parameter -> (gradient uid, layout)
             own = self._step_inside_backward(t, inner, grads) if fused else []  # first, as fused-backward's hooks
@@ -226,8 +218,8 @@ class SharedSteps:
             with t.recording(self.mode):
                 handles = _watch_inner(t, inner) if fused else []
                 try:
-                    with t.saved_hooks(), _autocast(self.dtype):
-                        loss = _loss(self.spec, self.model, batch)
+                    with t.saved_hooks(), autocast_to(self.dtype):
+                        loss = compute_loss(self.spec, self.model, batch)
                     loss.backward()
                 finally:
                     for h in handles + own:
@@ -278,9 +270,8 @@ class SharedSteps:
             key = (_layout(p), _layout(g), _defaults(opt._inner[p]))
             grads[p] = (t.uid(g), _layout(g))
             if QUIET.get(key):
-                t._in_opt = True  # as the tracker's hook at an optimizer step's start: the gradient re-counted
-                t.track(g, "gradients")
-                t._in_opt = False
+                with t.in_optimizer_step():  # as the tracker's hook at an optimizer step's start: the gradient
+                    t.track(g, "gradients")    # re-counted
                 del g
                 p.grad = None
                 return
@@ -299,7 +290,7 @@ class SharedSteps:
         them."""
         from lowmembp.measurement.flops import step_flop_counter
 
-        cats = {uid: t._live[key][1] for key, uid in t._uids.items()}
+        cats = {uid: t.category_of(key) for key, uid in t._uids.items()}
         cats.update({uid: "gradients" for uid, _ in grads.values()})
         parts, flops = {}, t.flops
         for z in optimizers:
@@ -312,7 +303,7 @@ class SharedSteps:
                         if p in grads:
                             uid, (shape, stride, dtype) = grads[p]
                             p.grad = torch.empty_strided(shape, stride, dtype=dtype, device=p.device)
-                            t.alias[t._key(p.grad)] = uid
+                            t.alias[t.key_of(p.grad)] = uid
                             fresh.append(p)
                 finally:
                     self.mode.observer = observer
@@ -324,7 +315,7 @@ class SharedSteps:
             finally:
                 t.flops = flops
             for p in fresh:
-                t.alias.pop(t._key(p.grad), None)
+                t.alias.pop(t.key_of(p.grad), None)
                 p.grad = None
             parts[z] = (_own_part(t.parts.pop(("step", z)), cats), counter.get_total_flops())
         return parts

@@ -34,11 +34,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from lowmembp.estimator.step import (ModelSpec, _batch, block_names, fsdp_peak, make_optimizer, prepare_model,
-                                     train_step)
+from lowmembp.estimator.fsdp import fsdp_peak
+from lowmembp.estimator.step import make_optimizer, prepare_model, train_step
+from lowmembp.estimator.zoo import ModelSpec, block_names, make_batch
 from lowmembp.estimator.weights import nf4_peak
-from lowmembp.estimator.fake_mode import DEVICE_QUERY, StepFakeMode, answer_device
-from lowmembp.measurement.peak import CATEGORIES, StorageTracker, prime_optimizer
+from lowmembp.estimator.fake_mode import StepFakeMode, answer_device
+from lowmembp.measurement.peak import CATEGORIES, DEVICE_QUERY, StorageTracker, prime_optimizer
 from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
 
 __all__ = ["Steps", "StepRun", "BatchLine", "EventTracker", "RecordingFakeMode", "MIN_BATCH"]
@@ -119,16 +120,16 @@ class EventTracker(StorageTracker):
             mode.observer = None
             self._stop()
 
-    def _count(self, st, key, category):
-        before = len(self._live)
-        super()._count(st, key, category)
-        if len(self._live) > before and category in self.current:
+    def count_storage(self, st, key, category):
+        new = self.category_of(key) is None
+        super().count_storage(st, key, category)
+        if new and category in self.current:
             self.events.append((self.total, tuple(self.current[c] for c in CATEGORIES), self.saved, self.phase()))
 
 
 class StepRun:
     """One measured step: ``peak`` (estimate()'s ``"peak"`` dict before any FSDP sharding), ``flops`` (or None),
-    ``events`` (see :class:`EventTracker`), and what :func:`lowmembp.estimator.step.fsdp_peak` needs."""
+    ``events`` (see :class:`EventTracker`), and what :func:`lowmembp.estimator.fsdp.fsdp_peak` needs."""
 
     def __init__(self, batch_size: int, peak: dict, flops: int | None, events: list[tuple]):
         self.batch_size, self.peak, self.flops, self.events = batch_size, peak, flops, events
@@ -158,7 +159,7 @@ class Steps:
     def run(self, batch_size: int, flops: bool = False, seq_len: int | None = None) -> StepRun:
         """One step at ``batch_size`` (and ``seq_len`` tokens: the built model's own length when None)."""
         with self.mode:
-            batch = _batch(self.spec, self.model, batch_size, seq_len or self.seq_len, self.vocab)
+            batch = make_batch(self.spec, self.model, batch_size, seq_len or self.seq_len, self.vocab)
             counter = None
             if flops:
                 from lowmembp.measurement.flops import step_flop_counter

@@ -18,6 +18,8 @@ from lowmembp.methods.liger import NO_GPU
 from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
 from lowmembp.plan.combos import NOT_ESTIMATED
 
+pytestmark = pytest.mark.slow  # the full suite only: the prepared GPU run's CPU smoke
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))

@@ -17,6 +17,8 @@ BERT_SMALL = dict(overrides={"hidden_size": 48, "intermediate_size": 96, "num_at
 
 
 def _same(fake, real):
+    """Saved bytes equal to the byte; the peak within 5 % only, so the tests that use this say so in their names
+    (the peak to the byte, against the CPU allocator: test_fake_peak_matches_cpu_allocator)."""
     assert fake["saved"] == real["saved"]                   # saved bytes: exactly
     assert fake["per_block"] == real["per_block"]
     assert abs(fake["peak"]["bytes"] - real["peak"]["bytes"]) <= 0.05 * real["peak"]["bytes"]
@@ -24,17 +26,17 @@ def _same(fake, real):
 
 
 @pytest.mark.parametrize("method,dtype", [("baseline", "bf16"), ("lora", "fp16"), ("lora+lowmembp", "bf16")])
-def test_vit_fake_equals_real(method, dtype):
+def test_vit_fake_saves_as_real_peak_within_5_percent(method, dtype):
     kw = dict(VIT_SMALL, dtype=dtype)
     _same(estimate("vit-b16", method, **kw), estimate("vit-b16", method, device="cpu", **kw))
 
 
 @pytest.mark.parametrize("method", ["baseline", "lowmembp"])
-def test_llama_fake_equals_real(method):
+def test_llama_fake_saves_as_real_peak_within_5_percent(method):
     _same(estimate("llama-7b", method, **LLAMA_SMALL), estimate("llama-7b", method, device="cpu", **LLAMA_SMALL))
 
 
-def test_bert_tokentune_fake_equals_real():
+def test_bert_tokentune_fake_saves_as_real_peak_within_5_percent():
     kw = dict(BERT_SMALL, k=4)
     _same(estimate("bert-large", "tokentune", **kw), estimate("bert-large", "tokentune", device="cpu", **kw))
 

@@ -1,4 +1,4 @@
-"""``estimate(..., world_size=N)``: one rank's peak under FSDP2 (``lowmembp.estimator.step.fsdp_peak``), against the
+"""``estimate(..., world_size=N)``: one rank's peak under FSDP2 (``lowmembp.estimator.fsdp.fsdp_peak``), against the
 arithmetic of the shards and against a real two-process FSDP2 step on the CPU (gloo; the CPU allocator's events on
 each rank, ``experiments.distributed.fsdp_cpu_peak``), and through the planner's ``world_size``."""
 from __future__ import annotations

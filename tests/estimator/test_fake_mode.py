@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from lowmembp.estimator.step import MODELS, _batch, make_optimizer, prepare_model, train_step
+from lowmembp.estimator.step import make_optimizer, prepare_model, train_step
+from lowmembp.estimator.zoo import MODELS, make_batch
 from lowmembp.estimator.fake_mode import DEVICE_QUERY, KEY_MARK, StepFakeMode
 from lowmembp.measurement.peak import prime_optimizer
 from lowmembp.plan.combos import combinations
@@ -74,7 +75,7 @@ def _step_ops(base, model_name, method):
     with mode:
         opt = make_optimizer(model)
         prime_optimizer(opt)
-        batch = _batch(spec, model, 3, kw["seq_len"], kw["overrides"].get("vocab_size"))
+        batch = make_batch(spec, model, 3, kw["seq_len"], kw["overrides"].get("vocab_size"))
         train_step(spec, model, batch, opt, kw["dtype"])
         train_step(spec, model, batch, opt, kw["dtype"])  # a second step: the cache's hits
     return mode.ops

@@ -23,6 +23,8 @@ from safetensors.torch import load_file
 import distributed_jobs as jobs
 from experiments import train
 
+pytestmark = pytest.mark.slow  # the full suite only: DDP / FSDP in 2 processes
+
 COMMON = ["--task", "mnist5k", "--batch-size", "8", "--steps", "3", "--limit", "48", "--eval-limit", "8",
           "--no-progress", "--seed", "1", "--threads", "1"]
 CELLS = [("ddp", "baseline", []), ("ddp", "lowmembp", []), ("ddp", "lora+lowmembp", ["--rank", "2"]),

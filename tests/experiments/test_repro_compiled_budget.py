@@ -18,6 +18,8 @@ from lowmembp.measurement.saved import saved_bytes  # noqa: E402
 from experiments.repro.compiled_budget import compiled_budget  # noqa: E402
 from experiments.repro.compiled_saving import build  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the full suite only: compiled steps
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "workflow" / "scripts"))  # plots_repro
 sys.path.insert(0, str(ROOT / "workflow"))  # its catalogue

@@ -3,7 +3,8 @@ torch's pytree map); the totals must be torch's, op by op and over whole trainin
 import torch
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
-from lowmembp.estimator.step import MODELS, _batch, make_optimizer, prepare_model, train_step
+from lowmembp.estimator.step import make_optimizer, prepare_model, train_step
+from lowmembp.estimator.zoo import MODELS, make_batch
 from lowmembp.estimator.fake_mode import StepFakeMode
 from lowmembp.measurement.flops import _SHAPED, _cpu_formulas, step_flop_counter
 
@@ -48,7 +49,7 @@ def test_a_fake_training_step_counts_what_torchs_formulas_count():
         model = prepare_model(spec, "lora+checkpointing", mode, layers=2, overrides=overrides)
         with mode:
             opt = make_optimizer(model)
-            batch = _batch(spec, model, 3, 9, overrides["vocab_size"])
+            batch = make_batch(spec, model, 3, 9, overrides["vocab_size"])
             counter = make()
             with counter:
                 train_step(spec, model, batch, opt, "bf16")

@@ -17,6 +17,8 @@ from lowmembp.measurement.saved import saved_bytes  # noqa: E402
 from lowmembp.methods.compile import compile_info, is_compiled  # noqa: E402
 from tiny_models import _randomise_norms, build  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the full suite only: torch.compile'd models (~80 s)
+
 FAST = "aot_eager_decomp_partition"
 
 

@@ -9,12 +9,17 @@ import torch.nn as nn
 import lowmembp
 from lowmembp.measurement.saved import SavedTensorAccountant
 from lowmembp.models import UnsupportedModelError, get_layout
-from lowmembp.models.fold import norm_affine
 
 from tiny_models import FAMILY_BUILDERS, build, logits, lora_wrap
 
 ALL = sorted(FAMILY_BUILDERS)
 REPS = ["vit", "swin", "bert", "roberta", "llama", "mistral", "qwen2"]  # one per family / architecture
+
+
+
+def norm_affine(norm):
+    """(γ, β) as stored on a LayerNorm / LLaMA-style RMSNorm; either may be None (no affine, no bias)."""
+    return getattr(norm, "weight", None), getattr(norm, "bias", None)
 
 
 def rel(a, b):

@@ -8,6 +8,8 @@ import lowmembp
 from script_loader import load_script
 from tiny_models import build
 
+pytestmark = pytest.mark.slow  # the full suite only: every pair of methods (~60 s)
+
 SPECS = ["baseline", "checkpointing", "mesa", "mesa-gelu-ln", "lowmembp", "lowmembp-act", "lowmembp-norm",
          "tokentune", "lora", "lora+lowmembp", "lora+checkpointing", "lora+mesa-gelu-ln", "lowmembp+tokentune",
          "lora+lowmembp+tokentune"]

@@ -12,11 +12,14 @@ import pathlib
 import re
 import warnings
 
+import pytest
 import torch
 
 import lowmembp
 from lowmembp.models import UnsupportedModelError, get_layout
 from tiny_models import MORE_BUILDERS, build, logits
+
+pytestmark = pytest.mark.slow  # the full suite only: every method x 20 architectures (~120 s)
 
 ARCHS = ["vit", "swin", "bert", "llama"] + list(MORE_BUILDERS)
 METHODS = ["lowmembp", "lowmembp-act", "lowmembp-norm", "mesa", "checkpointing", "lora", "tokentune"]

@@ -4,8 +4,10 @@ Each case runs the same sequence of batches through two copies of one quantiser 
 once with the one-call path, once with it turned off (``group_min_max``, ``ema_update``, ``quantize``), and compares
 every buffer, the QTensor's codes, step and β, and the generator's state afterwards, bit for bit.
 """
+import contextlib
 import copy
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -64,15 +66,15 @@ def _batches(shape, dtype, kinds, seed=0):
 
 def _run(quant: mq.EMAQuantizer, batches, fused: bool, seed: int = 1234):
     """The QTensors, the warnings and the generator state after packing ``batches`` with the path chosen."""
-    old = mq.set_fused_pack(fused)
-    try:
+    # the plain path: pack finds no input its one-call CPU path takes (the ATen ops of group_min_max, ema_update
+    # and quantize run instead)
+    plain = mock.patch.object(mq.EMAQuantizer, "_fusable", lambda self, x: False)
+    with contextlib.nullcontext() if fused else plain:
         torch.manual_seed(seed)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             qts = [quant.pack(x) for x in batches]
         return qts, [w for w in caught if issubclass(w.category, RuntimeWarning)], torch.get_rng_state()
-    finally:
-        mq.set_fused_pack(old)
 
 
 def _compare(quant: mq.EMAQuantizer, batches, calls_expected: int | None = None, monkeypatch=None):

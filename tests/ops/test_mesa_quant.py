@@ -4,7 +4,16 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lowmembp._compat import unset_fake_temporarily
 from lowmembp.ops import mesa_quant as mq
+
+
+def draw_seed() -> int:
+    """The reference seed: one draw in [0, 2³¹ − 1) from torch's default CPU generator, as :func:`mq.quantize` draws
+    it (on a real CPU tensor with any fake mode unset for the moment, so that it also works while the data are
+    fake)."""
+    with unset_fake_temporarily():
+        return int(torch.randint(0, 2**31 - 1, (1,), device="cpu").item())
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -202,10 +211,10 @@ def test_quantize_under_fake_tensor_mode(dtype):
     assert mq.get_chunk_size() == mq.DEFAULT_CHUNK  # the context manager restored it
     # the seed comes from torch's default generator inside the fake mode as outside
     torch.manual_seed(11)
-    outside = mq.draw_seed()
+    outside = draw_seed()
     torch.manual_seed(11)
     with FakeTensorMode():
-        assert mq.draw_seed() == outside
+        assert draw_seed() == outside
 
 
 def test_chunk_size_does_not_change_codes():
@@ -220,7 +229,7 @@ def test_chunk_size_does_not_change_codes():
         assert mq.get_chunk_size() == 7
         chunked = mq.quantize(x, alpha, beta, inner, G)
     torch.manual_seed(9)
-    explicit = mq.quantize_ref(x, 255.0 / alpha, beta, inner, G, mq.draw_seed(), chunk=x.numel())
+    explicit = mq.quantize_ref(x, 255.0 / alpha, beta, inner, G, draw_seed(), chunk=x.numel())
     assert torch.equal(default.codes, chunked.codes) and torch.equal(default.codes, explicit)
     assert torch.equal(mq.dequantize_ref(default.codes, default.step, default.beta, inner, G, torch.float32, chunk=3),
                        mq.dequantize(default))

@@ -13,6 +13,8 @@ from lowmembp.ops import mesa_quant as mq
 from lowmembp.ops import ms_norm as MS
 from backends import force_backend
 
+pytestmark = pytest.mark.slow  # the full suite only: torch.compile of the ops
+
 ACTS = [("gelu", 2), ("silu", 2), ("relu", 1)]
 
 

@@ -10,6 +10,8 @@ from lowmembp.plan.combination import Peaks
 from lowmembp.plan.combos import combinations
 from lowmembp.plan.steps import BatchLine, Steps
 
+pytestmark = pytest.mark.slow  # the full suite only: the planner's shortcuts against direct steps
+
 # LLaMA at a tiny width, 4 blocks (the planner extends its 2- and 3-block builds), bf16 autocast as the paper
 LLAMA = dict(overrides={"hidden_size": 32, "intermediate_size": 56, "num_attention_heads": 4,
                         "num_key_value_heads": 2, "vocab_size": 61, "num_hidden_layers": 4}, seq_len=16, dtype="bf16")
@@ -120,12 +122,13 @@ VIT = dict(overrides={"img_size": 32, "embed_dim": 48, "num_heads": 3}, seq_len=
 
 def _stacked_run(steps, b):
     """One step with the tracker entered as its own dispatch mode above the fake mode (what estimate() does)."""
-    from lowmembp.estimator.step import _batch, train_step
+    from lowmembp.estimator.step import train_step
+    from lowmembp.estimator.zoo import make_batch
     from lowmembp.measurement.flops import step_flop_counter
     from lowmembp.plan.steps import EventTracker
 
     with steps.mode:
-        batch = _batch(steps.spec, steps.model, b, steps.seq_len, steps.vocab)
+        batch = make_batch(steps.spec, steps.model, b, steps.seq_len, steps.vocab)
         tracker = EventTracker(step_flop_counter())
         tracker.track_external(steps.model, steps.opt, *batch.values())
         tracker.watch(steps.model)

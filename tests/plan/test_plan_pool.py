@@ -13,6 +13,8 @@ import pytest
 from lowmembp.plan import make_plan
 from lowmembp.plan.pool import run_rows
 
+pytestmark = pytest.mark.slow  # the full suite only: the planner's worker pool
+
 
 def _stub(job: dict) -> dict:
     """A row for ``job`` without estimating anything: ``a`` fails alone; with ``job["dir"]``, only once the

@@ -17,6 +17,8 @@ import psutil
 import pytest
 import yaml
 
+pytestmark = pytest.mark.pipeline  # the full suite only: interrupted and failing pipeline runs (~350 s)
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = {
     "results": "results", "threads_per_run": 1,

@@ -14,6 +14,8 @@ import pandas as pd
 import pytest
 import yaml
 
+pytestmark = pytest.mark.pipeline  # the full suite only: Snakemake dry runs and a tiny pipeline run (~250 s on 2 cores)
+
 ROOT = Path(__file__).resolve().parents[2]
 PAPER_CONFIGS = sorted((ROOT / "config" / "paper").glob("*.yaml"))
 ALL_CONFIGS = sorted((ROOT / "config").rglob("*.yaml"))
