@@ -282,7 +282,3 @@ def autocast_to(dtype: str):
         return contextlib.nullcontext()
     return torch.autocast("cpu", dtype=DTYPES[dtype])
 
-
-# benchmarks/gpu_run_steps.py still imports the old private spellings (another branch edits that file): remove these
-# two once it imports make_batch / compute_loss
-_batch, _loss = make_batch, compute_loss

@@ -48,13 +48,14 @@ for _p in (HERE, HERE.parent, HERE.parents[1]):  # scripts, the catalogue, the l
         sys.path.insert(0, str(_p))
 import catalogue  # noqa: E402
 from lowmembp.atomic import atomic_write  # noqa: E402
+from lowmembp.estimator.weights import FROZEN_BASE_METHODS  # noqa: E402
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER  # noqa: E402  (a record without an optimizer: this one)
 from table_html import page  # noqa: E402
 from table_layout import Footnotes, Layout, Part, header, long_text_columns, markdown, split_columns  # noqa: E402
 
 CLAIMS = HERE.parent / "resources" / "paper_claims.yaml"
 MiB = 2**20
 KEYS = ["task", "model", "method", "optimizer", "batch_size"]  # a cell (_complete: no optimizer column = adamw)
-DEFAULT_OPTIMIZER = "adamw"                                    # read as adamw (the records' own default)
 COMPARED = "compared_with"
 PERCENT_METRICS = {"accuracy"}  # metrics stored as fractions, shown in %
 
@@ -695,7 +696,7 @@ def _flop_ratio(model, method, compared, batch_size, dtype, targets, rank) -> fl
     kw = dict(batch_size=batch_size, flops=True, **({"dtype": dtype} if dtype else {}))
 
     def count(m):
-        lora = m.split("+")[0].split("@")[0] in ("lora", "lora-fa", "velora")
+        lora = m.split("+")[0].split("@")[0] in FROZEN_BASE_METHODS
         opts = {k: v for k, v in (("targets", targets), ("rank", rank)) if v and lora}
         return estimate_by_depth(model, m, **kw, **opts)["flops"]
 
