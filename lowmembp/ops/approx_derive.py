@@ -15,12 +15,8 @@ there is positive definite): the polish works in the positive half of the breakp
 Integrals: the interval is cut at the breakpoints and at 0 (relu2's kink); every segment gets the same number of
 pieces, ⌈2b/2⌉, so none is wider than 2, and 24 Gauss–Legendre nodes per piece. h is smooth on each segment and h̃
 linear, so this is exact to rounding (value and gradient agree with pieces 0.1 wide to ~1e-13), and the nodes move
-affinely with c, so the objective is smooth in c. (Before, a segment's piece count followed its width, so the grid
-changed whenever a breakpoint crossed a piece boundary; with the value computed as ``∫h² − 2a·r + a·G·a``, which
-cancels ~1e4 down to ~1e-5, the objective jumped by ~1e-12, and where BFGS stopped on it, up to 3e-4 away in c,
-depended on the CPU's rounding; relu2's kink was not a cut, an error up to ~2e-9.) The polished point is the same
-to ~1e-11 whatever the rounding (checked by reversing and shuffling the nodes, and with AVX-only BLAS and numpy
-kernels); ``tests/ops/test_derive.py`` holds the shipped table to it at 1e-8.
+affinely with c, so the objective is smooth in c and the polished point the same to ~1e-11 whatever the CPU's
+rounding; ``tests/ops/test_derive.py`` holds the shipped table to it at 1e-8.
 
 The published ReGELU2 / ReSiLU2 constants are NOT the exact minimum of this objective: they came from a simulated
 annealing run (the authors' script) and are asymmetric (c = −3.18588, −0.00118, 3.19083 for GELU). The minimum is
@@ -31,20 +27,12 @@ above the minimum (checked with scipy's adaptive quad too). So no deterministic 
 is within those distances of it. The shipped table keeps the published numbers for ``("gelu", 2)`` and
 ``("silu", 2)`` (ReGELU2 / ReSiLU2 give the paper's results) and the derived ones for every other entry.
 
-The integration interval [−b, b] (:func:`interval`). The published ones, [−6.07, 6.07] (GELU) and [−38.2, 38.2]
-(SiLU), come from the authors' search script (github.com/yyyyychen/LowMemoryBP, truncated error ε = 1e-8): each is
-the point where a closed-form upper bound of one side's tail ``∫_b^∞ |h − ReLU| dx`` (which bounds the squared
-error's tail, as |h − ReLU| < 1 there) equals ε/2 — GELU: |x|·Φ(−|x|) ≤ φ(x), giving e^{−b²/2} = ε, b = 6.0697;
-SiLU: |x|/(1 + e^{|x|}) ≤ |x|·e^{−|x|}, giving e^{−b/2} = ε/2, b = 38.207. The same rule for the new kinds:
-``quick_gelu`` = silu(k·x)/k with k = 1.702: the tail is k⁻² times SiLU's at k·b, so e^{−k·b/2} = k²·ε/2,
-b = 21.22; ``gelu_tanh`` = x·sigmoid(2u), u = √(2/π)(x + 0.044715x³) ≥ √(2/π)·x, so it is bounded by the same
-form with k = 2√(2/π): b = 22.79. For these kinds the interval hardly matters: beyond the outermost breakpoints
-h̃ equals ReLU exactly, so a wider interval only adds a constant to the objective and moves no constant.
-``relu`` is exact (h̃ = ReLU, objective 0: c = 0, a = 1, extra breakpoints at 0 with weight 0).
-``relu2`` (max(x, 0)²) does not tend to ReLU: its deviation grows, no tail rule exists, and the two constraints
-are dropped (h̃ is 0 far left by construction; its last slope continues beyond b). Its interval is GELU's,
-[−6.0697, 6.0697] (the same ε rule read as the tail of a unit-scale Gaussian pre-activation, e^{−b²/2} = ε); pass
-``half_width=`` for another scale.
+The integration interval [−b, b] (:func:`interval`) follows the authors' search script (truncated error ε = 1e-8):
+b is where a closed-form bound of one side's tail ``∫_b^∞ |h − ReLU| dx`` equals ε/2 — GELU e^{−b²/2} = ε (b =
+6.0697), SiLU e^{−b/2} = ε/2 (b = 38.207), ``quick_gelu`` (silu(k·x)/k, k = 1.702) b = 21.22, ``gelu_tanh`` (the
+same form with k = 2√(2/π)) b = 22.79; beyond the outermost breakpoints h̃ equals ReLU, so the interval moves no
+constant. ``relu`` is exact (c = 0, a = 1). ``relu2`` does not tend to ReLU: the two constraints are dropped and its
+interval is GELU's (``half_width=`` for another scale).
 
 Run ``python -m lowmembp.ops.approx_derive --table`` to print the table lowmembp/ops/approx_table.py ships.
 Needs numpy and scipy (not imported by the ops themselves).

@@ -1,59 +1,34 @@
 """Mesa-style 8-bit activation compression (Pan et al., 2021): per-group int8 with EMA ranges, stochastic rounding.
 
-What a layer saves for backward with this op: the uint8 codes, **1 byte per element**, plus **two fp32 scalars per
-group** (the step α/255 and the minimum β, 8 bytes per group) — against 2 bytes per element for fp16/bf16 or 4 for
-fp32. The backward dequantises and runs the exact backward of the layer on the dequantised tensor.
+Saved for backward: the uint8 codes, 1 byte per element, plus two fp32 scalars per group (the step α/255 and the
+minimum β) — against 2 bytes per element for fp16 / bf16 or 4 for fp32. The backward dequantises and runs the
+layer's exact backward on the dequantised tensor.
 
-Groups: element ``i`` of the contiguous tensor belongs to group ``(i // inner) % G``. That one rule covers both
-layouts Mesa uses:
+Groups: element ``i`` of the contiguous tensor belongs to group ``(i // inner) % G``: per head for ``[B, H, N, D]``
+(``G = H``, ``inner = N·D``), per channel group for ``[..., C]`` (``G`` groups of ``inner = C/G`` channels).
 
-- per head, for ``[B, H, N, D]`` tensors (attention operands, softmax output): ``G = H``, ``inner = N·D``;
-- per channel group, for ``[..., C]`` tensors (linear / activation / norm inputs): ``G`` groups of ``C/G`` channels,
-  ``inner = C/G``.
+Ranges (:class:`EMAQuantizer`): per group α and β, an exponential moving average (λ = 0.9) with the current batch
+included — first α = max − min, β = min, then ``α ← λα + (1−λ)(max − min)``, ``β ← λβ + (1−λ)·min`` — and the batch
+quantised with the updated values. Data parallel: min and max of the global batch (:func:`reduce_over_ranks`).
+Non-finite statistics leave the ranges as they were (the ``skipped`` buffer counts them, one RuntimeWarning per
+quantiser; on CUDA checked every 64th call, never while a CUDA graph is captured): one bad batch never poisons the
+later steps.
 
-Ranges: per group a range α and minimum β, an exponential moving average across steps (λ = 0.9) with the current
-batch included: the first step takes α = max − min, β = min of the batch; later steps
-``α ← λα + (1−λ)(max − min)``, ``β ← λβ + (1−λ)·min`` — then the batch is quantised with the updated values.
-Data parallel (``torch.distributed`` initialised with more than one process): min and max are those of the whole
-global batch, reduced over the ranks before the update (:func:`reduce_over_ranks`), so every rank keeps one
-process's ranges.
-Non-finite statistics (a batch with an inf, a NaN, or a range that overflows fp32) do not update the ranges: that
-batch is quantised with the ranges as they were, the update counter does not advance, the quantiser's ``skipped``
-buffer counts it, and a RuntimeWarning says so once per quantiser (checked at once on CPU tensors; on CUDA every
-64th call, to avoid a device sync per call; not under ``torch.compile``). One bad batch never poisons later steps.
+Rounding: ``q = clamp(floor((x − β)·(255/α) + u), 0, 255)``, u ~ U(0, 1), so ``E[x̂] = x`` inside the range; values
+outside [β, β + α] clamp (the original code wraps around in uint8). Dequantise: ``x̂ = q·(α/255) + β``.
+u is a counter-based hash of (seed, element index), ``lowbias32(i·0x9E3779B9 + seed) >> 8`` times 2⁻²⁴, computed
+the same way by every backend, so all agree bit for bit given the seed. An eager call draws its seed from torch's
+CPU generator (``torch.manual_seed`` reproduces a run); while a CUDA graph is captured, and on the traced route, it
+is a 0-d tensor drawn on x's device and read by the kernel, so a replay rounds anew and a compiled graph neither
+specialises on it nor synchronises.
 
-Rounding: ``q = clamp(round((x − β)·255/α + u − 0.5), 0, 255)`` with u ~ U(0, 1), computed as
-``clamp(floor((x − β)·(255/α) + u), 0, 255)`` (the same with round-half-up), so ``E[x̂] = x`` inside the range;
-values outside [β, β + α] clamp to the ends (the original Mesa code wraps around in uint8 there; we clamp).
-Dequantise: ``x̂ = q·(α/255) + β``. Within the range the error is below α/255 per element.
-
-Random numbers: a counter-based hash of (seed, element index) — ``h = lowbias32(i·0x9E3779B9 + seed)``,
-``u = (h >> 8)·2⁻²⁴`` — computed inside the Triton kernel (no float u tensor is ever materialised on the GPU) and by
-the PyTorch reference in the same way, so kernel and reference agree bit for bit given the seed (indices are taken
-modulo 2³²). The seed of each call is a 0-d int64 tensor drawn from torch's default CPU generator
-(``torch.manual_seed`` makes a run reproducible) — a tensor, not a Python int, so that ``torch.compile`` neither
-specialises on it nor recompiles per call.
-
-Custom ops: quantise and dequantise are ``torch.library`` custom ops (``lowmembp::mesa_quantize`` /
-``lowmembp::mesa_dequantize``) with fake implementations: ``torch.compile`` (CPU inductor included) keeps them as
-opaque nodes — inductor never vectorises the integer hash — and FakeTensorMode / meta tensors only allocate the
-outputs.
-
-CPU reference: it works in chunks of :func:`get_chunk_size` elements (default 8192) so that its int64 / fp32
-temporaries stay small; change that with :func:`set_chunk_size` or, for a block of code, ``with chunk_size(n):``.
-Shape-only tensors (``FakeTensorMode`` or the meta device, e.g. :mod:`lowmembp.estimator.step`) carry no values: there
-the
-reference allocates the output only (uint8 codes, or the dequantised tensor), in one piece, as the Triton kernel
-does — no chunk loop, no temporaries.
-
-CPU fast path (:func:`quantize_cpu`, :func:`dequantize_cpu`, the default on CPU tensors): the reference's
-arithmetic, bit for bit, in one pass of the C kernels of :mod:`lowmembp.ops.cpu_kernels` (the hash in wrapping 32-bit
-integers, each group's scale and β per row), or, without a C compiler, in eager ATen ops over cache-sized blocks of
-whole group rows.
-
-Backend: Triton on CUDA tensors, the CPU fast path on CPU tensors, the PyTorch reference elsewhere and under
-``LOWMEMBP_BACKEND=torch`` (:func:`lowmembp.ops.backend.backend_for`). Kernels
-load, cast to fp32, compute, cast back (bf16 arithmetic is never used); fp32, fp16 and bf16 inputs are accepted.
+Routes: the ``torch.library`` custom ops ``lowmembp::mesa_quantize`` / ``lowmembp::mesa_dequantize`` (fake
+implementations: FakeTensorMode and meta tensors only allocate; ``torch.compile`` keeps them opaque) for traced and
+fake calls; eager calls call the backend directly (:func:`lowmembp.ops.backend.eager_backend`). Backends: Triton on
+CUDA tensors (launched from :mod:`lowmembp.ops.launch`'s cache), the CPU fast path on CPU tensors (one pass of the C
+kernels of :mod:`lowmembp.ops.cpu_kernels`, or eager ATen ops over cache-sized blocks of whole group rows, the
+reference's bits either way), the PyTorch reference elsewhere (in chunks of :func:`get_chunk_size` elements so that
+its temporaries stay small). Kernels load, cast to fp32, compute, cast back; fp32, fp16 and bf16 inputs.
 """
 from __future__ import annotations
 

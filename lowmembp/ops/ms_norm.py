@@ -3,48 +3,33 @@
 Forward (statistics in fp32, over the last dimension of size N):
     LayerNorm  y = (x - mean(x)) * rstd,   rstd = 1 / sqrt(var(x) + eps)
     RMSNorm    y = x * rstd,               rstd = 1 / sqrt(mean(x^2) + eps)
-Saved for backward: the OUTPUT ``y`` (the very tensor returned, in the output dtype) and ``rstd`` (fp32, one per row),
-never the input. Per element that is the output's element size (4 bytes fp32, 2 bytes bf16/fp16) plus 4/N bytes
-for rstd; and because the following linear layer saves its input ``y`` anyway, the norm+linear pair stores one
-tensor instead of two (the norm's own cost is then only 4 bytes per row).
+Saved for backward: the OUTPUT ``y`` (the very tensor returned) and ``rstd`` (fp32, one per row), never the input.
+The following linear layer saves its input ``y`` anyway, so the norm + linear pair stores one tensor instead of two.
 Backward from the output (g the upstream gradient, means over the normalised dimension):
     LayerNorm  dx = rstd * (g - mean(g) - y * mean(g*y))
     RMSNorm    dx = rstd * (g - y * mean(g*y))
 
-Sharing with the next linear layer needs the linear to save the same storage: no cast, copy or dropout between.
-Under autocast the norm therefore emits the autocast dtype (``torch.get_autocast_dtype``), so the linear's input
-cast is a no-op; outside autocast it emits the input's dtype. The gradient is returned in the input's dtype.
-peft LoRA layers cast their input to the adapter weight dtype; see ``lowmembp.ops.shared_linear`` for that case.
+Sharing needs the linear to save the same storage: no cast, copy or dropout between. The output dtype
+(``out_dtype``, one of :data:`OUT_DTYPES`): ``"auto"`` (default: the autocast dtype under autocast, so the linear's
+input cast is a no-op, else the input's), ``"input"`` (the input's, as the official lomem kernel allocates it: under
+AMP with an fp32 residual stream it saves fp32) or ``"fp32"``; with the last two under autocast the next linear
+shares the output only if it saves its input as given (``lowmembp.ops.shared_linear``). The gradient is returned in
+the input's dtype.
 
-The output dtype is an option (``out_dtype`` of the modules and functions, one of :data:`OUT_DTYPES`):
-``"auto"`` (default, the above), ``"input"`` (always the input's dtype: what the official lomem kernel does,
-``lomem/csrc/layer_norm.cpp:20`` allocates the output with ``input.options()``, so under AMP with an fp32 residual
-stream it emits and saves fp32) and ``"fp32"`` (always float32). With ``"input"`` / ``"fp32"`` under fp16/bf16
-autocast the saved output is 4 bytes per element instead of 2, and the next linear shares it only if it saves its
-input as given: ``lowmembp.ops.shared_linear.linear_sharing_input`` does (a trainable ``nn.Linear`` under autocast
-saves its own 16-bit copy; a frozen one saves no input).
+Routes (:mod:`lowmembp.ops.skeleton`): eager calls on plain CPU / CUDA tensors take one ``autograd.Function`` on the
+backend's kernels; traced, fake and ``torch.func`` calls the ``torch.library`` custom ops ``lowmembp::ms_norm_fwd`` /
+``lowmembp::ms_norm_bwd`` (fake implementations, registered autograd; ``torch.compile`` sees one opaque node).
+Double backward, ``torch.func`` gradient transforms and forward-mode AD raise an error naming the op (``vmap``
+works). Backends (:func:`lowmembp.ops.backend.backend_for`): Triton on CUDA tensors (a few rows per program, a block
+of next_power_of_2(N) columns, 64-bit row offsets; rows wider than :data:`MAX_TRITON_N` take the reference), the CPU
+fast path on CPU tensors (the reference's bits: LayerNorm's forward one C call replicating ATen's CPU norm, RMSNorm's
+C casts around ATen's fp32 norm, the backward one C call in ATen's row-sum order), the PyTorch reference elsewhere.
 
-Backends (``lowmembp.ops.backend.backend_for``): Triton kernels on CUDA tensors (one program per few rows, a block of
-next_power_of_2(N) columns, 64-bit row offsets), on CPU tensors the CPU fast path (bit for bit equal to the
-reference: LayerNorm's forward one C call replicating ATen's CPU norm, RMSNorm's C casts around ATen's fp32 norm, the
-backward one C call with ATen's row-sum order: ``ms_norm_fwd_cpu`` / ``ms_norm_bwd_cpu``), the PyTorch reference
-elsewhere and under ``LOWMEMBP_BACKEND=torch`` (vectorised: ``native_layer_norm`` / ``_fused_rms_norm`` on fp32).
-Rows wider than ``MAX_TRITON_N`` use the reference too.
-
-The op is a ``torch.library`` custom op (``lowmembp::ms_norm_fwd`` / ``lowmembp::ms_norm_bwd``, fake implementations
-and registered autograd): ``torch.compile`` sees one opaque node (no graph break, ``_fused_rms_norm`` and the Triton
-interpreter are never traced) and FakeTensorMode / meta tensors take the fake implementation (the same y and rstd
-allocations). Double backward, ``torch.func`` gradient transforms and forward-mode AD raise an error naming the op
-and what to use instead (``torch.func.vmap`` alone works).
-
-Pure functions for scripts (e.g. ``benchmarks/gpu_check.py``); any shape, normalised over the last dim, rows = the
-product of the leading dims:
+Pure functions for scripts (any shape, normalised over the last dim; ``kind`` is ``"layernorm"`` or ``"rmsnorm"``):
     ms_norm_fwd_triton(x, kind, eps, out_dtype=None) -> (y of x's shape, rstd [rows] fp32)
     ms_norm_bwd_triton(g, y, rstd, kind, dx_dtype)    -> dx of y's shape
-    ms_norm_fwd_ref / ms_norm_bwd_ref                   same signatures, PyTorch
+    ms_norm_fwd_ref / ms_norm_bwd_ref, ms_norm_fwd_cpu / ms_norm_bwd_cpu: the same signatures
     ms_norm_bytes(rows, N, x_dtype, y_dtype, kind)      -> (forward bytes moved, backward bytes moved)
-``kind`` is ``"layernorm"`` or ``"rmsnorm"``. The autograd functions ``ms_layer_norm(x, eps, out_dtype="auto")`` /
-``ms_rms_norm`` and the modules ``MSLayerNorm`` / ``MSRMSNorm`` take ``out_dtype`` as above.
 """
 from __future__ import annotations
 
