@@ -209,8 +209,8 @@ class StorageTracker(TorchDispatchMode):
     def _track_opt_state(self, optimizer) -> None:
         for state in optimizer.state.values():
             for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    self.track(v, "optimizer_state")
+                for t in _state_tensors(v):
+                    self.track(t, "optimizer_state")
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
@@ -339,6 +339,20 @@ def measure_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                        "at_device_peak": int(tracker.host_at_peak),
                        "how": "storages the offload method keeps in host memory" + (
                            " (on the CPU they stay where they are: counted as host, not device)" if not fake else "")}
+    return out
+
+
+def _state_tensors(v) -> list[torch.Tensor]:
+    """The tensors of one optimizer-state entry: itself, or those an object in the state holds as attributes (GaLore's
+    and APOLLO's projector keeps its projection matrix as ``ortho_matrix``: a tensor or a list of tensors)."""
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (int, float, str, bool)) or v is None or not hasattr(v, "__dict__"):
+        return []
+    out = []
+    for a in vars(v).values():
+        out += [a] if isinstance(a, torch.Tensor) else [t for t in a if isinstance(t, torch.Tensor)] \
+            if isinstance(a, (list, tuple)) else []
     return out
 
 

@@ -332,7 +332,7 @@ def _why(a: Method, b: Method) -> str:
 _loaded = False
 # Modules of lowmembp/methods/ that register no method: the registry itself, the export that undoes the methods
 # and what it records, the optimizer levers (chosen beside the methods, not applied to the model).
-NOT_METHODS = frozenset({"registry", "export", "export_record", "optimizers"})
+NOT_METHODS = frozenset({"registry", "export", "export_record", "optimizers", "optim_levers"})
 
 
 def _load_all() -> None:
