@@ -35,10 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # A cell's files, under results/runs/ (records), logs/train/, benchmarks/train/: {opt} is "" for the default
 # optimizer, "/<optimizer>" for another (OPT_SEGMENT, the Snakefiles' wildcard constraint; opt_segment, optimizer_of).
 CELL = "{task}/{model}/{method}{opt}/bs{bs}/seed{seed}"
-OPT_SEGMENT = "(/[a-z0-9][a-z0-9-]*)?"
+OPT_SEGMENT = "(/[a-z0-9][a-z0-9-]*(@[a-z_]+=[A-Za-z0-9._-]+(,[a-z_]+=[A-Za-z0-9._-]+)*)?)?"  # galore-adamw@rank=16
 # a record's path back to its cell (aggregate.py reads a damaged record's cell from it)
 CELL_PATH = re.compile(r"(?:^|/)runs/(?P<task>[^/]+)/(?P<model>[^/]+)/(?P<method>[^/]+)"
-                       r"(?:/(?P<optimizer>[a-z0-9][a-z0-9-]*))?/bs(?P<batch_size>\d+)/seed(?P<seed>\d+)\.json$")
+                       r"(?:/(?P<optimizer>[a-z0-9][a-z0-9-]*(?:@[a-z_]+=[A-Za-z0-9._-]+(?:,[a-z_]+=[A-Za-z0-9._-]+)*)?))?"
+                       r"/bs(?P<batch_size>\d+)/seed(?P<seed>\d+)\.json$")
 SWEEP_DEFAULTS = {"seeds": [0], "optimizers": [DEFAULT_OPTIMIZER], "steps": None, "dtype": "fp32",
                   "train_config": None, "train_args": [], "method_options": {}, "resources": {}, "init": None}
 BASE_DEFAULTS = {"method": "baseline", "seed": 0, "train_args": []}
