@@ -853,6 +853,9 @@ REPRO_CAPTIONS = {
                          "tensors); saving in %, the paper's beside ours and ours / paper; official run: the same "
                          "step as the official QLoRA run holds memory (LLaMA rows); band: the paper's stated "
                          "'20–30 %'.",
+    "stacked_full": "GiB at the peak of one steady training step, by category (temporaries include the batch), "
+                    "estimated on fake tensors with the real transformers / timm code; `measured / estimated`: the "
+                    "same row at a small width measured by the CPU allocator (- where the optimizer needs CUDA).",
     "lever_estimates": "Each part one lever's page: the peak of one steady training step and the bytes saved for "
                        "backward by one forward, in GiB, and the peak's split by category at that moment "
                        "(lowmembp.measurement.peak; temporaries include the batch), estimated on fake tensors with "
@@ -988,8 +991,35 @@ def lever_estimates_layout(df: pd.DataFrame, notes: Footnotes) -> list[Part]:
     return parts
 
 
+def stacked_full_layout(df: pd.DataFrame, notes: Footnotes) -> list[Part]:
+    """The full-fine-tuning levers (experiments/repro/stacked_full.py): the optimizers at LLaMA-7B (snippet section
+    ``optimizers``), then one stacked part per model (section ``stacked-<model>``)."""
+    cats = ("weights", "gradients", "optimizer", "activations", "temporaries")
+    parts = []
+    for (part, model), sub in df.groupby(["part", "model"], sort=False):
+        rows = []
+        for d in sub.to_dict("records"):
+            row = {"optimizer" if part == "optimizers" else "lever": d["lever"]}
+            if part != "optimizers":
+                row["category"] = d["category"]
+            row["peak (GiB)"] = _num(d["peak_GiB"], ".2f")
+            if part == "optimizers":
+                row["state / AdamW's"] = _num(d.get("state_vs_adamw"), ".3f")
+            else:
+                row["change"] = _num(d.get("change_%"), "+.1f", " %")
+            row.update({f"{c} (GiB)": _num(d[f"{c}_GiB"], ".2f") for c in cats})
+            if part != "optimizers":
+                row["measured / estimated (small width)"] = _num(d.get("measured / estimated"), ".3f")
+            rows.append(row)
+        title = ("LLaMA-7B full fine-tuning, batch 1 × 512, bf16 weights and autocast, per optimizer"
+                 if part == "optimizers" else f"{model}: one lever at a time")
+        parts.append(Part(title, pd.DataFrame(rows), section="optimizers" if part == "optimizers"
+                          else f"stacked-{model}"))
+    return parts
+
+
 REPRO_LAYOUTS = {"fig1": fig1_layout, "lowmembp_headline": lowmembp_headline_layout,
-                 "lever_estimates": lever_estimates_layout}
+                 "lever_estimates": lever_estimates_layout, "stacked_full": stacked_full_layout}
 
 
 def repro_machine(repro) -> str:
