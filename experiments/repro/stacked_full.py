@@ -15,6 +15,9 @@ Parts (``part`` column):
   Adafactor and torchao's by stand-ins holding their packages' states (:mod:`lowmembp.estimator.optim_standins`);
   the CPU offload's states are host memory, not counted; paged AdamW's states counted as device memory (all pages
   resident: the most they take on the device; the driver may page them out under pressure).
+- ``compact``: per model at its stacked setting (AdamW, fp32 weights), CompAct (ratio 0.25) and LowMemoryBP each
+  alone and together beside the baseline: the bytes saved for backward by one forward (whole model, one block) and
+  the peak, with the small width's measured peak beside.
 - ``stacked``: per model, the rows of :data:`STACKS`, each adding one lever to the row before (or putting one in
   place of another: the row says so); the peak of one steady step by category, in GiB, from the estimator, and
   beside it the same row at a small width measured on real CPU tensors by the CPU allocator
@@ -142,10 +145,38 @@ def stacked_rows(small: bool = False) -> list[dict]:
     return rows
 
 
-def stacked_full(small: bool = False, parts: tuple[str, ...] = ("optimizers", "stacked")) -> pd.DataFrame:
+COMPACT = ("baseline", "compact", "lowmembp", "compact+lowmembp")
+
+
+def compact_rows(small: bool = False) -> list[dict]:
+    """The ``compact`` part (module doc): CompAct and LowMemoryBP, each alone and the two together, per model at its
+    stacked setting with AdamW and fp32 weights: the bytes saved for backward (whole model and one block) and the
+    peak; beside it the same at the small width measured on real CPU tensors."""
+    from lowmembp.estimator.step import estimate
+
+    rows = []
+    for model, (setting, width, _) in STACKS.items():
+        base = None
+        for spec in COMPACT:
+            est = _estimate(model, spec, small, **setting)
+            pk = est["peak"]
+            small_est = est if small else estimate(model, spec, layers=2, overrides=width, **setting)
+            measured = None if small else measure_small(model, spec, "adamw", "fp32", setting)
+            block = sum(est["per_block"].values())
+            base = base or (est["saved"]["total"], block)
+            rows.append({"part": "compact", "model": model, "lever": spec, "category": "activations",
+                         "method": f"{spec}, adamw, fp32 weights", **_cats(pk), "peak_GiB": pk["bytes"] / GiB,
+                         "saved_GiB": est["saved"]["total"] / GiB, "block_saved_GiB": block / GiB,
+                         "saved_vs_baseline": est["saved"]["total"] / base[0],
+                         RATIO: None if measured is None else measured / small_est["peak"]["bytes"]})
+    return rows
+
+
+def stacked_full(small: bool = False, parts: tuple[str, ...] = ("optimizers", "stacked", "compact")) -> pd.DataFrame:
     """One row per (part, model, lever); ``small``: every row at a tiny width (no measured column)."""
-    rows = (optimizer_rows(small) if "optimizers" in parts else []) + (stacked_rows(small) if "stacked" in parts
-                                                                         else [])
+    rows = ((optimizer_rows(small) if "optimizers" in parts else [])
+            + (stacked_rows(small) if "stacked" in parts else [])
+            + (compact_rows(small) if "compact" in parts else []))
     df = pd.DataFrame(rows)
     df.attrs["caption"] = (
         "Full fine-tuning levers, estimated on fake tensors on the CPU (GiB at the peak of one steady step, by "
@@ -153,6 +184,7 @@ def stacked_full(small: bool = False, parts: tuple[str, ...] = ("optimizers", "s
         "autocast, each optimizer at its defaults (GaLore / APOLLO rank 128), `state_vs_adamw` its state over "
         f"AdamW's; `{REFRESH}`: GaLore at a step that refreshes its projections (the SVDs). `stacked`: LLaMA-7B at "
         "batch 4 × 2048 (bf16 autocast) and ViT-B/16 at batch 64 (fp16 autocast), one lever at a time, `change_%` "
-        f"against the row above; `{RATIO}`: the same row at a small width, 2 blocks, measured by the CPU allocator."
+        f"against the row above; `{RATIO}`: the same row at a small width, 2 blocks, measured by the CPU allocator. "
+        "`compact`: CompAct and LowMemoryBP alone and together, saved-for-backward bytes beside the peak."
         + (" Tiny width (small=True)." if small else ""))
     return df

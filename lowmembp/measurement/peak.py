@@ -425,7 +425,19 @@ def _cuda_peak(model, optimizer, step, device) -> dict:
     how = "cuda max_memory_allocated" + ("; compiled step" if _is_compiled(model) else "")
     return {"bytes": peak, "how": how,
             "by_category": {"parameters": params, "gradients": grads, "optimizer_state": opt,
-                            "activations_and_temporaries": rest}}
+                            "activations_and_temporaries": rest},
+            "device_resident": _driver_resident(peak, device)}
+
+
+def _driver_resident(peak: int, device) -> dict:
+    """What the device holds beyond PyTorch's caching allocator at the end of the step, from the driver's
+    free-memory figure (``torch.cuda.mem_get_info``): ``outside`` = used − reserved (the CUDA context, library
+    workspaces, and memory allocated outside the allocator: bitsandbytes' paged optimizer states in CUDA unified
+    memory, resident unless the driver has paged them out); ``bytes`` = the allocator's peak plus that."""
+    free, total = torch.cuda.mem_get_info(device)
+    outside = int(total - free - torch.cuda.memory_reserved(device))
+    return {"bytes": peak + max(outside, 0), "outside_allocator": outside,
+            "how": "max_memory_allocated + (total - free - memory_reserved) after the step (torch.cuda.mem_get_info)"}
 
 
 def _nbytes(tensors) -> int:

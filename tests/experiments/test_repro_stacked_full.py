@@ -25,3 +25,8 @@ def test_every_row_and_what_each_lever_changes():
         assert by.loc[lowmembp, "activations_GiB"] < by.shift(1).loc[lowmembp, "activations_GiB"]
         ckpt = "+ activation checkpointing"
         assert by.loc[ckpt, "activations_GiB"] < by.shift(1).loc[ckpt, "activations_GiB"]
+    comp = df[df["part"] == "compact"]
+    for model in STACKS:
+        by = comp[comp["model"] == model].set_index("lever")["saved_GiB"]
+        assert by["compact"] < by["baseline"] and by["lowmembp"] < by["baseline"]
+        assert by["compact+lowmembp"] < min(by["compact"], by["lowmembp"])

@@ -208,11 +208,23 @@ def test_a_missing_package_refuses_with_the_install_line(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cpu_offload_and_paged_on_cuda_keep_no_state_in_the_allocator():
-    m = _model().cuda()
+def test_cpu_offload_and_paged_on_cuda_keep_their_state_outside_the_allocator():
+    from lowmembp.measurement.peak import measure_step_peak
+
     x = _batches(1)[0].cuda()
-    for name in ("adamw-cpu-offload", "paged-adamw"):
+    big = nn.Sequential(nn.Linear(48, 4096), nn.GELU(), nn.Linear(4096, 48)).cuda()  # 2 x 196,608 > paging's 1e5
+    ref = {}
+    for name in ("adamw", "adamw-cpu-offload", "paged-adamw"):
+        m = _model().cuda() if name == "adamw-cpu-offload" else big
         opt = make_optimizer(m.parameters(), name, lr=1e-3)
-        m(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+
+        def step():
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        pk = measure_step_peak(m, opt, step)
+        assert pk["device_resident"]["bytes"] >= pk["bytes"]
+        ref[name] = pk
+    assert ref["paged-adamw"]["device_resident"]["outside_allocator"] >= \
+        ref["adamw"]["device_resident"]["outside_allocator"]

@@ -998,6 +998,17 @@ def stacked_full_layout(df: pd.DataFrame, notes: Footnotes) -> list[Part]:
     parts = []
     for (part, model), sub in df.groupby(["part", "model"], sort=False):
         rows = []
+        if part == "compact":
+            for d in sub.to_dict("records"):
+                rows.append({"method": d["lever"], "saved for backward (GiB)": _num(d["saved_GiB"], ".2f"),
+                             "one block (GiB)": _num(d["block_saved_GiB"], ".3f"),
+                             "saved / baseline's": _num(d["saved_vs_baseline"], ".3f"),
+                             "peak (GiB)": _num(d["peak_GiB"], ".2f"),
+                             "activations at peak (GiB)": _num(d["activations_GiB"], ".2f"),
+                             "measured / estimated (small width)": _num(d.get("measured / estimated"), ".3f")})
+            parts.append(Part(f"{model}: CompAct and LowMemoryBP, alone and together", pd.DataFrame(rows),
+                              section=f"compact-{model}"))
+            continue
         for d in sub.to_dict("records"):
             row = {"optimizer" if part == "optimizers" else "lever": d["lever"]}
             if part != "optimizers":
