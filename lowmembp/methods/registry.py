@@ -4,8 +4,9 @@ Each method lives in its own file under ``lowmembp/methods/`` and registers a tr
 :func:`register`. A method declares the options it takes (with defaults) and its place in the order in which
 composed methods are applied, so ``"lowmembp+lora"`` and ``"lora+lowmembp"`` mean the same thing.
 
-Order (lower first): lora / lora-fa / velora 10 → lowmembp / lowmembp-act / lowmembp-norm 20 → mesa / mesa-gelu-ln
-30 → tiled-mlp 35 → tokentune 40 → chunked-ce / cce 45 → checkpointing 50 → compile 60 (torch.compile of the result).
+Order (lower first): lora / lora-fa / velora 10 → lowmembp / lowmembp-act / lowmembp-norm 20 → compact 25 → mesa /
+mesa-gelu-ln 30 → tiled-mlp 35 → tokentune 40 → chunked-ce / cce 45 → checkpointing 50 → compile 60 (torch.compile of
+the result).
 ``baseline`` changes nothing.
 
 **Deferred steps.** A method may leave part of its work for later in the same ``apply`` with :func:`defer`: the step

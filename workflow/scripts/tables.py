@@ -371,8 +371,9 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
 
 # The peers' sections of the peers table, each the docs page of one method (docs/methods/<name>.md), which includes
 # its section alone: the method's cells beside the cells of the method they are compared with.
-PEER_METHODS = ("velora", "cce", "tiled-mlp")
-PEER_ALSO = {"velora": ("lora",)}  # shown beside a peer besides its compared method: the method it modifies
+PEER_METHODS = ("velora", "cce", "tiled-mlp", "compact")
+# shown beside a peer besides its compared method: the method it modifies, or (compact) the one it composes with
+PEER_ALSO = {"velora": ("lora",), "compact": ("lowmembp",)}
 OPTIMIZERS_SECTION = "optimizers"  # the same cell with each optimizer (docs/methods/optimizers.md)
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")  # peak_<c>_bytes
 
