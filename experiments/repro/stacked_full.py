@@ -11,7 +11,8 @@ Parts (``part`` column):
   ``lever-estimates``' optimizer rows), once per optimizer: AdamW, then every lever of
   :data:`lowmembp.methods.optim_levers.LEVERS` at its defaults (GaLore / APOLLO rank 128, transformers'), plus
   GaLore at a refresh step (``update_proj_gap=1``: the measured step makes the SVD of every projected gradient,
-  one matrix at a time). :func:`lowmembp.estimator.step.estimate_by_depth`: GaLore's own step on fake tensors; APOLLO,
+  one matrix at a time). :func:`lowmembp.estimator.step.estimate_by_depth` (3- and 4-block builds, :data:`SHALLOW`,
+  here and below): GaLore's own step on fake tensors; APOLLO,
   Adafactor and torchao's by stand-ins holding their packages' states (:mod:`lowmembp.estimator.optim_standins`);
   the CPU offload's states are host memory, not counted; paged AdamW's states counted as device memory (all pages
   resident: the most they take on the device; the driver may page them out under pressure).
@@ -64,6 +65,9 @@ SMALL = {"llama-7b": dict(overrides={"hidden_size": 64, "intermediate_size": 172
                                      "num_key_value_heads": 4, "vocab_size": 512}, layers=2, seq_len=64),
          "vit-b16": dict(overrides={"img_size": 32, "embed_dim": 48, "num_heads": 3}, layers=2)}
 RATIO = "measured / estimated"
+# the shallow builds extended to full depth: from 3 and 4 blocks (LLaMA-7B with fp32 weights under bf16 autocast at
+# 4 × 2048 peaks at the loss with 2 blocks and in the blocks' backward from 3 on, so (2, 3) would not extend)
+SHALLOW = (3, 4)
 
 
 def _cats(pk: dict) -> dict:
@@ -77,7 +81,7 @@ def _estimate(model: str, method: str, small: bool, **kw) -> dict:
         s = SMALL[model]
         kw = {k: v for k, v in kw.items() if k != "seq_len" or "seq_len" not in s}
         return estimate(model, method, **s, **kw)
-    return estimate_by_depth(model, method, **kw)
+    return estimate_by_depth(model, method, shallow=SHALLOW, **kw)
 
 
 def optimizer_rows(small: bool = False) -> list[dict]:
