@@ -280,14 +280,17 @@ def _proj_shape(shape: tuple[int, int], rank: int) -> tuple[int, int]:
 
 def galore_state_bytes(shape: tuple[int, ...], rank: int, dtype: torch.dtype = torch.float32) -> int:
     """Bytes GaLoreAdamW keeps for one parameter: for a projected matrix AdamW's two states of the projected
-    gradient plus the projection (the shorter side × rank, in the parameter's dtype); otherwise AdamW's two."""
+    gradient plus the projection; otherwise AdamW's two. The projection of an fp32 matrix is a view of the SVD's
+    whole ``Vh`` (or ``U``), so it keeps ``min(m, n)²`` fp32 values alive; of another dtype, a cast copy of
+    ``rank × min(m, n)`` (galore-torch 1.0's ``get_orthogonal_matrix``)."""
     size = torch.empty((), dtype=dtype).element_size()
     if len(shape) != 2:
         return 2 * math.prod(shape) * size
     m, n = shape
     r, c = _proj_shape((m, n), rank)
     k = min(rank, min(m, n))
-    return (2 * r * c + k * min(m, n)) * size
+    proj = min(m, n) ** 2 * 4 if dtype == torch.float32 else k * min(m, n) * size
+    return 2 * r * c * size + proj
 
 
 def apollo_state_bytes(shape: tuple[int, ...], rank: int, dtype: torch.dtype = torch.float32) -> int:

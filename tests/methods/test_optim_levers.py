@@ -84,8 +84,16 @@ def test_galore_is_galore_torch_and_layerwise_steps_the_same():
     # the projected states: rank x width, not the matrix (48 -> 96: the first weight is 96 x 48, projected to 96 x 4)
     st = opt.state[ours[0].weight]
     assert st["exp_avg"].shape == (96, 4) and st["projector"].ortho_matrix.shape == (4, 48)
-    assert sum(v.numel() * v.element_size() for v in (st["exp_avg"], st["exp_avg_sq"], st["projector"].ortho_matrix)) \
-        == lv.galore_state_bytes((96, 48), 4)
+    held = [st["exp_avg"], st["exp_avg_sq"], st["projector"].ortho_matrix]
+    # storages: the fp32 projection is a view of the SVD's whole Vh (48 x 48), which it keeps alive
+    assert sum(t.untyped_storage().nbytes() for t in held) == lv.galore_state_bytes((96, 48), 4)
+    half = nn.Linear(48, 96).to(torch.bfloat16)
+    opt16 = make_optimizer([half.weight], "galore-adamw@rank=4")
+    half(xs[0].to(torch.bfloat16)).float().sum().backward()
+    opt16.step()
+    st16 = opt16.state[half.weight]
+    held16 = [st16["exp_avg"], st16["exp_avg_sq"], st16["projector"].ortho_matrix]
+    assert sum(t.untyped_storage().nbytes() for t in held16) == lv.galore_state_bytes((96, 48), 4, torch.bfloat16)
     # layer-wise: each parameter stepped in the backward, gradient freed, the same weights bit for bit
     lw = _model()
     opt_lw = make_optimizer(lw.parameters(), "galore-adamw-layerwise@rank=4,update_proj_gap=2", lr=1e-2,
@@ -133,7 +141,7 @@ def test_apollo_is_apollo_torch():
     _same(ours, ref)
     st = opt.state[ours[0].weight]
     held = [st["exp_avg"], st["exp_avg_sq"], st["projector"].ortho_matrix, st["scaled_grad"]]
-    assert sum(t.numel() * t.element_size() for t in held) == lv.apollo_state_bytes((96, 48), 4)
+    assert sum(t.untyped_storage().nbytes() for t in held) == lv.apollo_state_bytes((96, 48), 4)
 
 
 def test_adafactor_is_torch_adafactor_and_its_state_bytes():
