@@ -234,13 +234,13 @@ def build_lever(params: list[torch.Tensor], spec: str, *, lr: float, weight_deca
         apollo = _need(name)
         extra = dict(proj="random", scale_type="channel", proj_type="std")
         return apollo.APOLLOAdamW(_groups(params, targets, full, extra), **common, **kw)
-    if name == "adafactor":
-        return torch.optim.Adafactor(params, lr=lr, weight_decay=weight_decay, **kw)
+    if name == "adafactor":  # the single-tensor form: the foreach one (CUDA's default) holds every estimate at once
+        return torch.optim.Adafactor(params, lr=lr, weight_decay=weight_decay, **{"foreach": False, **kw})
     if name == "adamw-cpu-offload":
-        ao = _need(name)
-        from torchao.optim import CPUOffloadOptimizer  # noqa: F401  (the package checked above)
+        _need(name)
+        import torchao.optim as aoo
 
-        return ao.optim.CPUOffloadOptimizer(params, torch.optim.AdamW, **common, **kw)
+        return aoo.CPUOffloadOptimizer(params, torch.optim.AdamW, **common, **kw)
     if name in TORCHAO_BLOCK:
         _need(name)
         import torchao.optim as aoo
