@@ -236,3 +236,22 @@ def test_cpu_offload_and_paged_on_cuda_keep_their_state_outside_the_allocator():
         ref[name] = pk
     assert ref["paged-adamw"]["device_resident"]["outside_allocator"] >= \
         ref["adamw"]["device_resident"]["outside_allocator"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_offload_is_adamw_and_paged_is_bitsandbytes_adamw_on_cuda():
+    import bitsandbytes as bnb
+
+    xs = [x.cuda() for x in _batches(4)]
+    ref = _model().cuda()
+    _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1), xs)
+    off = _model().cuda()
+    _train(off, make_optimizer(off.parameters(), "adamw-cpu-offload", lr=1e-2, weight_decay=0.1), xs)
+    for p, q in zip(ref.parameters(), off.parameters()):  # the host's fused AdamW: AdamW to rounding
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    plain = _model().cuda()
+    _train(plain, bnb.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, optim_bits=32), xs)
+    paged = _model().cuda()
+    _train(paged, make_optimizer(paged.parameters(), "paged-adamw", lr=1e-2, weight_decay=0.1), xs)
+    _same(paged, plain)  # paging moves the states, not the update
