@@ -40,6 +40,7 @@ from lowmembp.ops.approx_act import regelu2, resilu2
 from lowmembp.ops.mesa_quant import dequantize, draw_seed_tensor, quantize
 from lowmembp.ops.ms_norm import ms_layer_norm, ms_rms_norm
 from lowmembp.measurement.timing import hold_freed_memory, time_interleaved
+from lowmembp.ops.backend import use_backend
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # name: (shape, ours, native, kind)
@@ -100,17 +101,11 @@ def case_steps(name: str, dtype: torch.dtype):
 
 
 def with_backend(step, backend: str):
-    """``step`` run with ``LOWMEMBP_BACKEND=backend`` (read by the ops at each call), the variable restored after."""
+    """``step`` run with the ops' backend forced to ``backend`` (lowmembp.ops.backend.use_backend), the previous
+    setting restored after."""
     def run(r):
-        old = os.environ.get("LOWMEMBP_BACKEND")
-        os.environ["LOWMEMBP_BACKEND"] = backend
-        try:
+        with use_backend(backend):
             return step(r)
-        finally:
-            if old is None:
-                del os.environ["LOWMEMBP_BACKEND"]
-            else:
-                os.environ["LOWMEMBP_BACKEND"] = old
     return run
 
 

@@ -410,15 +410,23 @@ def write_report(out: Path, meta: dict, rows: list) -> None:
              "",
              *([f"**Incomplete**: not checked (the run stopped before them): {', '.join(meta['pending'])}", ""]
                if not meta.get("complete", True) else []),
-             "| op | dir | shape | dtype | check | kernel ms | GB/s | % of copy | reference ms | native ms | detail |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Times: median ms (3 significant digits). GB/s: the kernel's bytes read and written per second; "
+             "% of copy: of a device copy (dst.copy_(src)) moving as many bytes, timed alike. reference: the "
+             "PyTorch reference of the same semantics; native: the op it replaces.",
+             "",
+             "<!-- --8<-- [start:checks] -->",
+             "| op | shape, dtype | check | kernel ms | GB/s | % of copy | reference ms | native ms | detail |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
         status = "skipped" if x.get("skipped") else ("ok" if x["ok"] else "**FAIL**")
-        lines.append(f"| {x['op']} | {x['dir']} | {x['shape']} | {x['dtype']} | "
-                     f"{status} | {_fmt(x.get('ms'), '.4f')} | "
+        dtype = str(x["dtype"]).replace("torch.", "")
+        dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+        lines.append(f"| {x['op']} {x['dir']} | {x['shape']} {dtype} | "
+                     f"{status} | {_fmt(x.get('ms'), '.3g')} | "
                      f"{_fmt(x.get('gbps'), '.0f')} | {_fmt(x.get('pct_copy'), '.0f')} | "
-                     f"{_fmt(x.get('ref_ms'), '.4f')} | "
-                     f"{_fmt(x.get('native_ms'), '.4f')} | {x['detail']} |")
+                     f"{_fmt(x.get('ref_ms'), '.3g')} | "
+                     f"{_fmt(x.get('native_ms'), '.3g')} | {str(x['detail']).replace('|', chr(92) + '|')} |")
+    lines.append("<!-- --8<-- [end:checks] -->")
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
 
 
@@ -436,6 +444,9 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
         os.environ["LOWMEMBP_BACKEND"] = "triton"  # the public functions too take the (interpreted) kernels
     import torch
+    if args.cpu_smoke:
+        from lowmembp.ops.backend import set_backend
+        set_backend("triton")  # (also where lowmembp was imported before: the variable is read at its import)
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here. Run it on a GPU machine, or `--cpu-smoke` for the interpreter "
               "smoke test.", file=sys.stderr)

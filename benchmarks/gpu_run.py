@@ -4,28 +4,37 @@
     python benchmarks/gpu_run.py --out results/gpu/          # on the GPU machine (benchmarks/gpu_run.sh wraps it)
     python benchmarks/gpu_run.py --cpu-smoke --out /tmp/gr   # no GPU: the same script, tiny, nothing measured
 
-Parts, in this order, each with its own time limit inside ``--budget-s`` (default 420 s), each in its own process
-on the GPU (a crash or a hang loses that part only; what it wrote so far stays):
-  gpu_check  benchmarks/gpu_check.py: every Triton kernel against its reference, GB/s and % of a device copy
-             -> gpu_check/gpu_check.{json,md}
-  fig1       LowMemoryBP Fig. 1 for real, ViT-B/16 (benchmarks/gpu_run_steps.py) -> fig1.csv
+First, before anything is timed ("prepare", in the foreground: nothing runs in the background while a part is
+timed): the official ops' nvcc build (when a part uses them and third_party/lomem is there) and, beside it on the CPU,
+lowmembp's fake-tensor estimate of every fig1 / bound / llama configuration (-> estimates.csv, as far as the build's
+time allows). Then the parts, in priority order, each in its own process with its own time limit inside
+``--budget-s`` (default 480 s; a crash or a hang loses that part only; each writes its results as it finishes):
+  fig1       Fig. 1 through the training job (experiments.interleave, --synthetic-data): ViT-B/16, batch 64, fp16,
+             LoRA r4 on qkv then on all linears — eager; captured in a CUDA graph (--capture cuda-graphs); and
+             LowMemoryBP with the official CUDA ops swapped into the same ViT -> fig1.csv, fig1_runs/*.json
+  bound      the device-bound setting through the training job: ViT-B/16 at batch 256 -> bound.csv, bound_runs/
+  host_time  benchmarks/host_time.py --device cuda (host time per op call), where that file is in the tree
+  smoke      the GPU smoke sweep (config/gpu-smoke.yaml) through Snakemake -> smoke/ (runs, runs.csv, tables)
   llama      LLaMA-7B-width 4-layer steps: LoRA and its peers, full fine-tuning per optimizer -> llama.csv
+  gpu_check  benchmarks/gpu_check.py: every Triton kernel against its reference, GB/s and % of a device copy
   kernels    ours vs the official LowMemoryBP CUDA ops vs Liger vs PyTorch (benchmarks/gpu_run_kernels.py)
-             -> kernels.csv
   pytest     ``pytest -m gpu`` over the test files that hold gpu tests -> pytest_gpu.txt, pytest_gpu.xml
-and, on the CPU alongside them (started first), ``estimates``: lowmembp's fake-tensor estimate of every fig1 / llama
-configuration -> estimates.csv; the official ops' nvcc build also runs in the background from the start.
 At the end: estimator_error.csv (measured / estimated peak per configuration), margin.json (the planner's allocator
 margin, read by lowmembp.plan from results/gpu/margin.json), machine.json (GPU, driver, CUDA, versions, the
-command, each part's status and time) and summary.md. Exit status 0 when every part passed, 1 otherwise.
+command, the commit the tree was sent from, each part's status and time) and summary.md. Exit status 0 when every
+part passed, 1 otherwise.
+
+The commit: ``$GPU_RUN_COMMIT``, else third_party/COMMIT (written by prepare_gpu_run.sh on the machine that has the
+repository), else the tree's own .git (which a copied tree may have stale: machine.json says which).
 
 Liger-Kernel and cut-cross-entropy (pure-Python wheels, :data:`CARRIED`): if one is not importable, its wheel in
 third_party/wheels/ is installed with ``pip install --no-deps --no-index --target`` into a temporary folder put on
 the path. bitsandbytes (``adamw8bit``) is not carried (a platform wheel): where it is missing, that row is skipped
 with the reason.
 ``--cpu-smoke``: TRITON_INTERPRET=1 (set before triton is imported), tiny shapes, our kernels through the
-interpreter, the official ops replaced by a flagged stand-in (our reference), Liger skipped, gpu_check on one op and
-pytest collecting only; no timing claims. tests/benchmarks/test_gpu_run.py runs it.
+interpreter, fig1 / bound through the training job on the CPU (the captured rows skipped: CUDA only), the official
+ops replaced by a flagged stand-in (our reference), Liger skipped, the smoke sweep as ``snakemake -n``, gpu_check on
+one op and pytest collecting only; no timing claims. tests/benchmarks/test_gpu_run.py runs it.
 """
 from __future__ import annotations
 
@@ -43,13 +52,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-# part: (limit cap on a GPU in s, cap in the CPU dry run); the order is the run's order
-# The order puts the official nvcc build (started first, in the background) well before the kernels part needs it,
-# and pytest, which repeats much of gpu_check, last. The caps against the parts' times on an H200 (torch 2.11, 16 CPU
-# cores beside the background build and estimates; results/gpu/machine.json): gpu_check 27 s, fig1 31-44 s, llama
-# 39-40 s for its 10 rows, kernels 32 s, pytest 46 s. The caps add up to 415 s: within the default 420 s every part
-# gets its whole cap unless the ones before it ran to theirs, and then each later part still keeps FLOOR_S.
-PARTS = {"gpu_check": (65, 300), "fig1": (75, 300), "llama": (120, 300), "kernels": (80, 300), "pytest": (75, 300)}
+# part: (limit cap on a GPU in s, cap in the CPU dry run); the order is the run's order, the issues' priority: Fig. 1
+# (eager, captured, official), the device-bound setting, the kernels' host time, the smoke sweep, then the rest.
+# Times of the earlier parts on an H200 (torch 2.11; results/gpu/machine.json): gpu_check 27 s, fig1 31-44 s (10
+# rows on the old step harness), llama 39-40 s for its 10 rows, kernels 32 s, pytest 46 s. fig1 now builds 15 cells
+# (about 2 s each) and takes 20 interleaved rounds of 13 (about 25-40 ms a step): some 60-80 s; bound 4 cells at
+# 80-120 ms a step: 30-40 s; the smoke sweep 5 job processes of 15-30 s each. The caps add up to more than the
+# budget: a part gets its cap while the budget lasts, each later part keeps FLOOR_S, and the last ones get what
+# is left.
+PARTS = {"fig1": (130, 600), "bound": (70, 300), "host_time": (60, 300), "smoke": (150, 300), "llama": (120, 300),
+         "gpu_check": (65, 300), "kernels": (80, 300), "pytest": (75, 300)}
+PREPARE_S = (240, 300)  # the official build and the estimates, before any timed part: the most they may take
+OFFICIAL_PARTS = ("fig1", "kernels")  # the parts that use the official ops
+ESTIMATED_PARTS = ("fig1", "bound", "llama")  # the parts whose configurations get a fake-tensor estimate
 FLOOR_S = 20  # what each later part keeps back from an earlier one's limit
 PAPER_FIG1 = {"lora": (3827, 288), "lora+checkpointing": (1252, 229), "lora+mesa-gelu-ln": (2853, 226),
               "lora+lowmembp": (2717, 290)}  # docs/design.md#papers: peak MiB, img/s
@@ -59,10 +74,11 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="results/gpu", help="output folder (default results/gpu/)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU through TRITON_INTERPRET=1")
-    p.add_argument("--budget-s", type=float, default=420.0, help="total seconds for all parts (default 420)")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="total seconds for the preparation and all parts (default 480)")
     p.add_argument("--parts", default=",".join(PARTS),
                    help=f"comma-separated parts to run (default all: {','.join(PARTS)}); estimates run with "
-                        "fig1/llama")
+                        "fig1/bound/llama")
     p.add_argument("--third-party", default=str(ROOT / "third_party"),
                    help="the folder benchmarks/prepare_gpu_run.sh filled (default third_party/)")
     p.add_argument("--build-dir", default=None, help="nvcc build folder of the official ops (default: a temp dir)")
@@ -132,10 +148,10 @@ def run_part(name: str, ctx: Ctx, deadline: float) -> int:
         sink.rewrite(rows)
         sink.close()
         return 1 if kernel_rows_failing(rows) or stopped else 0
-    if name in ("fig1", "llama"):
-        from gpu_run_steps import STEP_COLUMNS, run_steps
+    if name in ("fig1", "bound", "llama"):
+        from gpu_run_steps import JOB_PARTS, STEP_COLUMNS, run_job_part, run_steps
         sink = CsvSink(ctx.out / f"{name}.csv", STEP_COLUMNS)
-        facts = run_steps(ctx, name, sink, deadline)
+        facts = (run_job_part if name in JOB_PARTS else run_steps)(ctx, name, sink, deadline)
         sink.close()
         (ctx.out / f"{name}_allocator.json").write_text(json.dumps(facts, indent=1))
         rows = read_csv(ctx.out / f"{name}.csv")
@@ -232,9 +248,29 @@ class Proc:
         return time.time() - self.t0
 
 
+HOST_TIME = HERE / "host_time.py"
+SMOKE_CONFIG = ROOT / "config" / "gpu-smoke.yaml"
+
+
+def smoke_command(ctx: Ctx) -> list[str]:
+    """The smoke sweep through Snakemake into ``<out>/smoke`` (the dry run: ``-n``, nothing trained): one GPU, so
+    the five cells run one after the other."""
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "all", "--configfile", str(SMOKE_CONFIG), "--config",
+           f"results={ctx.out / 'smoke'}", "--resources", "gpu=1", "--keep-going", "--rerun-incomplete",
+           "--printshellcmds"]
+    return cmd + (["-n"] if ctx.smoke else [])
+
+
 def part_command(name: str, ctx: Ctx, deadline: float) -> list[str]:
     """The command line of a part that runs in a process of its own."""
     py = sys.executable
+    if name == "host_time":  # every op, fp32 / bf16 / fp16 and fp16 autocast, ours / native / official (if built)
+        cmd = [py, str(HOST_TIME), "--device", "cpu" if ctx.smoke else "cuda", "--rounds", "5", "--calls", "100",
+               "--autocast", "--out", str(ctx.out / "host_time")]
+        official = ctx.third_party / "lomem"
+        return cmd + (["--official", str(official), "--build-dir", str(ctx.build_dir)] if official.is_dir() else [])
+    if name == "smoke":
+        return smoke_command(ctx)
     if name == "gpu_check":
         cmd = [py, str(HERE / "gpu_check.py"), "--out", str(ctx.out / "gpu_check")]
         return cmd + (["--cpu-smoke", "--skip-large", "--ops", "approx_act"] if ctx.smoke else [])
@@ -248,6 +284,18 @@ def part_command(name: str, ctx: Ctx, deadline: float) -> list[str]:
     if ctx.args.estimate_workers:
         cmd += ["--estimate-workers", str(ctx.args.estimate_workers)]
     return cmd + (["--cpu-smoke"] if ctx.smoke else [])
+
+
+def skip_reason(name: str, ctx: Ctx) -> str | None:
+    """Why part ``name`` cannot run here (it is then recorded "skipped" with the reason), or None."""
+    import importlib.util
+    if name == "host_time" and not HOST_TIME.is_file():
+        return f"benchmarks/{HOST_TIME.name} is not in this tree"
+    if name == "host_time" and ctx.smoke:
+        return "CPU dry run: the host-time benchmark runs on the GPU machine"
+    if name == "smoke" and importlib.util.find_spec("snakemake") is None:
+        return "snakemake is not installed here (pip install snakemake; the project's own environment has it)"
+    return None
 
 
 def gpu_test_files() -> list[str]:
@@ -348,16 +396,20 @@ def machine_facts(ctx: Ctx, argv: list[str]) -> dict:
         except Exception:
             versions[pkg] = None
     git = {"commit": None, "dirty": None}
+    sent = commit_sent(ctx)
+    if sent:
+        git.update(sent)
     try:
+        if sent:
+            raise StopIteration  # the commit the tree was sent from, not the copy's .git
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         if head.returncode == 0:
             git["commit"] = head.stdout.strip()
             git["dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                                capture_output=True, text=True, timeout=20).stdout.strip())
+        git["how"] = "git rev-parse HEAD of the tree here (a copied tree's .git may be stale)"
     except Exception:
         pass
-    if git["commit"] is None and os.environ.get("GPU_RUN_COMMIT"):  # a copy of the tree without .git
-        git.update(commit=os.environ["GPU_RUN_COMMIT"], how="GPU_RUN_COMMIT (the tree sent had no .git)")
     prepared = ctx.third_party / "PREPARED.txt"
     return {"command": " ".join([Path(sys.executable).name, str(Path(__file__).relative_to(ROOT))] + argv),
             "cwd": str(Path.cwd()), "smoke": ctx.smoke, "gpu": nvidia_smi(), "cuda_torch": _torch_cuda(),
@@ -365,6 +417,19 @@ def machine_facts(ctx: Ctx, argv: list[str]) -> dict:
             "python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
             "versions": versions, "git": git,
             "third_party": prepared.read_text().strip() if prepared.is_file() else "absent"}
+
+
+def commit_sent(ctx: Ctx) -> dict | None:
+    """The commit the tree was sent from: ``$GPU_RUN_COMMIT`` (``<sha>`` or ``<sha> dirty``), else the first line
+    of third_party/COMMIT (written by prepare_gpu_run.sh on the machine holding the repository); None when neither."""
+    line, how = os.environ.get("GPU_RUN_COMMIT", "").strip(), "$GPU_RUN_COMMIT"
+    if not line and (ctx.third_party / "COMMIT").is_file():
+        line = (ctx.third_party / "COMMIT").read_text().strip().splitlines()[0:1]
+        line, how = (line[0].strip() if line else ""), f"{ctx.third_party / 'COMMIT'} (written by prepare_gpu_run.sh)"
+    if not line:
+        return None
+    sha, _, rest = line.partition(" ")
+    return {"commit": sha, "dirty": "dirty" in rest if rest else None, "how": how, "sent": line}
 
 
 def _torch_cuda():
@@ -399,7 +464,8 @@ def main(argv=None) -> int:
     arch_note = None
     if not ctx.smoke and smi.get("compute_capability"):
         arch_note = set_build_arch(smi["compute_capability"])
-        os.environ.setdefault("MAX_JOBS", str(max(1, min(8, (os.cpu_count() or 2) // 2))))
+        # nothing is timed while it builds: every core but those of the estimates beside it
+        os.environ.setdefault("MAX_JOBS", str(max(1, (os.cpu_count() or 2) - 4)))
     print(f"gpu_run: {'CPU dry run' if ctx.smoke else smi.get('name')}; budget {a.budget_s:.0f} s; out {ctx.out}",
           flush=True)
     liger_line = ensure_liger(ctx)
@@ -407,25 +473,14 @@ def main(argv=None) -> int:
     cce_line = ensure_carried(ctx, "cce")
     print(f"gpu_run: {cce_line}", flush=True)
     status = {}
-    background = {}
-    lomem = ctx.third_party / "lomem"
-    if not ctx.smoke and "kernels" in a.parts:
-        if (lomem / "csrc").is_dir():
-            cap = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
-            background["official_build"] = Proc(
-                "official_build", [sys.executable, str(HERE / "official_lomem.py"), "build", "--src", str(lomem),
-                                   "--build-dir", str(ctx.build_dir)] + (["--arch", cap] if cap else []),
-                ctx.out / "official_build.log", _env(ctx, {"CUDA_VISIBLE_DEVICES": ""}))
-        else:
-            print(f"gpu_run: no official sources at {lomem}: the kernels part records them as skipped "
-                  "(run benchmarks/prepare_gpu_run.sh and carry third_party)", flush=True)
-    if {"fig1", "llama"} & set(a.parts):
-        est_deadline = end - 10
-        background["estimates"] = Proc("estimates", part_command("estimates", ctx, est_deadline),
-                                       ctx.out / "estimates.log",
-                                       _env(ctx, {"CUDA_VISIBLE_DEVICES": "", "GPU_RUN_EST_THREADS": "2"}))
+    prepare(ctx, a, status, t0, end)
     todo = [p for p in PARTS if p in a.parts]
     for i, name in enumerate(todo):
+        why = skip_reason(name, ctx)
+        if why:
+            status[name] = dict(status="skipped", seconds=0, note=why)
+            print(f"gpu_run: {name}: skipped: {why}", flush=True)
+            continue
         cap = PARTS[name][1 if ctx.smoke else 0]
         left = end - time.time() - FLOOR_S * (len(todo) - i - 1) - 10
         limit = min(cap, left)
@@ -436,13 +491,12 @@ def main(argv=None) -> int:
         deadline = time.time() + limit - 8  # the part stops itself before it is killed
         print(f"\ngpu_run: === {name} (limit {limit:.0f} s, {time.time() - t0:.0f} s in) ===", flush=True)
         log = ctx.out / (f"{name}.log" if name != "pytest" else "pytest_gpu.txt")
-        busy = [b for b, p in background.items() if p.p.poll() is None]
         extra = {}
-        build = background.get("official_build")
-        if name == "kernels" and build is not None and build.p.poll() not in (None, 0):
-            extra["GPU_RUN_OFFICIAL_FAILED"] = f"the background build failed (rc {build.p.poll()}), see " \
+        build = status.get("official_build")
+        if name in OFFICIAL_PARTS and build is not None and build["status"] != "ok":
+            extra["GPU_RUN_OFFICIAL_FAILED"] = f"the official build {build['status']} (rc {build.get('rc')}), see " \
                                                "official_build.log"
-        if ctx.smoke and name in ("kernels", "fig1", "llama"):
+        if ctx.smoke and name in ("kernels", "fig1", "bound", "llama"):
             t = time.time()
             try:
                 rc = run_part(name, ctx, deadline)
@@ -457,21 +511,48 @@ def main(argv=None) -> int:
         proc = Proc(name, part_command(name, ctx, deadline), log, _env(ctx, extra))
         rc = proc.wait(limit)
         ok = rc == 0 or (name == "pytest" and rc == 5)  # 5: no gpu tests collected
-        notes = [part_note(name, ctx), f"CPU background still running at its start: {', '.join(busy)}" if busy else ""]
         status[name] = dict(status="timeout" if proc.timed_out else ("ok" if ok else "failed"), rc=rc,
-                            seconds=round(proc.seconds, 1), limit_s=round(limit), note="; ".join(n for n in notes if n))
+                            seconds=round(proc.seconds, 1), limit_s=round(limit), note=part_note(name, ctx))
         print(f"gpu_run: {name}: {status[name]['status']} (rc {rc}) in {proc.seconds:.0f} s", flush=True)
-    for name, proc in background.items():
-        left = max(5.0, end - time.time()) if name == "estimates" else 1.0
-        rc = proc.wait(left)
-        status[name] = dict(status="timeout" if proc.timed_out else ("ok" if rc == 0 else "failed"), rc=rc,
-                            seconds=round(proc.seconds, 1), background=True)
     finish(ctx, status, argv, t0, liger_line, cce_line, arch_note)
-    failed = [n for n, s in status.items() if s["status"] not in ("ok",)]
+    failed = [n for n, s in status.items() if s["status"] != "ok" and not (s["status"] == "skipped" and
+                                                                          s.get("note") != "no budget left")]
     print(f"\ngpu_run: done in {time.time() - t0:.0f} s; parts not ok: {failed or 'none'}; "
           f"see {ctx.out / 'summary.md'}",
           flush=True)
     return 1 if failed else 0
+
+
+def prepare(ctx: Ctx, a, status: dict, t0: float, end: float) -> None:
+    """Before any timed part, in the foreground: the official ops' nvcc build (where a part of this run uses them and
+    their sources are carried) and, beside it on the CPU, the fake-tensor estimates (as far as the build's time, or
+    a minute without a build, allows). Fills ``status["official_build"]`` / ``status["estimates"]``."""
+    procs = {}
+    lomem = ctx.third_party / "lomem"
+    limit = min(PREPARE_S[1 if ctx.smoke else 0], max(30.0, 0.5 * (end - time.time())))
+    if not ctx.smoke and set(OFFICIAL_PARTS) & set(a.parts):
+        if (lomem / "csrc").is_dir():
+            arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+            procs["official_build"] = Proc(
+                "official_build", [sys.executable, str(HERE / "official_lomem.py"), "build", "--src", str(lomem),
+                                   "--build-dir", str(ctx.build_dir)] + (["--arch", arch] if arch else []),
+                ctx.out / "official_build.log", _env(ctx, {"CUDA_VISIBLE_DEVICES": ""}))
+        else:
+            print(f"gpu_run: no official sources at {lomem}: their rows are recorded as skipped "
+                  "(run benchmarks/prepare_gpu_run.sh and carry third_party)", flush=True)
+    if set(ESTIMATED_PARTS) & set(a.parts):
+        est_limit = limit if "official_build" in procs else min(limit, 60.0 if not ctx.smoke else limit)
+        procs["estimates"] = Proc("estimates", part_command("estimates", ctx, time.time() + est_limit - 5),
+                                  ctx.out / "estimates.log",
+                                  _env(ctx, {"CUDA_VISIBLE_DEVICES": "", "GPU_RUN_EST_THREADS": "2"}))
+    if procs:
+        print(f"\ngpu_run: === prepare: {', '.join(procs)} (limit {limit:.0f} s; nothing timed meanwhile) ===",
+              flush=True)
+    for name, proc in procs.items():
+        rc = proc.wait(max(1.0, limit - proc.seconds))
+        status[name] = dict(status="timeout" if proc.timed_out else ("ok" if rc == 0 else "failed"), rc=rc,
+                            seconds=round(proc.seconds, 1), prepare=True)
+        print(f"gpu_run: {name}: {status[name]['status']} (rc {rc}) in {proc.seconds:.0f} s", flush=True)
 
 
 def finish(ctx: Ctx, status: dict, argv: list[str], t0: float, liger_line: str, cce_line: str = "",
@@ -479,7 +560,7 @@ def finish(ctx: Ctx, status: dict, argv: list[str], t0: float, liger_line: str, 
     """estimator_error.csv, margin.json, machine.json, summary.md from what the parts wrote."""
     sys.path[:0] = [str(ROOT), str(HERE)]
     from gpu_run_steps import ERROR_COLUMNS, estimator_error, margin_from
-    measured = read_csv(ctx.out / "fig1.csv") + read_csv(ctx.out / "llama.csv")
+    measured = read_csv(ctx.out / "fig1.csv") + read_csv(ctx.out / "bound.csv") + read_csv(ctx.out / "llama.csv")
     estimates = read_csv(ctx.out / "estimates.csv")
     errors = estimator_error(measured, estimates)
     sink = CsvSink(ctx.out / "estimator_error.csv", ERROR_COLUMNS)
@@ -487,7 +568,7 @@ def finish(ctx: Ctx, status: dict, argv: list[str], t0: float, liger_line: str, 
         sink.write(r)
     sink.close()
     allocator = {}
-    for part in ("fig1", "llama"):
+    for part in ("fig1", "bound", "llama"):
         p = ctx.out / f"{part}_allocator.json"
         if p.is_file():
             allocator[part] = json.loads(p.read_text() or "{}")

@@ -85,13 +85,11 @@ class KernelBench:
             dy = torch.randn_like(y)
             grads = torch.autograd.grad(y, xs, dy.clone())
             ref_in = [x.detach().float().requires_grad_() for x in inputs]
-            prev = os.environ.get("LOWMEMBP_BACKEND")
-            os.environ["LOWMEMBP_BACKEND"] = "torch"  # our reference path, in fp32
-            try:
+            from lowmembp.ops.backend import use_backend
+
+            with use_backend("torch"):  # our reference path, in fp32
                 y_ref = ref_fn(*ref_in)
                 g_ref = torch.autograd.grad(y_ref, ref_in, dy.float())
-            finally:
-                _restore_env("LOWMEMBP_BACKEND", prev)
             y_err = _rel_err(y, y_ref)
             dx_err = max(_rel_err(g, r) for g, r in zip(grads, g_ref))
             tol_y, tol_dx = TOL[row["dtype"]]
@@ -112,13 +110,6 @@ class KernelBench:
         self.sink.write(row)
         _progress(row)
         return row
-
-
-def _restore_env(name, value):
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
 
 
 def _progress(row):
@@ -153,13 +144,10 @@ def load_liger(smoke):
 
 def run_kernels(ctx, sink, deadline):
     """All rows; stops (writing what it has) when ``deadline`` (time.time()) is near."""
-    prev = os.environ.get("LOWMEMBP_BACKEND")
-    if ctx.smoke:
-        os.environ["LOWMEMBP_BACKEND"] = "triton"  # "ours" through the interpreter (TRITON_INTERPRET=1 is set)
-    try:
+    from lowmembp.ops.backend import use_backend
+
+    with use_backend("triton" if ctx.smoke else None):  # smoke: "ours" through the interpreter (TRITON_INTERPRET=1)
         return _run_all(ctx, sink, deadline)
-    finally:
-        _restore_env("LOWMEMBP_BACKEND", prev)
 
 
 def _run_all(ctx, sink, deadline):

@@ -1,10 +1,21 @@
-"""Parts "fig1", "llama" and "estimates" of benchmarks/gpu_run.py: whole training steps measured by the allocator,
-and lowmembp's fake-tensor estimate of the same steps.
+"""Parts "fig1", "bound", "llama" and "estimates" of benchmarks/gpu_run.py: whole training steps measured by the
+allocator, and lowmembp's fake-tensor estimate of the same steps.
 
-fig1   LowMemoryBP Fig. 1 (docs/design.md#papers): timm ViT-B/16 (random weights), batch 64, fp16 autocast, LoRA r4 on
+fig1 and bound run their cells through the training job (:func:`run_job_part`: ``experiments.interleave``, the job's
+own cells on random weights and generated inputs of the paper's shapes, ``--synthetic-data``, stepped in turns round
+by round, one job record per cell under ``<out>/<part>_runs/``), and their CSV rows are read from those records;
+llama still runs on this file's own step (:class:`StepRun`), which builds the estimator's models and their optimizers.
+
+fig1   (through the training job) LowMemoryBP Fig. 1 (docs/design.md#papers): timm ViT-B/16 (random weights),
+       batch 64, fp16 autocast, LoRA r4 on
        qkv only FIRST (Fig. 1's setting, the official lora_qv: q and v, here one adapter on timm's fused qkv;
        experiments/configs/vit-b16-cifar100-lora-qv.yaml), then on all linears (qkv, proj, fc1, fc2: lora_all):
-       lora, lora+checkpointing, lora+mesa-gelu-ln, lora+lowmembp, lora+liger (refused for timm models: recorded so).
+       lora, lora+checkpointing, lora+mesa-gelu-ln, lora+lowmembp, lora+liger (refused for timm models: recorded so);
+       then Fig. 1's setting with the step captured in a CUDA graph (``--capture cuda-graphs``: lora and the three
+       levers; refused off CUDA, so the CPU dry run records them "skipped"), and ``lora+lowmembp`` with the official
+       CUDA ops swapped into the same ViT (``benchmarks/official_lomem.py``; the dry run: their stand-in).
+bound  (through the training job) the device-bound setting: ViT-B/16 at batch 256, LoRA r4 on qkv, fp16 — lora and
+       the three levers, eager: a step several times the host's time, so the ratios compare with the paper's GPU.
 llama  transformers LLaMA-7B width (hidden 4096, intermediate 11008, 32 heads, vocabulary 32000), 4 layers, bf16
        autocast over fp32 weights, two configurations:
        ``llama7b-4layers``: batch 4 x seq 640 (the official run's longest batch: source 512 + target 128), LoRA r64
@@ -67,6 +78,9 @@ ESTIMATE_COLUMNS = ["config", "method", "optimizer", "estimate_bytes", "saved_by
 ERROR_COLUMNS = ["config", "method", "optimizer", "estimate_bytes", "measured_bytes", "ratio", "measured_how", "note"]
 
 FIG1_METHODS = ["lora", "lora+checkpointing", "lora+mesa-gelu-ln", "lora+lowmembp", "lora+liger"]
+CAPTURED_METHODS = ["lora", "lora+checkpointing", "lora+mesa-gelu-ln", "lora+lowmembp"]
+BOUND_METHODS = ["lora", "lora+checkpointing", "lora+mesa-gelu-ln", "lora+lowmembp"]
+JOB_PARTS = ("fig1", "bound")  # the parts whose cells run through the training job
 # the LoRA configuration: the four rows of the official LLaMA recipe's levers, then the peers
 LLAMA_METHODS = ["lora", "lora+lowmembp", "lora+liger", "lora+checkpointing", "lora+cce", "velora", "lora+tiled-mlp"]
 LLAMA_LORA = {"rank": 64, "alpha": 16, "dropout": 0.1}  # experiments/configs/llama-7b-alpaca-lora.yaml
@@ -95,6 +109,8 @@ class StepConfig:
     overrides: dict | None = field(default=None, hash=False)
     lora_targets: str = "all"
     optimizer: str = DEFAULT_OPTIMIZER  # a name of lowmembp.methods.optimizers.OPTIMIZERS
+    capture: str = "none"  # the training job's --capture
+    ops: str = "ours"      # "official": the official CUDA ops swapped into the model after the job built it
 
 
 def row_key(row) -> tuple[str, str, str]:
@@ -119,12 +135,21 @@ def llama_options(method: str, smoke: bool) -> dict:
 
 def step_configs(smoke: bool) -> list[StepConfig]:
     out = []
+    vit = dict(dtype="fp16", layers=2 if smoke else None, overrides=dict(VIT_SMOKE) if smoke else None)
     for targets, label in (("qkv", "qkv"), (None, "all")):  # Fig. 1's setting (lora_qv) first
         for m in FIG1_METHODS:
             out.append(StepConfig("fig1", f"fig1-{label}", "vit-b16", m, {"rank": 4, "targets": targets},
-                                  batch_size=2 if smoke else 64, dtype="fp16", layers=2 if smoke else None,
-                                  overrides=dict(VIT_SMOKE) if smoke else None,
-                                  lora_targets="qkv, proj, fc1, fc2" if targets is None else targets))
+                                  batch_size=2 if smoke else 64,
+                                  lora_targets="qkv, proj, fc1, fc2" if targets is None else targets, **vit))
+    for m in CAPTURED_METHODS:
+        out.append(StepConfig("fig1", "fig1-qkv-cuda-graphs", "vit-b16", m, {"rank": 4, "targets": "qkv"},
+                              batch_size=2 if smoke else 64, lora_targets="qkv (cuda-graphs)", capture="cuda-graphs",
+                              **vit))
+    out.append(StepConfig("fig1", "fig1-qkv-official", "vit-b16", "lora+lowmembp", {"rank": 4, "targets": "qkv"},
+                          batch_size=2 if smoke else 64, lora_targets="qkv (official ops)", ops="official", **vit))
+    for m in BOUND_METHODS:
+        out.append(StepConfig("bound", "vit-b16-bs256-qkv", "vit-b16", m, {"rank": 4, "targets": "qkv"},
+                              batch_size=4 if smoke else 256, lora_targets="qkv", **vit))
     llama = dict(seq_len=16 if smoke else 640, dtype="bf16", layers=2 if smoke else 4)
     for m in LLAMA_METHODS:
         out.append(StepConfig("llama", "llama7b-4layers", "llama-7b", m, llama_options(m, smoke),
@@ -363,6 +388,153 @@ def run_steps(ctx, part: str, sink, deadline: float, warmup: int | None = None, 
                      max_memory_reserved=torch.cuda.max_memory_reserved(),
                      memory_reserved=torch.cuda.memory_reserved(), memory_allocated=torch.cuda.memory_allocated(),
                      device_used=total - free, outside_allocator=total - free - torch.cuda.memory_reserved())
+    return facts
+
+
+# ------------------------------------------------------------------------------------- through the training job
+JOB_TASK = {"vit-b16": "cifar100"}  # the paper task whose shapes a model's cells take (--synthetic-data)
+
+
+def cell_name(cfg: StepConfig) -> str:
+    """A file name for the configuration's job record: config and method (``+`` kept)."""
+    return f"{cfg.config}__{cfg.method}"
+
+
+def job_argv(cfg: StepConfig, smoke: bool) -> list[str]:
+    """The training job's arguments of a fig1 / bound configuration (without --out): its paper task on generated
+    data, the method and its options, the dtype, the capture; the dry run's tiny model on the CPU."""
+    import json
+
+    argv = ["--task", JOB_TASK[cfg.model], "--model", cfg.model, "--method", cfg.method, "--batch-size",
+            str(cfg.batch_size), "--dtype", cfg.dtype, "--synthetic-data", "--seed", "0", "--steps", "100000",
+            "--no-progress", "--optimizer", cfg.optimizer]
+    for k, v in cfg.options.items():
+        if v is not None:
+            argv += [f"--{k.replace('_', '-')}", ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)]
+    if cfg.capture != "none":
+        argv += ["--capture", cfg.capture]
+    if cfg.layers is not None:
+        argv += ["--layers", str(cfg.layers)]
+    if cfg.overrides:
+        argv += ["--synthetic-overrides", json.dumps(cfg.overrides)]
+    if smoke:
+        argv += ["--device", "cpu", "--threads", "1"]
+    return argv
+
+
+def _status_of(cfg: StepConfig, rec: dict) -> str:
+    """A failed record's row status (:func:`refusal_status` of the exception its message names)."""
+    msg = rec.get("message") or ""
+    kind, _, text = msg.partition(": ")
+    err = {"ValueError": ValueError, "RuntimeError": RuntimeError, "ImportError": ImportError,
+           "ModuleNotFoundError": ImportError}.get(kind, Exception)(text)
+    return "oom" if rec["status"] == "oom" else refusal_status(cfg, err)
+
+
+def record_row(cfg: StepConfig, rec: dict, ratio: dict | None, smoke: bool, path: str) -> dict:
+    """The fig1.csv / bound.csv row of ``cfg`` from its job record (the same columns as the step rows)."""
+    r = _base_row(cfg)
+    if rec["status"] != "ok":
+        r.update(status=_status_of(cfg, rec), note=f"{(rec.get('message') or '')[:600]} ({path})")
+        return r
+    dev = rec["peak"]["device"] or {}
+    cats = dev.get("by_category") or {}
+    st = rec["step_time_s"]
+    r.update(status="ok", steps=st["n"], peak_bytes=dev.get("bytes", ""),
+             peak_mib=f"{dev.get('bytes', 0) / 2 ** 20:.0f}",
+             resident_bytes=sum(int(cats.get(k, 0)) for k in ("parameters", "optimizer_state")),
+             measured_how=f"the training job (experiments.interleave): {dev.get('how', '')}")
+    notes = [f"record {path}"]
+    if not smoke:
+        r.update(step_ms_p20=f"{st['p20'] * 1e3:.2f}", step_ms_p50=f"{st['p50'] * 1e3:.2f}",
+                 step_ms_p80=f"{st['p80'] * 1e3:.2f}", throughput=f"{rec['throughput']['samples_per_s']:.1f}",
+                 throughput_unit="img/s")
+        notes.insert(0, f"median step {st['p50'] * 1e3:.2f} ms, 95 % [{st['ci95_low'] * 1e3:.2f}, "
+                        f"{st['ci95_high'] * 1e3:.2f}]")
+        if ratio is not None:
+            notes.insert(1, f"img/s vs its config's first row {1 / ratio['median']:.3f} "
+                            f"[{1 / ratio['high']:.3f}, {1 / ratio['low']:.3f}]")
+    else:
+        notes.insert(0, "CPU dry run: no timing")
+    r["note"] = "; ".join(notes)
+    return r
+
+
+def official_transform(ctx):
+    """``fn(model)`` swapping the official CUDA ops into a model LowMemoryBP converted (the dry run: their stand-in),
+    and a line saying what runs; ``(None, why)`` when they cannot be loaded."""
+    from official_lomem import OfficialUnavailable, load_official, swap_into
+
+    try:
+        ops = load_official(ctx.third_party / "lomem", ctx.build_dir, stand_in=ctx.smoke)
+    except (OfficialUnavailable, Exception) as e:  # the build's own failure: say why, the row is skipped
+        return None, f"official ops unavailable: {type(e).__name__}: {str(e)[:300]}"
+    return (lambda model: swap_into(model, ops)), f"{ops.source}; {ops.python}"
+
+
+def run_job_part(ctx, part: str, sink, deadline: float, rounds: int | None = None) -> dict:
+    """The configurations of ``part`` (fig1, bound) through the training job: each configuration group's cells built
+    and stepped in turns (``experiments.interleave.run_cells``), one record each under ``<out>/<part>_runs/``, one row
+    each into ``sink`` in :func:`step_configs`' order. Returns the allocator facts of the part."""
+    import torch
+
+    from experiments.interleave import run_cells
+
+    smoke = ctx.smoke
+    rounds = (2 if smoke else 20) if rounds is None else rounds
+    cfgs = [c for c in step_configs(smoke) if c.part == part]
+    runs_dir = ctx.out / f"{part}_runs"
+    rows = {}
+    groups: dict[str, list[StepConfig]] = {}
+    for c in cfgs:
+        groups.setdefault(c.config, []).append(c)
+    for config, group in groups.items():
+        if time.time() > deadline:
+            for c in group:
+                rows[row_key(c)] = dict(_base_row(c), status="error", note="not built: the part's time limit")
+            continue
+        todo, transform = [], {}
+        for c in group:
+            missing = missing_methods(c.method)
+            if missing:
+                rows[row_key(c)] = dict(_base_row(c), status="method not available",
+                                        note=f"not in lowmembp.list_methods(): {', '.join(missing)}")
+            elif c.capture != "none" and smoke:
+                rows[row_key(c)] = dict(_base_row(c), status="skipped",
+                                        note="CPU dry run: --capture needs CUDA (the job refuses it with exit 2)")
+            else:
+                todo.append(c)
+        for c in [c for c in todo if c.ops == "official"]:
+            fn, why = official_transform(ctx)
+            if fn is None:
+                rows[row_key(c)] = dict(_base_row(c), status="skipped", note=why)
+                todo.remove(c)
+            else:
+                transform[cell_name(c)] = fn
+                print(f"  {config}: official ops: {why}", flush=True)
+        if not todo:
+            continue
+        print(f"  {part} {config}: {len(todo)} cells through the training job, {rounds} rounds", flush=True)
+        records, ratios = run_cells({cell_name(c): job_argv(c, smoke) for c in todo}, rounds=rounds,
+                                    warmup_rounds=1 if smoke else 2, out_dir=runs_dir, transform=transform,
+                                    progress=lambda m: print(m, flush=True))
+        for c in todo:
+            name = cell_name(c)
+            path = str((runs_dir / f"{name}.json").relative_to(ctx.out))
+            rows[row_key(c)] = record_row(c, records[name], ratios.get(name), smoke, path)
+            if c.ops == "official" and rows[row_key(c)]["status"] == "ok":
+                rows[row_key(c)]["note"] += f"; {why}"
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    for c in cfgs:
+        r = rows[row_key(c)]
+        sink.write(r)
+        print(f"  {part} {r['config']:22s} {r['method']:18s} {r['status']:8s} peak {r.get('peak_mib', '-') or '-':>7s} "
+              f"MiB  {r.get('throughput', '') or '-'} {r.get('throughput_unit', '')}", flush=True)
+    facts = {}
+    if torch.cuda.is_available() and not smoke:
+        facts = dict(max_memory_allocated=torch.cuda.max_memory_allocated(),
+                     max_memory_reserved=torch.cuda.max_memory_reserved())
     return facts
 
 

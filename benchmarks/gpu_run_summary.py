@@ -14,13 +14,26 @@ def _rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def _table(head: list[str], rows: list[list]) -> list[str]:
+def _table(head: list[str], rows: list[list], section: str = "") -> list[str]:
+    """A Markdown table; ``section``: wrapped in pymdownx.snippets' section markers, so that a docs page includes it
+    by name (``--8<-- "benchmarks/gpu_run.md:fig1"``), not by line numbers."""
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join("" if v is None else str(v) for v in r) + " |" for r in rows]
+    out += ["| " + " | ".join("" if v is None else str(v).replace("|", "\\|") for v in r) + " |" for r in rows]
+    if section:
+        out = [f"<!-- --8<-- [start:{section}] -->", *out, f"<!-- --8<-- [end:{section}] -->"]
     return out + [""]
 
 
 def write_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
+    """Write ``out/summary.md`` (:func:`render_summary`) and return its text."""
+    text = render_summary(out, facts, paper_fig1)
+    (out / "summary.md").write_text(text)
+    return text
+
+
+def render_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
+    """The summary of the run in ``out`` from its files alone (``facts``: its machine.json), so that a committed
+    summary can be written again from the committed data: ``python benchmarks/gpu_run_summary.py results/gpu``."""
     smoke = facts.get("smoke")
     gpu = facts.get("gpu") or {}
     v = facts.get("versions", {})
@@ -34,7 +47,7 @@ def write_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
              f"Command: `{facts.get('command')}`", "", "## Parts", ""]
     lines += _table(["part", "status", "rc", "seconds", "limit s", "note"],
                     [[k, s.get("status"), s.get("rc"), s.get("seconds"), s.get("limit_s", "background"),
-                      s.get("note", "")] for k, s in (facts.get("parts") or {}).items()])
+                      s.get("note", "")] for k, s in (facts.get("parts") or {}).items()], "parts")
     gc = out / "gpu_check" / "gpu_check.json"
     if gc.is_file():
         try:
@@ -58,11 +71,12 @@ def write_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
                   "Times: forward / backward median ms; ×ours: impl time / ours (below 1: faster than ours). "
                   "Saved: bytes kept for backward per input element. Errors against the reference of its semantics.",
                   ""]
-        lines += _table(["op", "shape", "dtype", "impl", "status", "fwd ms", "bwd ms", "fwd ×ours", "bwd ×ours",
-                         "saved B/elem", "y err", "dx err", "note"],
-                        [[r["op"], r["shape"], r["dtype"], r["impl"], r["status"], r["fwd_ms"], r["bwd_ms"],
-                          r["fwd_vs_ours"], r["bwd_vs_ours"], r["saved_bytes_per_element"], r["y_err"], r["dx_err"],
-                          r["note"][:80]] for r in kern])
+        lines += _table(["op, shape, dtype", "impl", "status", "fwd ms", "bwd ms", "fwd ×ours", "bwd ×ours",
+                         "saved B/elem", "err y / dx", "note"],
+                        [[f"{r['op']} {r['shape']} {_short_dtype(r['dtype'])}", r["impl"], r["status"],
+                          _sig(r["fwd_ms"]), _sig(r["bwd_ms"]), _sig(r["fwd_vs_ours"], 2), _sig(r["bwd_vs_ours"], 2),
+                          _sig(r["saved_bytes_per_element"]), f"{_err(r['y_err'])} / {_err(r['dx_err'])}",
+                          r["note"][:80]] for r in kern], "kernels")
     fig1 = _rows(out / "fig1.csv")
     if fig1:
         lines += ["## Fig. 1: ViT-B/16, batch 64, fp16 autocast, LoRA r4 (fig1.csv)", "",
@@ -75,7 +89,7 @@ def write_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
                          "paper MiB", "paper img/s", "note"],
                         [[r["lora_targets"], r["method"], r["status"], r["peak_mib"], *_vs_first(r, fig1),
                           *(paper_fig1.get(r["method"], ("", "")) if r["lora_targets"] == "qkv" else ("", "")),
-                          r["note"][:80]] for r in fig1])
+                          r["note"][:80]] for r in fig1], "fig1")
     llama = _rows(out / "llama.csv")
     if llama:
         lines += ["## LLaMA-7B width, 4 layers, bf16 autocast (llama.csv)", "",
@@ -85,21 +99,41 @@ def write_summary(out: Path, facts: dict, paper_fig1: dict) -> str:
         lines += _table(["config", "method", "optimizer", "status", "peak MiB", "peak vs ref", "tokens/s",
                          "speed vs ref", "step ms p50", "note"],
                         [[r["config"], r["method"], r.get("optimizer", ""), r["status"], r["peak_mib"],
-                          *_vs_first(r, llama), r["step_ms_p50"], r["note"][:80]] for r in llama])
+                          *_vs_first(r, llama), r["step_ms_p50"], r["note"][:80]] for r in llama], "llama")
     err = _rows(out / "estimator_error.csv")
     if err:
         lines += ["## Estimator error: measured peak / fake-tensor estimate (estimator_error.csv)", ""]
         lines += _table(["config", "method", "optimizer", "estimate MiB", "measured MiB", "ratio", "note"],
                         [[r["config"], r["method"], r.get("optimizer", ""), _mib(r["estimate_bytes"]),
-                          _mib(r["measured_bytes"]), r["ratio"], r.get("note", "")[:80]] for r in err])
-    m = out / "margin.json"
-    if m.is_file():
+                          _mib(r["measured_bytes"]), r["ratio"], r.get("note", "")[:80]] for r in err], "estimator")
+    m = next((f for f in (out / "margin.json", out / "margin.candidate.json") if f.is_file()), None)
+    if m is not None:
         mg = json.loads(m.read_text())
-        lines += [f"Planner margin (margin.json): fraction {mg['fraction']}, reserved "
+        kept = "" if m.name == "margin.json" else ", kept as a candidate, not installed"
+        lines += [f"Planner margin ({m.name}{kept}): fraction {mg['fraction']}, reserved "
                   f"{mg['reserved_bytes'] / 2 ** 30:.2f} GiB — {mg['source']}", ""]
-    text = "\n".join(lines) + "\n"
-    (out / "summary.md").write_text(text)
-    return text
+    return "\n".join(lines) + "\n"
+
+
+def _short_dtype(name: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, name)
+
+
+def _err(v) -> str:
+    try:
+        return f"{float(v):.1e}"
+    except (TypeError, ValueError):
+        return "" if v is None else str(v)
+
+
+def _sig(v, digits: int = 3) -> str:
+    """A measured figure to ``digits`` significant digits (3 for times: a median of repeated timings; 2 for
+    ratios' and errors' last digits that the timing noise or the tolerance does not support)."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return "" if v is None else str(v)
+    return f"{x:.{digits}g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.{max(digits - 1, 1)}e}"
 
 
 def _mib(b):
@@ -123,4 +157,19 @@ def _vs_first(r: dict, rows: list[dict]) -> list:
         speed = f"{float(r['throughput']) / float(base['throughput']):.3f}x"
     except (TypeError, ValueError, KeyError, ZeroDivisionError):
         pass
-    return [peak, r.get("throughput", ""), speed]
+    try:
+        throughput = f"{float(r['throughput']):.0f}"
+    except (TypeError, ValueError, KeyError):
+        throughput = r.get("throughput", "")
+    return [peak, throughput, speed]
+
+
+if __name__ == "__main__":  # write a run's summary.md again from its files: python benchmarks/gpu_run_summary.py DIR
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_run import PAPER_FIG1
+
+    run = Path(sys.argv[1] if len(sys.argv) > 1 else "results/gpu")
+    write_summary(run, json.loads((run / "machine.json").read_text()), PAPER_FIG1)
+    print(run / "summary.md")

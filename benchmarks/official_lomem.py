@@ -373,6 +373,30 @@ def load_official(src: str | Path, build_dir: str | Path, stand_in: bool = False
     return Official(C, f"their CUDA kernels, built here from {src}", root, time.perf_counter() - t)
 
 
+SWAPPED = {"ReGELU2": "regelu2", "ReSiLU2": "resilu2", "MSLayerNorm": "layer_norm", "MSRMSNorm": "rms_norm"}
+
+
+def swap_into(model, ops: Official) -> dict:
+    """Make every LowMemoryBP module of ``model`` (after ``lowmembp.apply(model, "...lowmembp")``: ReGELU2, ReSiLU2,
+    MS-LayerNorm, MS-RMSNorm, found by class name) call the official op instead of ours: the same model, the same
+    folded weights, their kernels. Returns ``{class name: count}``; ValueError when there is none to swap."""
+    counts: dict = {}
+    for m in model.modules():
+        name = type(m).__name__
+        if name not in SWAPPED:
+            continue
+        fn = getattr(ops, SWAPPED[name])
+        if name.startswith("MS"):
+            m.forward = (lambda f, eps: (lambda x: f(x, eps)))(fn, m.eps)
+        else:
+            m.forward = fn
+        counts[name] = counts.get(name, 0) + 1
+    if not counts:
+        raise ValueError("swap_into: the model has no LowMemoryBP module (ReGELU2, ReSiLU2, MSLayerNorm, MSRMSNorm) "
+                         "to swap; apply lowmembp first")
+    return counts
+
+
 def main(argv=None) -> int:
     import argparse
     p = argparse.ArgumentParser(description="build the official LowMemoryBP CUDA ops (JIT, ninja)")

@@ -3,7 +3,10 @@
 #   third_party/lomem/        the official LowMemoryBP package (github yyyyychen/LowMemoryBP: lomem/, setup.py, LICENSE)
 #   third_party/wheels/       the liger-kernel 0.8.x and cut-cross-entropy wheels (pure Python; the GPU image lacks them)
 #   third_party/PREPARED.txt  where each came from
+#   third_party/COMMIT        the commit (and "dirty") of this checkout: machine.json's git commit on the GPU machine,
+#                             whose copy of the tree may carry a stale .git
 #
+#   bash benchmarks/prepare_gpu_run.sh commit             # only third_party/COMMIT, again: right before each GPU run
 #   bash benchmarks/prepare_gpu_run.sh                    # lomem from the local mirror /work/.mirror/yyyyychen+LowMemoryBP/repo
 #   bash benchmarks/prepare_gpu_run.sh /path/to/LowMemoryBP          # ... or from a checkout / a git mirror
 #   bash benchmarks/prepare_gpu_run.sh https://github.com/yyyyychen/LowMemoryBP   # ... or cloned from a URL
@@ -19,6 +22,16 @@ LIGER_SPEC="${LIGER_SPEC:-liger-kernel>=0.8,<0.9}"
 # the requirement of pyproject.toml's extra "cce"
 CCE_SPEC="${CCE_SPEC:-$("$PY" -c 'import sys, tomllib
 print(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["cce"][0])' "$ROOT/pyproject.toml")}"
+
+write_commit() {
+  local sha dirty
+  sha="$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
+  dirty="$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null | head -n 1)"
+  mkdir -p "$DEST"
+  echo "$sha${dirty:+ dirty}" > "$DEST/COMMIT"
+  echo "commit: $(cat "$DEST/COMMIT") -> $DEST/COMMIT"
+}
+if [ "${1:-}" = commit ]; then write_commit; exit 0; fi
 
 mkdir -p "$DEST/wheels"
 tmp="$(mktemp -d)"
@@ -75,4 +88,5 @@ echo "cce: $(basename "$whl")"
 { echo "prepared $(date -u '+%Y-%m-%d %H:%M:%S UTC') by benchmarks/prepare_gpu_run.sh"
   echo "lomem: $fetched_from"
   echo "wheels: $(cd "$DEST/wheels" && ls)"; } > "$DEST/PREPARED.txt"
+write_commit
 du -sh "$DEST" | awk '{print "third_party/: " $1 " (the device tool carries up to 64 MiB with the working tree)"}'

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lowmembp.measurement.capture import CAPTURE_MODES
 from lowmembp.methods.optim_levers import LEVERS, missing_package
 from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, steps_in_backward
 from lowmembp.methods.optimizers import check_optimizer as check_optimizer_spec
@@ -77,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     a("--download", action="store_true", default=None,
       help="paper tasks: allow fetching missing data/weights from the hub (off by default: no run-time downloads)")
     a("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
+    a("--capture", choices=CAPTURE_MODES,
+      help="none (default: eager steps); cuda-graphs: the training step (forward, backward, optimizer step) captured "
+           "once in a CUDA graph and replayed (static shapes; AdamW fused with a tensor learning rate); "
+           "reduce-overhead: the step compiled with torch.compile(mode='reduce-overhead'). CUDA only; the way to take "
+           "the host out of small, fast steps (lowmembp.measurement.capture)")
+    a("--synthetic-data", action="store_true", default=None,
+      help="paper tasks: random weights and one generated batch of the paper's shapes instead of the downloads, for "
+           "memory and speed (no metric: the job does not evaluate; experiments.tasks.synthetic)")
+    a("--layers", type=int, help="with --synthetic-data: keep the model's first N blocks (the paper's width)")
+    a("--synthetic-overrides",
+      help="with --synthetic-data: JSON object of model config changes (e.g. '{\"embed_dim\": 48}' for a tiny test)")
     a("--threads", type=int, help="CPU threads of torch (torch.set_num_threads; default $OMP_NUM_THREADS, else 1): "
                                   "part of the cell, since results on the CPU differ in the last digits between "
                                   "thread counts")
@@ -96,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 FIXED_DEFAULTS = dict(seed=0, grad_accum=1, dtype="fp32", timing_warmup=2, weight_decay=0.0, download=False,
                       no_progress=False, max_len=None, limit=None, eval_limit=None, warmup_steps=0,
-                      train_split="train", init=None, save_model=None, distributed=None, optimizer=DEFAULT_OPTIMIZER)
+                      train_split="train", init=None, save_model=None, distributed=None, optimizer=DEFAULT_OPTIMIZER,
+                      capture="none", synthetic_data=False, layers=None, synthetic_overrides=None)
 """Settings no task overrides; a task's own (``DEFAULTS``, ``METHOD_DEFAULTS``: ``tasks.base.defaults_for``) go
 over these, a config file over those, the command line over everything."""
 MAX_SEED = 2**32 - 1  # numpy's generators take seeds in [0, 2**32)
@@ -214,7 +227,7 @@ def _number(key: str, value, kind=float) -> float:
 
 
 POSITIVE_INTS = ("batch_size", "steps", "grad_accum", "max_len", "limit", "eval_limit", "eval_batch_size", "threads",
-                 "eval_every")
+                 "eval_every", "layers")
 NON_NEGATIVE_INTS = ("warmup_steps", "timing_warmup")
 POSITIVE_NUMBERS = ("lr", "lr_base", "epochs", "max_memory_mb")
 NON_NEGATIVE_NUMBERS = ("weight_decay", "warmup_epochs")
@@ -341,6 +354,60 @@ def _check_lever(values: dict, spec: str, name: str, flag: str) -> None:
                            + "; ".join(bad))
     elif values.get("distributed") == "fsdp" and name != "adafactor":
         raise ArgError(f"{flag} {name} with --distributed fsdp is not supported here; use --distributed ddp")
+def check_synthetic(values: dict, task) -> None:
+    """``--synthetic-data`` only for a paper task (the offline tasks ship their data), never with an evaluation;
+    ``--layers`` / ``--synthetic-overrides`` only with it (read into ``values``)."""
+    from experiments.tasks import synthetic
+
+    raw = values.get("synthetic_overrides")
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError as err:
+            raise ArgError(f"--synthetic-overrides must be a JSON object, got {raw!r} ({err})") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ArgError(f"--synthetic-overrides must be a JSON object (a mapping), got {raw!r}")
+    values["synthetic_overrides"] = raw
+    if not values.get("synthetic_data"):
+        given = [f for f, k in (("--layers", "layers"), ("--synthetic-overrides", "synthetic_overrides"))
+                 if values.get(k) is not None]
+        if given:
+            raise ArgError(f"{', '.join(given)} only with --synthetic-data (a real task's model is the downloaded one)")
+        return
+    values["synthetic_data"] = True
+    if synthetic.kind(task.NAME) is None:
+        raise ArgError(f"--synthetic-data is for the paper tasks (cifar10/100, glue-*, alpaca); task {task.NAME} "
+                       "ships its own data: leave the flag out")
+    if values.get("eval_every"):
+        raise ArgError("--eval-every with --synthetic-data: generated inputs have no metric; leave one out")
+    from lowmembp.estimator.step import MODELS
+
+    if values["model"] not in MODELS:
+        raise ArgError(f"--synthetic-data: no random-weight build of model {values['model']!r}; models: "
+                       f"{', '.join(MODELS)}")
+
+
+def check_capture_args(values: dict) -> None:
+    """``--capture`` other than none: a CUDA device (exit 2 on a CPU), one micro-batch per step, one process, AdamW."""
+    mode = values.get("capture") or "none"
+    if mode not in CAPTURE_MODES:
+        raise ArgError(f"--capture must be one of {', '.join(CAPTURE_MODES)}, got {mode!r}")
+    if mode == "none":
+        return
+    import torch
+
+    device = values.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type != "cuda":
+        raise ArgError(f"--capture {mode} needs a CUDA device (CUDA graphs replay on a GPU); this run trains on "
+                       f"{device}: leave --capture out (or --capture none) on a CPU")
+    why = [f"--grad-accum {values['grad_accum']} (a captured step is one micro-batch)"
+           if (values.get("grad_accum") or 1) > 1 else "",
+           f"--distributed {values['distributed']}" if values.get("distributed") else "",
+           f"--optimizer {values['optimizer']} (a captured step uses torch's fused AdamW: --optimizer adamw)"
+           if values.get("optimizer") != DEFAULT_OPTIMIZER else ""]
+    why = [w for w in why if w]
+    if why:
+        raise ArgError(f"--capture {mode} does not work with " + "; ".join(why))
 
 
 def parse_args(argv: list[str] | None = None):
@@ -451,6 +518,8 @@ def parse_args(argv: list[str] | None = None):
     if why:
         raise ArgError(why)
     check_optimizer(merged)
+    check_synthetic(merged, task)
+    check_capture_args(merged)
     for key in ("out", "save_model"):
         check_destination(key, merged[key])
     if merged["save_model"] is not None and Path(merged["save_model"]).resolve() == Path(merged["out"]).resolve():
@@ -459,11 +528,13 @@ def parse_args(argv: list[str] | None = None):
     cfg.method_options = method_opts
     cfg.config = ns.config
     try:
-        task.check(cfg)  # data / weights present? (paper tasks stop here when they are not)
+        if not cfg.synthetic_data:
+            task.check(cfg)  # data / weights present? (paper tasks stop here when they are not)
     except Exception as err:
         from experiments.tasks.base import MissingData
 
         if isinstance(err, MissingData):
-            raise ArgError(f"task {task.NAME} with model {model}: {err}") from None
+            raise ArgError(f"task {task.NAME} with model {model}: {err}. For memory and speed only, --synthetic-data "
+                           "runs it on random weights and generated inputs of the paper's shapes (no metric)") from None
         raise
     return cfg, task

@@ -160,6 +160,8 @@ class PeakProbe:
             sections.setdefault("peak", {})["device"] = {
                 "bytes": int(self.result["bytes"]), "how": self.result["how"],
                 "by_category": {k: int(v) for k, v in (self.result.get("by_category") or {}).items()}}
+            if self.result.get("reserved_bytes") is not None:  # CUDA: the allocator's reserved peak
+                sections["peak"]["device"]["reserved_bytes"] = int(self.result["reserved_bytes"])
             host = self.result.get("host")  # offloading: host memory, measured apart from the device
             if host is not None:
                 sections["peak"]["host"] = {"bytes": int(host["bytes"]), "how": host["how"],
@@ -168,18 +170,29 @@ class PeakProbe:
 
 
 class StepTimer:
-    """Wall time of every step the schedule times (CUDA synchronised before and after) → ``step_time_s``
-    (p20/p50/p80) and ``throughput`` (samples and tokens of those steps / their total time)."""
+    """Time of every step the schedule times → ``step_time_s`` (p20/p50/p80, the median's 95 % interval:
+    ``lowmembp.measurement.timing.median_interval``) and ``throughput`` (samples and tokens of those steps / their
+    total time). On CUDA each step is bracketed by CUDA events on the current stream after a synchronisation (so the
+    window starts with the device idle and ends when the step's last kernel does: the host's launch gaps inside the
+    step count, the previous step's tail does not); on the CPU ``time.perf_counter``. The steps before
+    ``Schedule.time_from`` are the warm-up and are not timed."""
 
     def __init__(self, device, schedule: Schedule):
         import torch
 
+        from lowmembp.measurement.timing import EventTimer
+
         self.schedule = schedule
         self.cuda = getattr(device, "type", str(device)) == "cuda"
         self.sync = (lambda: torch.cuda.synchronize(device)) if self.cuda else (lambda: None)
-        self.times: list[float] = []
+        self.timer = EventTimer(device if self.cuda else "cpu")
+        self._host: list[float] = []  # host wall time per step (the progress bar's rate, read without a sync)
         self.samples: list[int] = []
         self.tokens: list[int | None] = []
+
+    @property
+    def times(self) -> list[float]:
+        return self.timer.seconds()
 
     def wants(self, step: int) -> bool:
         return self.schedule.timed(step)
@@ -188,25 +201,29 @@ class StepTimer:
         def step(forward):
             self.sync()
             t0 = time.perf_counter()
-            out = step_fn(forward)
-            self.sync()
-            self.times.append(time.perf_counter() - t0)
+            with self.timer.time():
+                out = step_fn(forward)
+            self._host.append(time.perf_counter() - t0)
             self.samples.append(out.samples)
             self.tokens.append(out.tokens)
             return out
         return step
 
     def samples_per_s(self) -> float | None:
-        return sum(self.samples) / sum(self.times) if self.times and sum(self.times) > 0 else None
+        return sum(self.samples) / sum(self._host) if self._host and sum(self._host) > 0 else None
 
     def report(self, sections: dict) -> None:
-        from lowmembp.measurement.timing import summarize
+        from lowmembp.measurement.timing import median_interval, summarize
 
-        if not self.times:
+        times = self.times
+        if not times:
             return
-        how = "cuda-synchronised perf_counter per step" if self.cuda else "perf_counter per step"
-        sections["step_time_s"] = summarize(self.times, how)
-        total = sum(self.times)
+        how = ("cuda events per step (synchronised before each)" if self.cuda else "perf_counter per step")
+        stats = summarize(times, how)
+        ci = median_interval(times)
+        stats.update(ci95_low=ci["low"], ci95_high=ci["high"])
+        sections["step_time_s"] = stats
+        total = sum(times)
         tok = None if any(t is None for t in self.tokens) or total <= 0 else sum(self.tokens) / total
         sections["throughput"] = {"samples_per_s": sum(self.samples) / total if total > 0 else 0.0,
                                   "tokens_per_s": tok}

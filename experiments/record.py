@@ -66,6 +66,12 @@ class RunIdentity:
     seq_len: int | None = None  # tokens per sample (ViT: patches + cls)
     epochs: float | None = None
     optimizer: str = "adamw"  # lowmembp.methods.optimizers.OPTIMIZERS; records written before it: adamw
+    # --capture: the step captured in a CUDA graph ("cuda-graphs") or compiled with torch.compile's
+    # "reduce-overhead" mode; absent for an eager step (and from the records written before it)
+    capture: str | None = field(default=None, metadata={OMITTED_WHEN_NONE: True})
+    # --synthetic-data: random weights and generated inputs of the paper's shapes (memory and speed only: no metric);
+    # absent for a run on the task's data
+    synthetic_data: bool | None = field(default=None, metadata={OMITTED_WHEN_NONE: True})
 
 
 @dataclass
@@ -114,6 +120,8 @@ class PeakMemory:
     bytes: int
     how: str
     by_category: dict[str, int] = field(default_factory=dict)
+    # CUDA: the caching allocator's reserved peak over the run (torch.cuda.max_memory_reserved); absent on a CPU
+    reserved_bytes: int | None = field(default=None, metadata={OMITTED_WHEN_NONE: True})
 
 
 @dataclass
@@ -131,6 +139,10 @@ class StepTime:
     p80: float
     n: int
     how: str = ""
+    # the median's 95 % interval (lowmembp.measurement.timing.median_interval: two order statistics); absent from
+    # records written before it
+    ci95_low: float | None = field(default=None, metadata={OMITTED_WHEN_NONE: True})
+    ci95_high: float | None = field(default=None, metadata={OMITTED_WHEN_NONE: True})
 
 
 @dataclass
@@ -192,6 +204,11 @@ class Environment:
     # what lowmembp.ops ran on the run's device: "cpu" (the CPU fast path), "torch" (the PyTorch reference), "triton";
     # absent from records written before it was recorded (the reference, on a CPU)
     ops_backend: str | None = field(default=None, metadata={OMITTED_WHEN_NONE: True})
+    # a CUDA run: torch's CUDA version, the NVIDIA driver, the device's compute capability and memory; absent on a CPU
+    cuda: str | None = field(default=None, metadata={OMITTED_WHEN_NONE: True})
+    driver: str | None = field(default=None, metadata={OMITTED_WHEN_NONE: True})
+    capability: str | None = field(default=None, metadata={OMITTED_WHEN_NONE: True})
+    device_memory_bytes: int | None = field(default=None, metadata={OMITTED_WHEN_NONE: True})
 
 
 @dataclass
@@ -219,11 +236,7 @@ class Record:
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        for f in dataclasses.fields(self):
-            if f.metadata.get(OMITTED_WHEN_NONE) and d[f.name] is None:
-                del d[f.name]
-        return d
+        return _omit_unset(self, dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, d: Any) -> "Record":
@@ -236,6 +249,17 @@ class Record:
         elif version != SCHEMA_VERSION:
             raise RecordError(f"schema_version {version!r}: this code reads versions 1 and {SCHEMA_VERSION}")
         return _build(cls, d, "")
+
+
+def _omit_unset(obj, d: dict) -> dict:
+    """``d`` (``asdict(obj)``) less the fields marked :data:`OMITTED_WHEN_NONE` that are None, at every depth."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.metadata.get(OMITTED_WHEN_NONE) and value is None:
+            del d[f.name]
+        elif dataclasses.is_dataclass(value):
+            _omit_unset(value, d[f.name])
+    return d
 
 
 # ------------------------------------------------------------------------------- typed reading, and the JSON schema
@@ -426,11 +450,13 @@ COLUMNS = ["task", "model", "method", "optimizer", "batch_size", "seed", "status
            "epochs", "dtype", "seq_len", "peak_bytes", "peak_how", "host_peak_bytes", "host_peak_how",
            "activation_bytes",
            "step_time_p20", "step_time_p50", "step_time_p80", "step_time_n", "samples_per_s", "tokens_per_s",
+           "step_time_ci95_low", "step_time_ci95_high", "reserved_peak_bytes", "capture", "synthetic_data",
            "distributed", "world_size", "peak_bytes_rank_max", "peak_bytes_rank_mean",
            "final_loss", "metric_name", "metric_value", "metric_split", "base_path", "base_sha256",
            "base_metric_before", "device", "torch", "triton", "timm", "transformers", "git_commit", "git_dirty",
            "git_diff_sha256", "hostname",
-           "python", "threads", "ops_backend", "notes", "started_at", "finished_at", "schema_version"]
+           "python", "threads", "ops_backend", "cuda", "driver", "capability", "device_memory_bytes", "notes",
+           "started_at", "finished_at", "schema_version"]
 """Fixed columns of a flattened record, in order. Open-ended ones follow them, by prefix: ``peak_<category>_bytes``
 and ``host_peak_<category>_bytes`` (peak by category), ``act_<kind>_bytes`` (saved bytes by kind), ``opt_<name>``
 (method options), ``hp_<name>`` (hyper-parameters), ``task_<name>`` (task facts)."""
@@ -448,7 +474,7 @@ def flatten(d: dict | Record) -> dict:
     version = r.schema_version if isinstance(d, Record) else d.get("schema_version")
     run, dev, host = r.run, r.peak.device, r.peak.host
     row = {k: getattr(run, k) for k in ("task", "model", "method", "optimizer", "batch_size", "seed", "steps",
-                                         "steps_planned", "epochs", "dtype", "seq_len")}
+                                         "steps_planned", "epochs", "dtype", "seq_len", "capture", "synthetic_data")}
     row.update(status=r.status, message=r.message,
                peak_bytes=dev and dev.bytes, peak_how=dev and dev.how,
                host_peak_bytes=host and host.bytes, host_peak_how=host and host.how,
@@ -457,8 +483,9 @@ def flatten(d: dict | Record) -> dict:
                base_metric_before=r.base and r.base.metric_before,
                notes="; ".join(r.notes) or None, started_at=r.started_at, finished_at=r.finished_at,
                schema_version=version)
-    for k in ("p20", "p50", "p80", "n"):
+    for k in ("p20", "p50", "p80", "n", "ci95_low", "ci95_high"):
         row[f"step_time_{k}"] = r.step_time_s and getattr(r.step_time_s, k)
+    row["reserved_peak_bytes"] = dev and dev.reserved_bytes
     row["samples_per_s"] = r.throughput and r.throughput.samples_per_s
     row["tokens_per_s"] = r.throughput and r.throughput.tokens_per_s
     dp = r.distributed
@@ -569,6 +596,18 @@ def git_changes() -> tuple[bool | None, str | None]:
     return (True, hashlib.sha256(out.stdout).hexdigest()[:16]) if out.stdout else (False, None)
 
 
+@lru_cache(maxsize=1)
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver's version (``nvidia-smi``), or None where it cannot be read."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
+    return lines[0].strip() if lines else None
+
+
 def environment(device=None) -> Environment:
     """What the run ran on. Never raises: a part that cannot be read is recorded as such."""
     dirty, diff = git_changes()
@@ -583,6 +622,9 @@ def environment(device=None) -> Environment:
         kind = getattr(device, "type", None) or (str(device) if device is not None else "cpu")
         if kind.startswith("cuda"):
             env.device = torch.cuda.get_device_name(device)
+            props = torch.cuda.get_device_properties(device)
+            env.cuda, env.driver = torch.version.cuda, nvidia_driver()
+            env.capability, env.device_memory_bytes = f"{props.major}.{props.minor}", int(props.total_memory)
         else:
             env.device = f"cpu ({platform.machine()}, {env.threads} threads)"  # processor() runs `uname -p`
     except Exception as err:  # e.g. cuda asked for on a machine without it

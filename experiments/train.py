@@ -56,6 +56,7 @@ from experiments.args import ArgError, listing, parse_args
 from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
 
 OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+CAPTURE_WARMUP = 3  # --capture cuda-graphs: warm-up steps on a side stream before the capture (PyTorch's recipe)
 
 
 def is_oom(err: BaseException) -> bool:
@@ -141,7 +142,12 @@ class Run:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.max_memory_mb * 2**20 / total), device)
         make_deterministic(cfg.seed, cfg.threads)
-        self.setup = setup = task.build(cfg.model, cfg)
+        if getattr(cfg, "synthetic_data", False):
+            from experiments.tasks import synthetic
+
+            self.setup = setup = synthetic.build(task, cfg.model, cfg, device)
+        else:
+            self.setup = setup = task.build(cfg.model, cfg)
         out["run"]["seq_len"] = setup.seq_len
         out["task_facts"] = dict(setup.info)
         self.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
@@ -160,12 +166,61 @@ class Run:
         out["run"]["steps_planned"] = self.steps
         from lowmembp.methods.optimizers import make_optimizer
 
-        self.optimizer = make_optimizer(params, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                        model=self.model)  # GaLore / APOLLO: the layout's linears are projected
+        self.capture = getattr(cfg, "capture", None) or "none"
+        # a captured step: torch's fused AdamW (its step on the device, steps skipped on the device when fp16's scaler
+        # finds an inf) with the learning rate a device tensor, which the schedule refills between replays
+        opt_kw = dict(lr=torch.tensor(float(cfg.lr), device=device), fused=True) if self.capture != "none" else \
+            dict(lr=cfg.lr)
+        self.optimizer = make_optimizer(params, cfg.optimizer, weight_decay=cfg.weight_decay,
+                                        model=self.model, **opt_kw)  # GaLore / APOLLO: the layout's linears
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lambda s: _lr_factor(s, self.steps, warmup))
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
+        if self.scaler.is_enabled():
+            # fp16: the scaler skips the update of a step whose gradients overflow (its first steps, at scale 2^16),
+            # so the optimizer's state might not exist yet at the peak's step 1; make it now (one step on zero
+            # gradients), so that step 1 is a steady step
+            from lowmembp.measurement.peak import prime_optimizer
+
+            prime_optimizer(self.optimizer)
+            out.setdefault("notes", []).append(
+                "fp16: the optimizer's state was made before step 0 (one step on zero gradients), so that the peak "
+                "of step 1 is a steady step's")
         self.batches = _batches(setup.train, cfg.batch_size, cfg.seed, setup.collate)
+        self.captured = None
+        if self.capture != "none":
+            from lowmembp.measurement.capture import CapturedStep
+
+            self.captured = CapturedStep(self._static_step, mode=self.capture, warmup=CAPTURE_WARMUP,
+                                         zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True))
+
+    def _static_step(self, batch):
+        """One step as a capture records it: forward, scaled backward, the scaler's step and update (no host
+        synchronisation: the fused AdamW takes the scaler's inf flag on the device); the loss stays on the device."""
+        with self.autocast():
+            loss = self.setup.loss(self.model, batch)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return loss.detach()
+
+    def captured_step(self, step: int):
+        """One step through :attr:`captured` (the first call also warms up and captures: ``CAPTURE_WARMUP`` extra
+        steps on its batch)."""
+        from experiments.probes import StepResult
+
+        if not self._training_mode:
+            self.model.train()
+            self._training_mode = True
+        batch = _to(self.dist.rows(next(self.batches), self.cfg.batch_size), self.device)
+        n_tok = self.setup.tokens(batch)
+        loss = float(self.captured(batch))  # the one synchronisation of the step
+        if self.capture == "reduce-overhead":
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"training loss is {loss} at step {step} (lr {self.cfg.lr:g}): diverged")
+        return StepResult(loss=loss, samples=self.cfg.batch_size, tokens=n_tok)
 
     def autocast(self):
         import torch
@@ -183,12 +238,15 @@ class Run:
             return float(setup.evaluate(net, batches))
 
     def step(self, step: int, forward):
-        """One optimizer step over ``grad_accum`` micro-batches; ``forward`` wraps the first micro-batch's forward."""
+        """One optimizer step over ``grad_accum`` micro-batches; ``forward`` wraps the first micro-batch's forward.
+        With ``--capture``, the steps after the memory probes' run captured (:meth:`captured_step`)."""
         import torch
 
         from experiments.probes import StepResult
 
         cfg, setup = self.cfg, self.setup
+        if self.captured is not None and step > self.schedule.saved_bytes_at and step > self.schedule.peak_at:
+            return self.captured_step(step)
         if not self._training_mode:  # after an evaluation only: train() visits every module, a cost that grows with
             self.model.train()  # their number (a method's extra modules would pay it on every step)
             self._training_mode = True
@@ -217,14 +275,24 @@ class Run:
         from experiments.probes import PeakProbe, SavedBytesProbe, Schedule, StepTimer
 
         cfg = self.cfg
-        schedule = Schedule(saved_bytes_at=0, peak_at=1, time_from=cfg.timing_warmup)
+        # captured: steps 0 and 1 (the memory probes) run eagerly, step 2 warms up and captures: timed from step 3 on
+        time_from = cfg.timing_warmup if self.captured is None else max(cfg.timing_warmup, 3)
+        schedule = self.schedule = Schedule(saved_bytes_at=0, peak_at=1, time_from=time_from)
         budget = None if cfg.max_memory_mb is None else cfg.max_memory_mb * 2**20
         from experiments.distributed import peak_measure
 
+        measure = peak_measure(self.dist, self.device)
+        if measure is None and getattr(cfg, "synthetic_data", False):
+            # the generated batch is made once, before the step: count it, as a batch made inside the step counts
+            from functools import partial
+
+            from lowmembp.measurement.peak import measure_step_peak
+
+            measure = partial(measure_step_peak, external=tuple(self.setup.collate([]).values()))
         return [SavedBytesProbe(self.model, schedule.saved_bytes_at),
                 PeakProbe(self.model, self.optimizer, schedule.peak_at, budget,
                           is_fatal=lambda e: is_oom(e) or isinstance(e, FloatingPointError),
-                          measure=peak_measure(self.dist, self.device)),
+                          measure=measure),
                 StepTimer(self.device, schedule)]
 
     def save(self, path: str, out: dict) -> None:
@@ -283,8 +351,22 @@ def train(cfg, task, out: dict, ctx=None) -> None:
         out["distributed"] = section(ctx, cfg.batch_size, peak and peak["bytes"], peak["how"] if peak else "")
     tail = losses[-10:]
     out["final_loss"] = float(np.mean(tail)) if tail else None
-    out["metric"] = {"name": run.setup.metric, "value": run.evaluate(), "split": f"test ({len(run.setup.test)})"}
-    if curve is not None:
+    if run.captured is not None:
+        import torch
+
+        what = (f"warms up ({CAPTURE_WARMUP} extra steps on its batch) and captures" if run.capture == "cuda-graphs"
+                else "compiles")
+        reserved, most = torch.cuda.memory_reserved(run.device), torch.cuda.max_memory_reserved(run.device)
+        out.setdefault("notes", []).append(
+            f"--capture {run.capture}: steps 0-1 eager (saved bytes, peak: peak.device is the eager step's), step 2 "
+            f"{what}, timed from step {run.schedule.time_from}; reserved after the run {reserved} bytes (max {most}: "
+            "the graph's private pool included)")
+    if getattr(cfg, "synthetic_data", False):
+        out.setdefault("notes", []).append("synthetic data: no metric (generated inputs are not evaluated)")
+        out["metric"] = None
+    else:
+        out["metric"] = {"name": run.setup.metric, "value": run.evaluate(), "split": f"test ({len(run.setup.test)})"}
+    if curve is not None and out["metric"] is not None:
         curve["points"].append({"step": run.steps, "metric": out["metric"]["value"],
                                 "train_loss": float(np.mean(losses[since:])) if losses[since:] else None})
         out["curve"] = curve
@@ -293,9 +375,14 @@ def train(cfg, task, out: dict, ctx=None) -> None:
 
 
 def identity(cfg) -> dict:
-    return {"task": cfg.task, "model": cfg.model, "method": cfg.method, "batch_size": cfg.batch_size,
-            "dtype": cfg.dtype, "seed": cfg.seed, "steps": 0, "epochs": cfg.epochs,
-            "optimizer": getattr(cfg, "optimizer", None) or DEFAULT_OPTIMIZER}
+    out = {"task": cfg.task, "model": cfg.model, "method": cfg.method, "batch_size": cfg.batch_size,
+           "dtype": cfg.dtype, "seed": cfg.seed, "steps": 0, "epochs": cfg.epochs,
+           "optimizer": getattr(cfg, "optimizer", None) or DEFAULT_OPTIMIZER}
+    if (getattr(cfg, "capture", None) or "none") != "none":
+        out["capture"] = cfg.capture
+    if getattr(cfg, "synthetic_data", False):
+        out["synthetic_data"] = True
+    return out
 
 
 def new_sections(cfg) -> dict:
@@ -333,14 +420,18 @@ def finish(cfg, sections: dict, status: str, message: str | None, started: str) 
 def summary(rec: dict, out: str) -> str:
     run, dev = rec["run"], rec["peak"]["device"]
     opt = "" if run["optimizer"] == DEFAULT_OPTIMIZER else f" optimizer={run['optimizer']}"
-    parts = [f"[{rec['status']}] {run['model']}/{run['task']}/{run['method']}{opt} bs={run['batch_size']} "
+    extra = (f" capture={run['capture']}" if run.get("capture") else "") + \
+        (" synthetic-data" if run.get("synthetic_data") else "")
+    parts = [f"[{rec['status']}] {run['model']}/{run['task']}/{run['method']}{opt}{extra} bs={run['batch_size']} "
              f"seed={run['seed']} dtype={run['dtype']} steps={run['steps']}"]
     if rec["final_loss"] is not None:
         parts.append(f"loss={rec['final_loss']:.4f}")
     if rec["metric"]:
         parts.append(f"{rec['metric']['name']}={rec['metric']['value']:.4f}")
     if rec["step_time_s"]:
-        parts.append(f"step p50={rec['step_time_s']['p50'] * 1e3:.1f}ms")
+        st = rec["step_time_s"]
+        ci = f" [{st['ci95_low'] * 1e3:.1f}, {st['ci95_high'] * 1e3:.1f}]" if st.get("ci95_low") is not None else ""
+        parts.append(f"step p50={st['p50'] * 1e3:.1f}ms{ci}")
     if rec["throughput"]:
         parts.append(f"{rec['throughput']['samples_per_s']:.1f} samples/s")
     if dev:

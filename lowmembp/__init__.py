@@ -25,9 +25,25 @@ transformers, peft, timm, the estimator and the planner) loads on first use.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import types
 import warnings
+
+
+class _OptionalKernelNotice(logging.Filter):
+    """Drops one log line of bitsandbytes, which peft imports whenever it is installed: on a CPU with AVX512-BF16
+    its import says "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'" (an
+    optional download of a faster CPU 4-bit matmul; without it bitsandbytes uses its own CPU path). A user who did
+    not ask for 4-bit weights should not meet it first; every other record of that logger passes."""
+
+    MESSAGE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.MESSAGE)
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_OptionalKernelNotice())
 
 def _deprecated_call(module_name: str, new_name: str, target) -> None:
     """Let the module ``module_name`` be called as the function it used to be shadowed by (one release only):

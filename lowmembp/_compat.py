@@ -32,6 +32,8 @@ __all__ = ["TorchDispatchMode", "FakeTensorMode", "FakeTensor", "tree_flatten", 
            "storage_key",  # noqa: F822
            "current_graph_task_id", "fused_rms_norm", "is_non_overlapping_and_dense", "is_fake", "detect_fake_mode",
            "unset_fake_temporarily", "top_saved_tensors_hooks", "functorch_unwrap_grad_tracking", "forward_ad_active",
+           "dispatch_mode_active", "is_functorch_wrapped", "cuda_raw_stream", "cuda_current_device",
+           "triton_compiled_launcher",
            "lookup_backend", "list_backends", "is_optimized_module", "functorch_config", "reset_compiler",
            "aot_autograd", "inductor_decompositions", "fast_fake_enabled", "fast_fake_internals", "FAST_FAKE_ENV"]
 
@@ -217,18 +219,83 @@ def functorch_unwrap_grad_tracking(t: torch.Tensor) -> tuple[torch.Tensor, bool]
     return t, grad
 
 
-def forward_ad_active() -> bool:
-    """Whether a ``torch.autograd.forward_ad.dual_level`` is entered (only then can a tensor carry a tangent):
-    ``forward_ad``'s current level, True (assume one may be) where this torch has no such attribute."""
-    return getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0
+def _forward_ad_level():
+    fad = torch.autograd.forward_ad
+    return (lambda: fad._current_level >= 0) if hasattr(fad, "_current_level") else (lambda: True)
 
 
-def dispatch_mode_active() -> bool:
-    """Whether a ``TorchDispatchMode`` (a memory tracker, a FLOP counter, a fake mode) is in force: the length of
-    torch's Python dispatch-mode stack; True (assume one may be: the caller then takes its always-correct path) where
-    this torch has no such function."""
+#: Whether a ``torch.autograd.forward_ad.dual_level`` is entered (only then can a tensor carry a tangent):
+#: ``forward_ad``'s current level; True (assume one may be) where this torch has no such attribute.
+forward_ad_active = _forward_ad_level()
+
+
+def _dispatch_stack():
     stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
-    return True if stack_len is None else stack_len() > 0
+    return (lambda: True) if stack_len is None else (lambda: stack_len() > 0)
+
+
+#: Whether a ``TorchDispatchMode`` (a memory tracker, a FLOP counter, a fake mode) is in force: the length of torch's
+#: Python dispatch-mode stack; True (assume one may be: the caller then takes its always-correct path) where this
+#: torch has no such function. Resolved once: the ops call it on every eager call.
+dispatch_mode_active = _dispatch_stack()
+
+
+def _functorch_wrapped():
+    ft = getattr(torch._C, "_functorch", None)
+    probe = getattr(ft, "is_functorch_wrapped_tensor", None)
+    return probe if probe is not None else (lambda t: False)
+
+
+#: Whether ``t`` is a ``torch.func`` wrapper (vmap's batched or grad's tracking tensor): False where this torch has
+#: no functorch (no such wrappers then exist).
+is_functorch_wrapped = _functorch_wrapped()
+
+
+# ------------------------------------------------------------------------------------------------------ CUDA / Triton
+def _cuda_probes():
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    dev = getattr(torch._C, "_cuda_getDevice", None)
+    return (raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream),
+            dev if dev is not None else torch.cuda.current_device)
+
+
+#: ``cuda_raw_stream(index)``: the current CUDA stream of device ``index`` as the integer handle a kernel launch takes
+#: (torch's C getter; the public ``torch.cuda.current_stream(index).cuda_stream`` where it is missing).
+#: ``cuda_current_device()``: the current CUDA device's index.
+cuda_raw_stream, cuda_current_device = _cuda_probes()
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is installed: a function, or a non-empty chain (Triton 3.6+'s ``HookChain``)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def triton_compiled_launcher(compiled):
+    """A function ``launch(grid0, grid1, grid2, stream, *args)`` that starts Triton's compiled kernel ``compiled`` (what
+    ``kernel[grid](...)`` returns) directly, ``args`` being every parameter of the kernel in order, constexprs
+    included: the launch ``JITFunction.run`` makes after its binding, specialisation and cache lookup, which the
+    caller has done once for this signature. While a launch hook is installed (a profiler such as proton) the launch
+    goes through the compiled kernel's public ``compiled[grid](*args)``, which calls the hooks. None where this
+    Triton's ``CompiledKernel`` lacks the pieces (``run``, ``function``, ``packed_metadata``): the caller then keeps
+    the ordinary launch."""
+    try:
+        from triton import knobs
+
+        hooks = knobs.runtime
+        run = compiled.run  # loads the binary on first access
+        function, metadata = compiled.function, compiled.packed_metadata
+    except Exception:  # another Triton: the ordinary launch
+        return None
+    if not callable(run) or function is None:
+        return None
+
+    def launch(grid0, grid1, grid2, stream, *args):
+        if _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
+            compiled[(grid0, grid1, grid2)](*args, stream=stream)
+        else:
+            run(grid0, grid1, grid2, stream, function, metadata, None, None, None, *args)
+
+    return launch
 
 
 # ---------------------------------------------------------------------------------------------------------- compiler

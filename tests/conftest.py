@@ -52,12 +52,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def triton_backend(monkeypatch):
     """Force the Triton kernels (interpreted on CPU) for the duration of a test."""
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "triton")
+    from backends import force_backend  # (here: lowmembp, and triton with it, load after TRITON_INTERPRET is set)
+    force_backend(monkeypatch, "triton")
     yield
 
 
 @pytest.fixture
 def torch_backend(monkeypatch):
     """Force the PyTorch reference ops for the duration of a test."""
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")
+    from backends import force_backend
+    force_backend(monkeypatch, "torch")
     yield

@@ -257,7 +257,19 @@ def test_dispatch_mode_active(monkeypatch):
             assert _compat.dispatch_mode_active()
     assert not _compat.dispatch_mode_active()
     monkeypatch.delattr(torch._C, "_len_torch_dispatch_stack")
-    assert _compat.dispatch_mode_active()
+    assert _compat._dispatch_stack()()  # resolved again without the function: the fallback says True
+
+
+def test_functorch_wrapped_and_forward_ad():
+    """The probes resolved once at import: a vmap-wrapped tensor is recognised, a plain one is not; forward-mode AD
+    is on only inside a dual level."""
+    x = torch.randn(3, 2)
+    seen = []
+    torch.func.vmap(lambda r: seen.append(_compat.is_functorch_wrapped(r)) or r)(x)
+    assert seen == [True] and not _compat.is_functorch_wrapped(x)
+    assert not _compat.forward_ad_active()
+    with torch.autograd.forward_ad.dual_level():
+        assert _compat.forward_ad_active()
 
 
 def test_compile_helpers():

@@ -188,3 +188,25 @@ def test_the_test_files_named_exist():
     missing = sorted({f"{f.relative_to(ROOT)}: {m.group(0)}" for f in files for m in TEST_PATH.finditer(f.read_text())
                       if not (ROOT / m.group(0)).is_file()})
     assert not missing, f"test files named but not there (tests mirror the package: tests/<room>/): {missing}"
+
+
+def test_the_citation_the_license_and_the_release_agree():
+    """CITATION.cff, the BibTeX of docs/citing.md, LICENSE and pyproject.toml say the same: the version, the first
+    release's date and year, MIT, and the two papers' arXiv numbers."""
+    import tomllib
+
+    cff = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - (\d{4}-\d\d-\d\d)", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert releases, "CHANGELOG.md names its releases as '## [x.y.z] - YYYY-MM-DD'"
+    first_date = releases[-1][1]  # the oldest release is the last
+    assert cff["cff-version"] == "1.2.0" and cff["license"] == project["license"] == "MIT"
+    assert cff["version"] == project["version"] and str(cff["date-released"]) == dict(releases)[project["version"]]
+    license_text = (ROOT / "LICENSE").read_text()
+    assert license_text.startswith("MIT License") and f"Copyright (c) {first_date[:4]} the lowmembp authors" in \
+        license_text
+    bib = (DOCS / "citing.md").read_text()
+    arxiv = sorted(i["value"].split(":", 1)[1] for r in cff["references"] for i in r["identifiers"])
+    assert arxiv == ["2406.16282", "2501.18824"]
+    assert sorted(re.findall(r"eprint\s*=\s*\{([\d.]+)\}", bib)) == arxiv
+    assert re.search(rf"version\s*=\s*\{{{re.escape(project['version'])}\}}", bib)

@@ -81,3 +81,22 @@ def test_deprecated_names_warn_and_still_work():
     with pytest.warns(DeprecationWarning, match="make_plan"):
         with pytest.raises(ValueError, match="batch_size"):
             plan_room.plan("bert-large", batch_size=0)
+
+
+def test_the_optional_bitsandbytes_kernel_notice_is_not_shown():
+    """bitsandbytes' import (through peft) logs "Failed to load CPU gemm_4bit_forward from kernels-community" on
+    CPUs with AVX512-BF16: ``import lowmembp`` drops exactly that line, and a first ``apply`` prints none."""
+    import logging
+
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    make = lambda msg: logger.makeRecord(logger.name, logging.WARNING, __file__, 1, msg, ("x",), None)  # noqa: E731
+    assert not logger.filter(make("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please ..."))
+    assert logger.filter(make("any other warning: %s"))
+    code = ("import transformers, lowmembp\n"
+            "cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,"
+            " num_attention_heads=2, num_key_value_heads=2)\n"
+            "lowmembp.apply(transformers.LlamaForCausalLM(cfg), 'lora', rank=2)\n"
+            "import bitsandbytes\n")  # imported for certain, whatever peft does
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "gemm_4bit_forward" not in p.stdout + p.stderr

@@ -41,7 +41,8 @@ CELL_PATH = re.compile(r"(?:^|/)runs/(?P<task>[^/]+)/(?P<model>[^/]+)/(?P<method
                        r"(?:/(?P<optimizer>[a-z0-9][a-z0-9-]*(?:@[a-z_]+=[A-Za-z0-9._-]+(?:,[a-z_]+=[A-Za-z0-9._-]+)*)?))?"
                        r"/bs(?P<batch_size>\d+)/seed(?P<seed>\d+)\.json$")
 SWEEP_DEFAULTS = {"seeds": [0], "optimizers": [DEFAULT_OPTIMIZER], "steps": None, "dtype": "fp32",
-                  "train_config": None, "train_args": [], "method_options": {}, "resources": {}, "init": None}
+                  "train_config": None, "train_args": [], "method_options": {}, "resources": {}, "init": None,
+                  "synthetic_data": False}
 BASE_DEFAULTS = {"method": "baseline", "seed": 0, "train_args": []}
 # Methods whose trained model does not have the plain model's weights, so what --save-model writes (the state dict)
 # would not load (--init, strictly) into a fresh model: lora / lora-fa / velora add adapters, lowmembp /
@@ -51,7 +52,8 @@ CHANGE_WEIGHTS = ("lora", "lora-fa", "velora", "lowmembp", "lowmembp-norm")
 # Set by the pipeline from the sweep's own keys; in train_args they would contradict them.
 PIPELINE_FLAGS = {"--model": "tasks", "--task": "tasks", "--method": "methods", "--batch-size": "batch_sizes",
                   "--seed": "seeds", "--dtype": "dtype", "--config": "train_config", "--init": "init / bases",
-                  "--out": "(the record's path)", "--save-model": "bases", "--optimizer": "optimizers"}
+                  "--out": "(the record's path)", "--save-model": "bases", "--optimizer": "optimizers",
+                  "--synthetic-data": "synthetic_data"}
 
 
 class ConfigError(ValueError):
@@ -91,7 +93,7 @@ def spec_has_options(method: str) -> bool:
 
 
 def _run_settings(sw: dict, method: str) -> tuple:
-    keys = ("steps", "dtype", "train_config", "train_args", "resources", "init")
+    keys = ("steps", "dtype", "train_config", "train_args", "resources", "init", "synthetic_data")
     return tuple(repr(sw.get(k)) for k in keys) + (repr(sorted(options_for(sw, method).items())),)
 
 
@@ -135,6 +137,8 @@ def cell_argv(sw: dict, task: str, model: str, method: str, bs, seed, base: str 
             "--dtype", sw["dtype"]]
     if optimizer != DEFAULT_OPTIMIZER:
         args += ["--optimizer", optimizer]
+    if sw.get("synthetic_data"):
+        args += ["--synthetic-data"]
     if sw.get("steps"):
         args += ["--steps", str(sw["steps"])]
     if sw.get("train_config"):
@@ -307,6 +311,12 @@ def check(config: dict, root: Path = ROOT) -> None:
         where = f"sweeps.{name}"
         for tm in sw["tasks"]:
             _check_task(job, f"{where}.tasks", tm["task"], tm["model"], problems)
+            if sw.get("synthetic_data") and tm["task"] in job.task_names:
+                from experiments.tasks import synthetic
+
+                if synthetic.kind(tm["task"]) is None:
+                    problems.append(f"{where}: synthetic_data is for the paper tasks (cifar10/100, glue-*, alpaca); "
+                                    f"task {tm['task']!r} ships its own data: drop synthetic_data")
         optimizers = sw["optimizers"]
         listed = optimizers if isinstance(optimizers, list) else []
         if not listed or any(not _is_optimizer(o) for o in listed) or len(set(map(str, listed))) != len(listed):

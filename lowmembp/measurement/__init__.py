@@ -5,6 +5,8 @@
 - :mod:`~lowmembp.measurement.peak`: a whole step's peak by category (parameters, gradients, optimizer state,
   activations, temporaries), from a storage tracker, the CUDA allocator or the compiled CPU allocator;
 - :mod:`~lowmembp.measurement.timing`: step time (warm-up, percentiles, interleaved comparisons);
+- :mod:`~lowmembp.measurement.capture`: a whole training step captured in a CUDA graph or compiled with
+  ``reduce-overhead`` and replayed (static input buffers, warm-up on a side stream), the host out of fast steps;
 - :mod:`~lowmembp.measurement.flops`: a step's FLOPs by torch's own formulas;
 - :mod:`~lowmembp.measurement.fidelity`: a method's gradient against exact backprop's (cosine, relative error) per
   parameter tensor and per block depth.

@@ -423,7 +423,7 @@ def _cuda_peak(model, optimizer, step, device) -> dict:
         opt = _nbytes([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
     rest = max(peak - params - grads - opt, 0)
     how = "cuda max_memory_allocated" + ("; compiled step" if _is_compiled(model) else "")
-    return {"bytes": peak, "how": how,
+    return {"bytes": peak, "how": how, "reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
             "by_category": {"parameters": params, "gradients": grads, "optimizer_state": opt,
                             "activations_and_temporaries": rest},
             "device_resident": _driver_resident(peak, device)}

@@ -28,13 +28,17 @@ from lowmembp.methods.registry import register
 _RUNS_OWN_BLOCK_LOOP = ("tokentune",)  # methods after which library switches may not be honoured
 
 
+def _check(every=1, **_) -> None:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"checkpointing: every must be a positive integer (1 = every block), got {every!r}")
+
+
 @register("checkpointing", "non-reentrant gradient checkpointing per block (option every: every n-th block)",
-          options={"every": 1}, order=50)
+          options={"every": 1}, order=50, check=_check)
 def apply_checkpointing(model: nn.Module, every: int = 1) -> nn.Module:
     from lowmembp.models import get_layout
 
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"checkpointing: every must be a positive integer (1 = every block), got {every!r}")
+    _check(every)
     layout = get_layout(model)
     if not layout.blocks:
         raise ValueError(f"checkpointing: no transformer blocks found in {type(layout.base).__name__}")

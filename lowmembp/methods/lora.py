@@ -44,9 +44,24 @@ from lowmembp.methods.registry import register
 _HEAD_NAMES = ("head", "classifier", "score")
 
 
+def check_lora(rank=4, alpha=None, quantize=None, double_quant=True, dropout=0.0, **_) -> None:
+    """ValueError for an option value ``lora`` (and ``lora-fa``, which takes its ``rank`` and ``alpha``) cannot use;
+    the registry's ``check``, so the training job and the planner refuse it before any work."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"lora: rank must be a positive integer, got {rank!r}")
+    if alpha is not None and not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0):
+        raise ValueError(f"lora: alpha must be a positive number or None (None: alpha = rank), got {alpha!r}")
+    if quantize not in (None, "nf4"):
+        raise ValueError(f"lora: quantize must be None or 'nf4' (QLoRA), got {quantize!r}")
+    if not isinstance(double_quant, bool):
+        raise ValueError(f"lora: double_quant must be True or False, got {double_quant!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"lora: dropout must be a number in [0, 1), got {dropout!r}")
+
+
 @register("lora", "LoRA adapters through peft (rank, alpha, targets; classifier head trainable)",
           options={"rank": 4, "alpha": None, "targets": None, "quantize": None, "double_quant": True, "dropout": 0.0},
-          order=10)
+          order=10, check=check_lora)
 def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targets=None,
                quantize: str | None = None, double_quant: bool = True, dropout: float = 0.0, *,
                velora_config=None) -> nn.Module:
@@ -55,18 +70,9 @@ def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targ
 
     from lowmembp.models import get_layout
 
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"lora: rank must be a positive integer, got {rank!r}")
-    if alpha is not None and not (isinstance(alpha, (int, float)) and alpha > 0):
-        raise ValueError(f"lora: alpha must be a positive number or None (None: alpha = rank), got {alpha!r}")
+    check_lora(rank=rank, alpha=alpha, quantize=quantize, double_quant=double_quant, dropout=dropout)
     if (type(model).__module__ or "").startswith("peft"):
         raise ValueError("lora: the model is already a peft model; apply 'lora' to the plain timm/transformers model")
-    if quantize not in (None, "nf4"):
-        raise ValueError(f"lora: quantize must be None or 'nf4' (QLoRA), got {quantize!r}")
-    if not isinstance(double_quant, bool):
-        raise ValueError(f"lora: double_quant must be True or False, got {double_quant!r}")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"lora: dropout must be a number in [0, 1), got {dropout!r}")
     layout = get_layout(model)
     targets = resolve_targets(layout, targets)
     if quantize == "nf4":

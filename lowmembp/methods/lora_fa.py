@@ -21,8 +21,17 @@ import torch.nn as nn
 from lowmembp.methods.registry import register
 
 
+def _check(rank=4, alpha=None, **_) -> None:
+    from lowmembp.methods.lora import check_lora
+
+    try:
+        check_lora(rank=rank, alpha=alpha)
+    except ValueError as e:
+        raise ValueError(str(e).replace("lora:", "lora-fa:", 1)) from None
+
+
 @register("lora-fa", "LoRA with frozen A (LoRA-FA): only x·A is saved (rank, alpha, targets; head trainable)",
-          options={"rank": 4, "alpha": None, "targets": None}, order=10, excludes=("lora",))
+          options={"rank": 4, "alpha": None, "targets": None}, order=10, excludes=("lora",), check=_check)
 def apply_lora_fa(model: nn.Module, rank: int = 4, alpha: float | None = None, targets=None) -> nn.Module:
     from lowmembp.methods.lora import apply_lora
 

@@ -37,6 +37,7 @@ forward outputs agree with the reference's to fp32 rounding of erf/exp/tanh.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import os
@@ -49,7 +50,10 @@ import torch.nn.functional as F
 
 from lowmembp.ops.backend import (CPU_BLOCK, SUPPORTED_FLOAT_DTYPES, backend_for, check_float_input, cpu_block,
                                   cpu_parallel, eager_backend, refuse_functorch_transforms)
+from lowmembp._compat import cuda_raw_stream
 from lowmembp.ops import cpu_kernels
+from lowmembp.ops.launch import Launcher
+from lowmembp.ops.skeleton import OpFamily
 from lowmembp.ops.approx_table import REGELU2_A, REGELU2_C, RESILU2_A, RESILU2_C, TABLE
 
 try:  # triton is optional on CPU-only installs; the reference path needs none of it
@@ -126,6 +130,9 @@ def _consts32(kind: str, bits: int) -> tuple[tuple[float, ...], tuple[float, ...
     if (kind, bits) not in _CONSTS32:
         constants(kind, bits)  # raises the clear error
     return _CONSTS32[(kind, bits)]
+
+
+_BITS_OF_COUNT = {2 ** b: b for b in BITS}  # number of codes (thresholds + 1, or slopes) -> bits
 
 
 def _bits_of(n_values: int, what: str) -> int:
@@ -436,7 +443,7 @@ def _fwd_cpu(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
             return _fwd_reference(x, kind, thresholds, with_codes)  # the mathematics)
         y = _native_act(xc, kind, tiny=bool(seen & cpu_kernels.TINY_BF16))  # x's shape: no view to return
         if with_codes:
-            cpu_kernels.write_byte(packed, nbytes, 0)  # the flag byte: no NaN, no +inf
+            ctypes.c_uint8.from_address(packed.data_ptr() + nbytes).value = 0  # the flag byte: no NaN, no +inf
         return y, packed
     flat = xc.reshape(-1)
     # without the C kernels: the codes from eager ATen ops, block by block
@@ -486,10 +493,12 @@ def _bwd_cpu(dy: torch.Tensor, packed: torch.Tensor, s32) -> torch.Tensor:
         return _bwd_reference(dy, packed, s32)  # 2-bit codes only (the reference checks the count)
     bits = 2
     dyc = dy.contiguous()
-    flag = cpu_kernels.read_byte(packed, nbytes)
+    flag = cpu_kernels.read_byte_trusted(packed, nbytes)  # (checked above: contiguous CPU uint8, nbytes + 1)
     if flag == 0 and dyc.dtype in SUPPORTED_FLOAT_DTYPES:  # one C pass; a NaN product in fp16 / bf16 is rounded
         dx = torch.empty_like(dyc)  # by ATen's own ops below; dx in dy's shape: no view to return
-        table = _const_tensor(tuple(s32), "cpu")  # tuple: s32 is a list in a double backward
+        table = _SLOPES_CPU.get(s32) if type(s32) is tuple else None  # (a list in a double backward)
+        if table is None:
+            table = _SLOPES_CPU[tuple(s32)] = _const_tensor(tuple(s32), "cpu")
         nan = cpu_kernels.slopes2_trusted(dyc, n, packed, table, dx)
         if nan is not None and not (nan and dy.dtype != torch.float32):
             return dx
@@ -529,57 +538,75 @@ def backward_reference(dy: torch.Tensor, packed: torch.Tensor, kind=_GELU, bits:
 
 
 # ---------------------------------------------------------------------------------------------------- Triton kernels
+# One kernel per op call. The forward's flag byte (NaN / +inf seen anywhere) is an OR over every program: each
+# program ORs its own flag into a per-stream int32 workspace (only when it saw one), then takes a ticket; the program
+# that takes the last ticket moves the total into the flag byte and zeroes the workspace for the next call. No fill
+# or copy launches, and the workspace is back at zero after every launch (so a CUDA graph replays it as it is).
 if triton is not None:
 
     @triton.jit
-    def _act_fwd_kernel(x_ptr, y_ptr, code_ptr, t_ptr, flag_ptr, n, nbytes,
+    def _act_fwd_kernel(x_ptr, y_ptr, code_ptr, t_ptr, ws_ptr, n, nbytes,
                         KIND: tl.constexpr, BITS: tl.constexpr, NT: tl.constexpr, NEG_ZERO: tl.constexpr,
-                        UNBOUNDED: tl.constexpr, WRITE_CODES: tl.constexpr, BLOCK: tl.constexpr):
-        # One program: BLOCK groups of 8 consecutive elements (a group fills BITS code bytes), a [BLOCK, 8] tile.
+                        UNBOUNDED: tl.constexpr, WRITE_CODES: tl.constexpr, BLOCK: tl.constexpr,
+                        TILES: tl.constexpr):
+        # One program: TILES tiles of BLOCK groups of 8 consecutive elements (a group fills BITS code bytes), each a
+        # [BLOCK, 8] tile; the flags are gathered per element over the tiles and reduced once per program.
         pid = tl.program_id(0).to(tl.int64)
-        grp = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         lane = tl.arange(0, 8)
-        idx = grp[:, None] * 8 + lane[None, :]
-        mask = idx < n
-        x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        if KIND == 0:  # gelu (erf)
-            y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))  # 1/√2
-        elif KIND == 1:  # gelu_tanh: 0.5·x·(1 + tanh(u)) = x·sigmoid(2u) (no libdevice tanh in the interpreter)
-            u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # √(2/π)
-            y = x / (1.0 + tl.exp(-2.0 * u))
-        elif KIND == 2:  # quick_gelu
-            y = x / (1.0 + tl.exp(-1.702 * x))
-        elif KIND == 3:  # silu
-            y = x / (1.0 + tl.exp(-x))
-        elif KIND == 4:  # relu
-            y = tl.where(x > 0.0, x, 0.0)
-        else:  # relu2
-            r = tl.where(x > 0.0, x, 0.0)
-            y = r * r
-        finite = tl.abs(x) < float("inf")  # false for ±inf and NaN
-        if NEG_ZERO:
-            special = tl.where(x < 0.0, -0.0, x)
-        else:
-            special = tl.where(x < 0.0, 0.0, x)
-        y = tl.where(finite, y, special)
-        tl.store(y_ptr + idx, y.to(y_ptr.dtype.element_ty), mask=mask)
+        kb = tl.arange(0, 4)
+        seen = tl.zeros([BLOCK, 8], dtype=tl.int32)
+        for i in range(TILES):
+            grp = (pid * TILES + i) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+            idx = grp[:, None] * 8 + lane[None, :]
+            mask = idx < n
+            x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            if KIND == 0:  # gelu (erf)
+                y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))  # 1/√2
+            elif KIND == 1:  # gelu_tanh: 0.5·x·(1 + tanh(u)) = x·sigmoid(2u) (no libdevice tanh in the interpreter)
+                u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # √(2/π)
+                y = x / (1.0 + tl.exp(-2.0 * u))
+            elif KIND == 2:  # quick_gelu
+                y = x / (1.0 + tl.exp(-1.702 * x))
+            elif KIND == 3:  # silu
+                y = x / (1.0 + tl.exp(-x))
+            elif KIND == 4:  # relu
+                y = tl.where(x > 0.0, x, 0.0)
+            else:  # relu2
+                r = tl.where(x > 0.0, x, 0.0)
+                y = r * r
+            finite = tl.abs(x) < float("inf")  # false for ±inf and NaN
+            if NEG_ZERO:
+                special = tl.where(x < 0.0, -0.0, x)
+            else:
+                special = tl.where(x < 0.0, 0.0, x)
+            y = tl.where(finite, y, special)
+            tl.store(y_ptr + idx, y.to(y_ptr.dtype.element_ty), mask=mask)
+            if WRITE_CODES:
+                code = tl.zeros([BLOCK, 8], dtype=tl.int32)
+                for j in tl.static_range(NT):
+                    code += (x > tl.load(t_ptr + j)).to(tl.int32)
+                code = tl.where(mask, code, 0)
+                word = tl.sum(code << (lane[None, :] * BITS), axis=1)  # disjoint bits: sum == or (int32 wraps)
+                byte = (word[:, None] >> (kb[None, :] * 8)) & 0xFF
+                bidx = grp[:, None] * BITS + kb[None, :]
+                tl.store(code_ptr + bidx, byte.to(tl.uint8), mask=(kb[None, :] < BITS) & (bidx < nbytes))
+                seen = seen | tl.where(mask & (x != x), 1, 0)
+                if UNBOUNDED:
+                    seen = seen | tl.where(mask & (x == float("inf")), 2, 0)
         if WRITE_CODES:
-            code = tl.zeros([BLOCK, 8], dtype=tl.int32)
-            for j in tl.static_range(NT):
-                code += (x > tl.load(t_ptr + j)).to(tl.int32)
-            code = tl.where(mask, code, 0)
-            word = tl.sum(code << (lane[None, :] * BITS), axis=1)  # disjoint bits: sum == or (int32 wraps)
-            kb = tl.arange(0, 4)
-            byte = (word[:, None] >> (kb[None, :] * 8)) & 0xFF
-            bidx = grp[:, None] * BITS + kb[None, :]
-            tl.store(code_ptr + bidx, byte.to(tl.uint8), mask=(kb[None, :] < BITS) & (bidx < nbytes))
-            flag = tl.max(tl.max(tl.where(mask & (x != x), 1, 0), axis=1), axis=0)
-            if UNBOUNDED:
-                flag = flag | (tl.max(tl.max(tl.where(mask & (x == float("inf")), 2, 0), axis=1), axis=0))
-            tl.atomic_or(flag_ptr, flag)
+            if UNBOUNDED:  # two bits from different elements: the max of each, then or
+                flag = tl.max(tl.max(seen & 1, axis=1), axis=0) | tl.max(tl.max(seen & 2, axis=1), axis=0)
+            else:
+                flag = tl.max(tl.max(seen, axis=1), axis=0)
+            tl.atomic_or(ws_ptr, flag, mask=flag != 0)
+            ticket = tl.atomic_add(ws_ptr + 1, 1)  # acq_rel: the OR above is seen by whoever takes the last ticket
+            if ticket == tl.num_programs(0) - 1:
+                total = tl.atomic_xchg(ws_ptr, 0)
+                tl.store(code_ptr + nbytes, total.to(tl.uint8))
+                tl.atomic_xchg(ws_ptr + 1, 0)
 
     @triton.jit
-    def _act_bwd_kernel(dy_ptr, code_ptr, s_ptr, flag_ptr, dx_ptr, n, nbytes,
+    def _act_bwd_kernel(dy_ptr, code_ptr, s_ptr, dx_ptr, n, nbytes,
                         BITS: tl.constexpr, NS: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         grp = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -591,21 +618,29 @@ if triton is not None:
         byte = tl.load(code_ptr + bidx, mask=(kb[None, :] < BITS) & (bidx < nbytes), other=0).to(tl.int32)
         word = tl.sum(byte << (kb[None, :] * 8), axis=1)
         code = (word[:, None] >> (lane[None, :] * BITS)) & (NS - 1)
-        flag = tl.load(flag_ptr).to(tl.int32)
+        flag = tl.load(code_ptr + nbytes).to(tl.int32)  # the flag byte after the codes
         s = tl.load(s_ptr + flag * NS + code, mask=mask, other=0.0)
         dy = tl.load(dy_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + idx, (dy * s).to(dx_ptr.dtype.element_ty), mask=mask)
+
+    _FWD = Launcher(_act_fwd_kernel)
+    _BWD = Launcher(_act_bwd_kernel)
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _launch_cfg(groups: int) -> tuple[int, int]:
-    """(BLOCK groups of 8 elements per program, num_warps). The interpreter pays per program: one big block."""
-    if _interpreting():
-        return max(16, min(triton.next_power_of_2(max(groups, 1)), 1 << 12)), 4
-    return 512, 8  # 4096 elements per program
+_INTERPRET = _interpreting()  # set before triton is imported, so fixed for the process
+
+
+def _launch_cfg(groups: int) -> tuple[int, int, int]:
+    """(BLOCK groups of 8 elements per tile, TILES tiles per program, num_warps). The interpreter pays per program:
+    one big block. On a GPU 4096-element tiles, four per program on large tensors: a quarter of the programs, so a
+    quarter of the forward's flag reductions and atomic tickets."""
+    if _INTERPRET:
+        return max(16, min(triton.next_power_of_2(max(groups, 1)), 1 << 12)), 1, 4
+    return 512, (4 if groups >= 512 * 4 * 512 else 1), 8
 
 
 def _need_triton():
@@ -614,25 +649,52 @@ def _need_triton():
                            "install triton or set LOWMEMBP_BACKEND=torch")
 
 
+_WORKSPACE: dict = {}
+
+
+def _workspace(device: torch.device, index: int) -> torch.Tensor:
+    """The forward kernel's flag workspace on ``device`` for the current stream: two int32 zeros (the OR of the
+    programs' flags, the ticket counter), made once per (device, stream); the kernel leaves them at zero."""
+    key = (index, cuda_raw_stream(index)) if index >= 0 else (index, 0)
+    ws = _WORKSPACE.get(key)
+    if ws is None:
+        ws = _WORKSPACE[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return ws
+
+
 def _fwd_triton(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
     _need_triton()
-    bits = _bits_of(len(thresholds) + 1, "thresholds")
-    xc = x.contiguous()
+    bits = _BITS_OF_COUNT[len(thresholds) + 1]
+    xc = x if x.is_contiguous() else x.contiguous()
     n = xc.numel()
-    nbytes = (n * bits + 7) // 8
+    nbytes = (n * bits + 7) >> 3
     y = torch.empty_like(xc)
-    packed = torch.empty(nbytes + 1 if with_codes else 0, dtype=torch.uint8, device=x.device)
-    flag = torch.zeros(1, dtype=torch.int32, device=x.device)
+    packed = xc.new_empty(nbytes + 1 if with_codes else 0, dtype=torch.uint8)
     if n:
-        t = _const_tensor(tuple(thresholds), x.device)
-        block, warps = _launch_cfg((n + 7) // 8)
-        _act_fwd_kernel[(triton.cdiv((n + 7) // 8, block),)](
-            xc, y, packed, t, flag, n, nbytes, KIND=_KIND_ID[kind], BITS=bits, NT=len(thresholds),
-            NEG_ZERO=kind in _NEG_ZERO, UNBOUNDED=kind in _UNBOUNDED, WRITE_CODES=with_codes, BLOCK=block,
-            num_warps=warps)
-    if with_codes:
-        packed.narrow(0, nbytes, 1).copy_(flag)  # the flag byte (int32 -> uint8: 0..3)
+        dev = xc.get_device()
+        t = _device_table(("t", tuple(thresholds)), xc, dev)
+        ws = _workspace(xc.device, dev) if with_codes else t
+        block, tiles, warps = _launch_cfg((n + 7) >> 3)
+        _FWD(-(-((n + 7) >> 3) // (block * tiles)), (xc, y, packed if with_codes else y, t, ws, n, nbytes),
+             (_KIND_ID[kind], bits, len(thresholds), kind in _NEG_ZERO, kind in _UNBOUNDED, with_codes, block, tiles),
+             warps, dev)
+    elif with_codes:
+        packed.zero_()  # no element: the flag byte alone, 0
     return y, packed
+
+
+def _device_table(key: tuple, like: torch.Tensor, dev: int) -> torch.Tensor:
+    """A small fp32 constant tensor (thresholds or a slope table) on ``like``'s device, made once per device."""
+    full = (key, dev)
+    t = _TABLES.get(full)
+    if t is None:
+        kind, values = key
+        rows = values if kind == "t" else _slope_rows(values)
+        t = _TABLES[full] = torch.tensor(rows, dtype=torch.float32, device=like.device)
+    return t
+
+
+_SLOPES_CPU: dict = {}  # slopes tuple -> its fp32 CPU tensor (the C backward's table)
 
 
 def _const_tensor(values: tuple, device) -> torch.Tensor:
@@ -644,19 +706,19 @@ def _const_tensor(values: tuple, device) -> torch.Tensor:
 
 def _bwd_triton(dy: torch.Tensor, packed: torch.Tensor, s32) -> torch.Tensor:
     _need_triton()
-    bits = _bits_of(len(s32), "slopes")
-    dyc = dy.contiguous()
+    bits = _BITS_OF_COUNT.get(len(s32)) or _bits_of(len(s32), "slopes")
+    dyc = dy if dy.is_contiguous() else dy.contiguous()
     n = dyc.numel()
-    nbytes = (n * bits + 7) // 8
+    nbytes = (n * bits + 7) >> 3
     if packed.numel() != nbytes + 1:
         raise ValueError(f"approx_act backward: expected {nbytes + 1} saved bytes for {n} elements at {bits} bits, "
                          f"got {packed.numel()}")
     dx = torch.empty_like(dyc)
     if n:
-        block, warps = _launch_cfg((n + 7) // 8)
-        _act_bwd_kernel[(triton.cdiv((n + 7) // 8, block),)](
-            dyc, packed, _slope_table(tuple(s32), dy.device), packed[nbytes:], dx, n, nbytes,
-            BITS=bits, NS=len(s32), BLOCK=block, num_warps=warps)
+        dev = dyc.get_device()
+        block, _, warps = _launch_cfg((n + 7) >> 3)
+        _BWD(-(-((n + 7) >> 3) // block), (dyc, packed, _device_table(("s", tuple(s32)), dyc, dev), dx, n, nbytes),
+             (bits, len(s32), block), warps, dev)
     return dx
 
 
@@ -716,16 +778,6 @@ def _(dy, packed, slopes):
     return torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
 
 
-def _fwd_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[1])  # the packed codes + flag byte: all that is saved
-    ctx.slopes = inputs[3]
-
-
-def _fwd_backward(ctx, dy, _dpacked):
-    (packed,) = ctx.saved_tensors
-    return _approx_act_bwd(dy, packed, ctx.slopes), None, None, None, None
-
-
 def _bwd_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[1])
     ctx.slopes = inputs[2]
@@ -736,57 +788,61 @@ def _bwd_backward(ctx, gdx):  # the backward is linear in dy with a piecewise-co
     return _approx_act_bwd(gdx, packed, ctx.slopes), None, None
 
 
-torch.library.register_autograd("lowmembp::approx_act_fwd", _fwd_backward, setup_context=_fwd_setup)
 torch.library.register_autograd("lowmembp::approx_act_bwd", _bwd_backward, setup_context=_bwd_setup)
 
 
-class _ApproxActEager(torch.autograd.Function):
-    """Eager CPU and CUDA tensors with a kernel backend (``backend.eager_backend``): the kernels without the custom
-    op's dispatch (the same saved bytes and gradient; the backward goes through the custom op when a graph of it is
-    asked for, so double backward works as before)."""
+class _ApproxActOps(OpFamily):
+    """ReGELU2 / ReSiLU2 and their kin (:mod:`lowmembp.ops.skeleton`): saves the packed codes + flag byte only."""
+    name = "approx_act"
 
     @staticmethod
-    def forward(ctx, x, kind, t32, s32, backend):
-        y, packed = _fwd_on(backend, x.detach(), kind, t32, True)
-        ctx.save_for_backward(packed)
-        ctx.s32, ctx.backend = s32, backend
-        return y
+    def forward(backend, x, kind, t32, s32):
+        y, packed = _fwd_on(backend, x, kind, t32, True)
+        return y, (packed,), s32
 
     @staticmethod
-    def backward(ctx, dy):
-        (packed,) = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: the custom op, whose own backward is registered
-            return _approx_act_bwd(dy, packed, list(ctx.s32)), None, None, None, None
-        return _bwd_on(ctx.backend, dy, packed, ctx.s32), None, None, None, None
+    def backward(backend, s32, saved, dy):
+        return _bwd_on(backend, dy, saved[0], s32), None, None, None
+
+    @staticmethod
+    def graph_backward(s32, saved, dy):
+        return _approx_act_bwd(dy, saved[0], list(s32)), None, None, None
+
+
+# the custom op's inputs are (x, kind, thresholds, slopes, with_codes): it saves its second output, the codes
+_ApproxActOps.register_autograd("lowmembp::approx_act_fwd", lambda inputs, output: ((output[1],), inputs[3]))
 
 
 # ------------------------------------------------------------------------------------------- functions and modules
-def approx_act(x: torch.Tensor, kind: str = "gelu", bits: int = 2) -> torch.Tensor:
-    """Exact ``kind`` activation forward; backward with the ``bits``-bit approximate derivative (codes saved)."""
-    kind, bits = _kind(kind), _bits(bits)
-    op = f"approx_act({kind}, bits={bits})"
-    check_float_input(x, op)
-    refuse_functorch_transforms(x, op, _EXACT[kind])
-    t32, s32 = _consts32(kind, bits)
-    with_codes = torch.is_grad_enabled() and x.requires_grad
+def _run(x: torch.Tensor, kind: str, t32: tuple, s32: tuple) -> torch.Tensor:
+    """The op on a validated ``kind`` with its fp32 constants: the eager route where it may run, else the custom op."""
+    with_codes = x.requires_grad and torch.is_grad_enabled()
     backend = eager_backend(x)
     if backend is not None:
         if with_codes:
-            return _ApproxActEager.apply(x, kind, t32, s32, backend)
+            return _ApproxActOps.apply(backend, x, kind, t32, s32)
         return _fwd_on(backend, x, kind, t32, False)[0]
+    refuse_functorch_transforms(x, f"approx_act({kind}, bits={_BITS_OF_COUNT[len(s32)]})", _EXACT[kind])
     return _approx_act_fwd(x, kind, list(t32), list(s32), with_codes)[0]
+
+
+def approx_act(x: torch.Tensor, kind: str = "gelu", bits: int = 2) -> torch.Tensor:
+    """Exact ``kind`` activation forward; backward with the ``bits``-bit approximate derivative (codes saved)."""
+    kind, bits = _kind(kind), _bits(bits)
+    check_float_input(x, f"approx_act({kind}, bits={bits})")
+    return _run(x, kind, *_consts32(kind, bits))
 
 
 def regelu2(x: torch.Tensor) -> torch.Tensor:
     """Exact GELU (erf form) forward; backward with the 2-bit ReGELU2 derivative, saving 0.25 byte per element."""
     check_float_input(x, "regelu2")
-    return approx_act(x, "gelu", 2)
+    return _run(x, "gelu", *_CONSTS32[("gelu", 2)])
 
 
 def resilu2(x: torch.Tensor) -> torch.Tensor:
     """Exact SiLU forward; backward with the 2-bit ReSiLU2 derivative, saving 0.25 byte per element."""
     check_float_input(x, "resilu2")
-    return approx_act(x, "silu", 2)
+    return _run(x, "silu", *_CONSTS32[("silu", 2)])
 
 
 class ApproxAct(nn.Module):
@@ -795,10 +851,13 @@ class ApproxAct(nn.Module):
     def __init__(self, kind: str = "gelu", bits: int = 2):
         super().__init__()
         self.kind, self.bits = _kind(kind), _bits(bits)
-        constants(self.kind, self.bits)  # fail now, not in the first forward
+        self._consts = _consts32(self.kind, self.bits)  # fail now, not in the first forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return approx_act(x, self.kind, self.bits)
+        if x.dtype not in SUPPORTED_FLOAT_DTYPES:
+            check_float_input(x, type(self).__name__)
+        consts = self.__dict__.get("_consts") or _consts32(self.kind, self.bits)  # (a module pickled before)
+        return _run(x, self.kind, *consts)
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, bits={self.bits}"

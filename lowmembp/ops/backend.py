@@ -2,68 +2,149 @@
 
 Rule: Triton for CUDA tensors, the CPU fast path for CPU tensors, the PyTorch reference for everything else (and
 for CUDA tensors where Triton is missing). The CPU fast path computes the reference's arithmetic, bit for bit equal
-to it: one-pass C kernels for the approximate activations' codes, Mesa's quantiser and the norms (LayerNorm's
-forward with ATen's own arithmetic replicated, the backward with ATen's row-sum order), compiled on first use
-(:mod:`lowmembp.ops.cpu_kernels`; eager ATen ops, the same bits, where no C compiler is found).
-The environment variable ``LOWMEMBP_BACKEND`` forces one: ``triton`` (also on CPU tensors, which works only under
-Triton's interpreter, ``TRITON_INTERPRET=1`` set before triton is imported), ``cpu`` (CPU tensors only) or ``torch``
-(the reference everywhere: the oracle the tests compare against).
+to it (:mod:`lowmembp.ops.cpu_kernels`; eager ATen ops, the same bits, where no C compiler is found).
+
+One backend can be forced: ``LOWMEMBP_BACKEND`` (read once, when this module is imported) or :func:`set_backend` /
+``with use_backend(name):`` at run time: ``triton`` (also on CPU tensors, which works only under Triton's
+interpreter, ``TRITON_INTERPRET=1`` set before triton is imported), ``cpu`` (CPU tensors only) or ``torch`` (the
+reference everywhere: the oracle the tests compare against). An op call reads no environment: the choice is made
+when it is set, and :func:`eager_backend` is a few attribute reads (docs/performance/host-time.md).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import NamedTuple
 
 import torch
 
-from lowmembp._compat import dispatch_mode_active, forward_ad_active, functorch_unwrap_grad_tracking, is_fake
+from lowmembp._compat import (dispatch_mode_active, forward_ad_active, functorch_unwrap_grad_tracking, is_fake,
+                              is_functorch_wrapped)
 
 SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ENV = "LOWMEMBP_BACKEND"
 _VALID = ("triton", "cpu", "torch", "auto", "")
+
+
+class _Routes(NamedTuple):
+    """The forced backend's consequences, worked out once when it is set: what CPU and CUDA tensors run (or the
+    error a call on such a tensor raises)."""
+    forced: str
+    cpu: str
+    cuda: str
+    cpu_error: str | None = None
+    cuda_error: str | None = None
+    invalid: bool = False  # the name is not a backend: every call raises ValueError
+
+
+_TRITON: list[bool] = []  # [whether triton imports], filled on first need
+
+
+def triton_available() -> bool:
+    """Whether triton imports (checked once per process)."""
+    if not _TRITON:
+        try:
+            import triton  # noqa: F401
+            _TRITON.append(True)
+        except Exception:  # pragma: no cover - triton missing or broken
+            _TRITON.append(False)
+    return _TRITON[0]
+
+
+def routes_for(name: str | None) -> _Routes:
+    """The routes for a forced backend ``name`` (None or ``"auto"``: none forced). An invalid name gives routes
+    whose every call raises an error saying what is valid (so that a bad environment variable fails the first op
+    call, not the import)."""
+    forced = (name or "").strip().lower()
+    if forced not in _VALID:
+        err = f"{ENV}={forced!r} is not valid: use 'triton', 'cpu', 'torch' or leave it unset"
+        return _Routes(forced, "torch", "torch", err, err, invalid=True)
+    if forced == "torch":
+        return _Routes(forced, "torch", "torch")
+    if forced == "cpu":
+        return _Routes(forced, "cpu", "torch", cuda_error=(
+            f"{ENV}=cpu on a non-CPU tensor: the CPU fast path runs on CPU tensors only; unset {ENV} (or "
+            f"set_backend(None)) or choose 'triton' or 'torch'"))
+    if forced == "triton":
+        cpu_error = None if os.environ.get("TRITON_INTERPRET", "0") == "1" else (
+            f"{ENV}=triton on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 before triton is "
+            f"imported, or move the tensor to a CUDA device")
+        return _Routes(forced, "triton", "triton", cpu_error=cpu_error)
+    return _Routes(forced, "cpu", "triton" if triton_available() else "torch")
+
+
+_routes = routes_for(os.environ.get(ENV))
+
+
+def set_backend(name: str | None) -> str:
+    """Force ``name`` (``"triton"``, ``"cpu"``, ``"torch"``; None or ``"auto"``: the rule) for every later op call
+    in this process; returns the previous setting. Raises ValueError for an unknown name."""
+    global _routes
+    routes = routes_for(name)
+    if routes.invalid:
+        raise ValueError(routes.cpu_error.replace(f"{ENV}=", "backend "))
+    previous, _routes = _routes.forced, routes
+    return previous
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None):
+    """``with use_backend("torch"): ...``: :func:`set_backend` for the block, the previous setting restored after."""
+    previous = set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def forced_backend() -> str:
+    """The forced backend's name, ``""`` when none is."""
+    return _routes.forced
 
 
 def backend_for(x: torch.Tensor) -> str:
     """Return ``"triton"``, ``"cpu"`` or ``"torch"`` for an op whose main input is ``x``."""
-    forced = os.environ.get("LOWMEMBP_BACKEND", "").strip().lower()
-    if forced not in _VALID:
-        raise ValueError(f"LOWMEMBP_BACKEND={forced!r} is not valid: use 'triton', 'cpu', 'torch' or leave it unset")
-    if forced == "torch":
-        return "torch"
-    if forced == "cpu":
-        if not x.is_cpu:
-            raise RuntimeError(f"LOWMEMBP_BACKEND=cpu on a {x.device.type} tensor: the CPU fast path runs on CPU "
-                               f"tensors only; unset LOWMEMBP_BACKEND or set it to 'triton' or 'torch'")
-        return "cpu"
-    if forced == "triton":
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise RuntimeError(
-                "LOWMEMBP_BACKEND=triton on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 "
-                "before triton is imported, or move the tensor to a CUDA device")
-        return "triton"
-    if x.is_cuda:
-        return "triton" if triton_available() else "torch"
-    return "cpu" if x.is_cpu else "torch"
+    r = _routes
+    if r.invalid:
+        raise ValueError(r.cpu_error)
+    if x.is_cpu:
+        if r.cpu_error:
+            raise RuntimeError(r.cpu_error)
+        return r.cpu
+    if r.cuda_error:  # CUDA and the other devices (meta: the custom op's fake implementation serves it)
+        raise RuntimeError(r.cuda_error)
+    return r.cuda if x.is_cuda else "torch"
+
+
+_is_compiling = torch.compiler.is_compiling
 
 
 def eager_backend(x: torch.Tensor) -> str | None:
     """The backend an op may call directly, through a plain ``torch.autograd.Function`` rather than its
     ``torch.library`` custom op, or None where the custom op must run.
 
-    The custom op's dispatch costs some hundred microseconds of Python per forward + backward: on the CPU more than
-    the op itself on small tensors, on a GPU more than the kernel (the host then falls behind the device, and a
-    training step waits on it). So where nothing needs the custom op: a plain CPU or CUDA tensor (not a FakeTensor or
-    other subclass, not on the meta device), in eager mode (not traced by ``torch.compile``), not wrapped by
-    ``torch.func``, with no ``TorchDispatchMode`` in force (a memory tracker sees the custom op as one op, its
-    outputs only, as the fake implementation that the estimator runs), and a backend that is a kernel: ``"triton"``
-    (CUDA tensors, or CPU tensors under Triton's interpreter) or ``"cpu"`` (the CPU fast path). The PyTorch
-    reference keeps the custom op (the oracle, one code path); so does everything traced or fake."""
-    if (type(x) is not torch.Tensor or torch.compiler.is_compiling() or not (x.is_cpu or x.is_cuda)
-            or dispatch_mode_active()):
+    The custom op's Python dispatch costs more than the kernels on small tensors, so it runs only where it is
+    needed: for a tensor that is not a plain CPU or CUDA tensor (a FakeTensor or other subclass, the meta device),
+    while ``torch.compile`` traces, inside ``torch.func`` transforms or forward-mode AD, and while a
+    ``TorchDispatchMode`` is in force (a memory tracker then sees the custom op whole, as the fake implementation the
+    estimator runs), and on the PyTorch reference (the oracle keeps one code path)."""
+    if type(x) is not torch.Tensor or _is_compiling() or dispatch_mode_active() or is_functorch_wrapped(x) \
+            or forward_ad_active():
         return None
-    inner, grad_tracking = functorch_unwrap_grad_tracking(x)
-    if inner is not x or grad_tracking:
+    r = _routes
+    if x.is_cuda:
+        backend = r.cuda if r.cuda_error is None else backend_for(x)
+    elif x.is_cpu:
+        backend = r.cpu if r.cpu_error is None else backend_for(x)
+    else:
         return None
-    backend = backend_for(x)
-    return backend if backend != "torch" else None
+    return None if backend == "torch" else backend
+
+
+def stream_capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (False without CUDA): the ops then read
+    nothing back from the device and draw their random seeds there."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def device_type(x: torch.Tensor) -> str:
@@ -80,13 +161,6 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     except (RuntimeError, ValueError, TypeError):
         return None
 
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # pragma: no cover - triton missing or broken
-        return False
-    return True
 
 
 def check_float_input(x: torch.Tensor, op: str) -> None:

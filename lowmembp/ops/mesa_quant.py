@@ -73,9 +73,11 @@ from lowmembp.ops.backend import (
     cpu_parallel,
     eager_backend,
     is_shape_only,
+    stream_capturing,
 )
 from lowmembp._compat import unset_fake_temporarily
 from lowmembp.ops import cpu_kernels
+from lowmembp.ops.launch import Launcher
 
 _WARN_EVERY_CUDA = 64  # a CUDA quantiser checks its skipped-update counter (a device sync) every this many calls
 
@@ -195,18 +197,22 @@ def quantize(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, inner: in
     ``seed``: an int or a 0-d integer tensor; ``None`` draws one (:func:`draw_seed_tensor`)."""
     check_float_input(x, "mesa quantize")
     _check_groups(x, inner, groups, alpha, beta)
-    if seed is None:
-        seed = draw_seed_tensor()
-    elif not isinstance(seed, torch.Tensor):
-        seed = torch.tensor(int(seed), dtype=torch.int64)
     alpha = alpha.detach().float().clamp_min(_MIN_RANGE)
     scale = 255.0 / alpha  # [G], fresh and contiguous
     step = alpha / 255.0
     beta = beta.detach().float().clone()
     backend = eager_backend(x)
     if backend is not None:  # a kernel without the custom op's dispatch
-        codes = _quantize_on(backend, x.detach().contiguous(), scale, beta, inner, groups, int(seed))
+        if seed is None:  # a CUDA graph being captured: drawn on the device, so that every replay draws anew
+            seed = draw_seed_tensor(x.device) if stream_capturing() else int(draw_seed_tensor())
+        elif not (backend == "triton" and isinstance(seed, torch.Tensor) and seed.device == x.device):
+            seed = int(seed)
+        codes = _quantize_on(backend, x.detach().contiguous(), scale, beta, inner, groups, seed)
         return QTensor(codes, step, beta, inner, groups, x.dtype)
+    if seed is None:  # traced: on x's device (a compiled CUDA graph then replays a fresh draw)
+        seed = draw_seed_tensor(x.device)
+    elif not isinstance(seed, torch.Tensor):
+        seed = torch.tensor(int(seed), dtype=torch.int64)
     codes = _mesa_quantize_op(x.detach(), scale, beta, inner, groups, seed)
     return QTensor(codes, step, beta, inner, groups, x.dtype)
 
@@ -222,8 +228,12 @@ def dequantize(qt: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 @torch.library.custom_op("lowmembp::mesa_quantize", mutates_args=())
 def _mesa_quantize_op(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
                       seed: torch.Tensor) -> torch.Tensor:
-    """uint8 codes of x (x's shape): Triton or the reference; ``seed`` a 0-d integer tensor (any device)."""
-    return _quantize_on(backend_for(x), x.contiguous(), scale, beta, inner, groups, int(seed))  # seed: a CPU tensor
+    """uint8 codes of x (x's shape): Triton or the reference; ``seed`` a 0-d integer tensor (any device: on x's
+    CUDA device the Triton kernel reads it there, without a host synchronisation)."""
+    backend = backend_for(x)
+    if not (backend == "triton" and seed.device == x.device):
+        seed = int(seed)
+    return _quantize_on(backend, x.contiguous(), scale, beta, inner, groups, seed)
 
 
 @_mesa_quantize_op.register_fake
@@ -243,9 +253,10 @@ def _(codes, step, beta, inner, groups, dtype):
     return torch.empty(codes.shape, dtype=dtype, device=codes.device)
 
 
-def draw_seed_tensor() -> torch.Tensor:
-    """A 0-d int64 seed in [0, 2³¹ − 1) from torch's default CPU generator (traceable: no ``.item()``)."""
-    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device="cpu")
+def draw_seed_tensor(device=None) -> torch.Tensor:
+    """A 0-d int64 seed in [0, 2³¹ − 1) from torch's default generator of ``device`` (default the CPU's; traceable:
+    no ``.item()``; on a CUDA device graph-safe: a captured CUDA graph draws a new one at every replay)."""
+    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=device or "cpu")
 
 
 def draw_seed() -> int:
@@ -507,7 +518,7 @@ _BLOCK = 1024
 
 if triton is not None:
     @triton.jit
-    def _mesa_quant_kernel(X, Q, SCALE, BETA, n, inner, G, seed, BLOCK: tl.constexpr):
+    def _mesa_quant_kernel(X, Q, SCALE, BETA, n, inner, G, seed, SEED_PTR: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -517,7 +528,11 @@ if triton is not None:
         b = tl.load(BETA + g, mask=mask, other=0.0)
         # counter-based uniform: lowbias32(i * golden + seed), 24 high bits -> [0, 1)
         h = (offs & 0xFFFFFFFF).to(tl.uint32)
-        h = h * tl.cast(0x9E3779B9, tl.uint32) + tl.cast(seed, tl.uint32)
+        if SEED_PTR:  # a 0-d int64 tensor on the device (drawn there: a CUDA graph replays it with a new value)
+            s32 = tl.load(seed).to(tl.uint32)
+        else:
+            s32 = tl.cast(seed, tl.uint32)
+        h = h * tl.cast(0x9E3779B9, tl.uint32) + s32
         h = h ^ (h >> 16)
         h = h * tl.cast(0x7FEB352D, tl.uint32)
         h = h ^ (h >> 15)
@@ -541,33 +556,39 @@ if triton is not None:
         y = q * st + b
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
-
-def _grid(n):
-    return (triton.cdiv(n, _BLOCK),)
+    _QUANT = Launcher(_mesa_quant_kernel)
+    _DEQUANT = Launcher(_mesa_dequant_kernel)
 
 
 def _quantize_triton(x, scale, beta, inner, groups, seed):
+    """``seed``: an int, or a 0-d integer tensor on x's device that the kernel reads (graph-safe)."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("the Triton backend needs triton installed; set LOWMEMBP_BACKEND=torch")
-    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    codes = torch.empty_like(x, dtype=torch.uint8)
     n = x.numel()
     if n:
-        _mesa_quant_kernel[_grid(n)](x, codes, scale, beta, n, inner, groups, int(seed) & 0x7FFFFFFF, BLOCK=_BLOCK)
+        on_device = isinstance(seed, torch.Tensor)
+        if on_device and seed.device != x.device:
+            seed, on_device = int(seed), False  # a CPU seed: read here (no device sync)
+        _QUANT(-(-n // _BLOCK), (x, codes, scale, beta, n, inner, groups,
+                                seed if on_device else int(seed) & 0x7FFFFFFF), (on_device, _BLOCK), 4,
+               x.get_device())
     return codes
 
 
 def _dequantize_triton(codes, step, beta, inner, groups, dtype):
     if triton is None:  # pragma: no cover
         raise RuntimeError("the Triton backend needs triton installed; set LOWMEMBP_BACKEND=torch")
-    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    out = torch.empty_like(codes, dtype=dtype)
     n = codes.numel()
     if n:
-        _mesa_dequant_kernel[_grid(n)](codes, out, step, beta, n, inner, groups, BLOCK=_BLOCK)
+        _DEQUANT(-(-n // _BLOCK), (codes, out, step, beta, n, inner, groups), (_BLOCK,), 4, codes.get_device())
     return out
 
 
-def _quantize_on(backend: str, x, scale, beta, inner, groups, seed: int) -> torch.Tensor:
-    """Quantise on ``backend`` (``lowmembp.ops.backend.backend_for``); x contiguous."""
+def _quantize_on(backend: str, x, scale, beta, inner, groups, seed) -> torch.Tensor:
+    """Quantise on ``backend`` (``lowmembp.ops.backend.backend_for``); x contiguous; ``seed`` an int (or, for
+    Triton, a 0-d integer tensor on x's device)."""
     if backend == "triton":
         return _quantize_triton(x, scale, beta, inner, groups, seed)
     if backend == "cpu":
@@ -679,8 +700,8 @@ class EMAQuantizer(nn.Module):
 
     def _maybe_warn(self, x: torch.Tensor) -> None:
         """Warn once if a batch's statistics were non-finite (CPU: every call; CUDA: every 64th, one sync)."""
-        if self._warned or is_shape_only(self.skipped):  # fake / meta buffers have no value to read
-            return
+        if self._warned or is_shape_only(self.skipped) or stream_capturing():  # no value to read (fake / meta
+            return  # buffers), or none to read now (a CUDA graph being captured: no host synchronisation)
         self._calls += 1
         if x.device.type != "cpu" and self._calls % _WARN_EVERY_CUDA:
             return

@@ -57,6 +57,8 @@ from lowmembp.ops.backend import (CPU_BLOCK, SUPPORTED_FLOAT_DTYPES, autocast_dt
                                   cpu_block, cpu_parallel, eager_backend, refuse_functorch_transforms)
 from lowmembp._compat import fused_rms_norm
 from lowmembp.ops import cpu_kernels
+from lowmembp.ops.launch import Launcher
+from lowmembp.ops.skeleton import OpFamily
 
 try:
     import triton
@@ -116,12 +118,22 @@ if triton is not None:
         dx = dx * rstd[:, None]
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
 
+    _FWD = Launcher(_ms_norm_fwd_kernel)
+    _BWD = Launcher(_ms_norm_bwd_kernel)
+
+
+_CFG: dict = {}
+
 
 def _launch_cfg(n_rows: int, n: int):
-    block = triton.next_power_of_2(n)
-    rows = max(1, min(_TILE // block, 16, triton.next_power_of_2(max(n_rows, 1))))
-    num_warps = min(8, max(1, rows * block // 256))
-    return block, rows, num_warps
+    """(BLOCK columns, ROWS per program, num_warps) for rows of n elements (cached per n and small row counts)."""
+    key = (min(n_rows, 16), n)
+    cfg = _CFG.get(key)
+    if cfg is None:
+        block = triton.next_power_of_2(n)
+        rows = max(1, min(_TILE // block, 16, triton.next_power_of_2(max(n_rows, 1))))
+        cfg = _CFG[key] = block, rows, min(8, max(1, rows * block // 256))
+    return cfg
 
 
 def _check_kind(kind: str) -> bool:
@@ -140,16 +152,15 @@ def ms_norm_fwd_triton(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.
         raise RuntimeError("triton is not importable: use ms_norm_fwd_ref or install triton")
     is_rms = _check_kind(kind)
     n = x.shape[-1]
-    x2d = _unit_col_stride(x.reshape(-1, n))
+    x2d = x.view(-1, n) if x.is_contiguous() else _unit_col_stride(x.reshape(-1, n))
     n_rows = x2d.shape[0]
-    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
-    rstd = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
+    y = torch.empty_like(x, dtype=out_dtype or x.dtype, memory_format=torch.contiguous_format)
+    rstd = x.new_empty(n_rows, dtype=torch.float32)
     if n_rows == 0 or n == 0:
         return y, rstd.fill_(float(eps) ** -0.5)
     block, rows, warps = _launch_cfg(n_rows, n)
-    _ms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
-        x2d, y, rstd, n_rows, n, x2d.stride(0), n, float(eps),
-        IS_RMS=is_rms, ROWS=rows, BLOCK=block, num_warps=warps)
+    _FWD(-(-n_rows // rows), (x2d, y, rstd, n_rows, n, x2d.stride(0), n, float(eps)), (is_rms, rows, block), warps,
+         x.get_device())
     return y, rstd
 
 
@@ -159,15 +170,15 @@ def ms_norm_bwd_triton(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kin
         raise RuntimeError("triton is not importable: use ms_norm_bwd_ref or install triton")
     is_rms = _check_kind(kind)
     n = y.shape[-1]
-    g2d, y2d = _unit_col_stride(g.reshape(-1, n)), _unit_col_stride(y.reshape(-1, n))
+    g2d = g.view(-1, n) if g.is_contiguous() else _unit_col_stride(g.reshape(-1, n))
+    y2d = y.view(-1, n) if y.is_contiguous() else _unit_col_stride(y.reshape(-1, n))
     n_rows = y2d.shape[0]
-    dx = torch.empty(y.shape, dtype=dx_dtype, device=y.device)
+    dx = torch.empty_like(y, dtype=dx_dtype, memory_format=torch.contiguous_format)
     if dx.numel() == 0:
         return dx
     block, rows, warps = _launch_cfg(n_rows, n)
-    _ms_norm_bwd_kernel[(triton.cdiv(n_rows, rows),)](
-        g2d, y2d, rstd, dx, n_rows, n, g2d.stride(0), y2d.stride(0), n,
-        IS_RMS=is_rms, ROWS=rows, BLOCK=block, num_warps=warps)
+    _BWD(-(-n_rows // rows), (g2d, y2d, rstd, dx, n_rows, n, g2d.stride(0), y2d.stride(0), n), (is_rms, rows, block),
+         warps, y.get_device())
     return dx
 
 
@@ -232,6 +243,7 @@ _CPU_MAX_N = CPU_BLOCK  # wider rows: the reference (a block holds at least one 
 # elements per pass of the C kernels on one thread (measured best on a 2 MiB L2): backward (fp32 g, y, g·y: 768 KiB)
 # and forward (fp32 x and y: 1 MiB)
 _KERNEL_BLOCK, _KERNEL_BLOCK_FWD = 1 << 16, 1 << 17
+_SMALL = 1 << 14  # elements below which the forward's C casts around ATen's norm cost more than the reference's ops
 _ATEN_GRAIN = 32768  # at::internal::GRAIN_SIZE: ATen reduces a single row this long in two passes over threads
 
 
@@ -266,8 +278,10 @@ def ms_norm_fwd_cpu(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dty
         if nan:  # a NaN: its bits (and its row's rstd) are the reference's
             return ms_norm_fwd_ref(x, kind, eps, out_dtype)
     kernels = cpu_kernels.library() is not None
-    if x.dtype == torch.float32 and out_dtype == torch.float32:
-        return ms_norm_fwd_ref(x, kind, eps, out_dtype)  # fp32 in and out: the reference is one native call already
+    if (x.dtype == torch.float32 and out_dtype == torch.float32) or x.numel() < _SMALL:
+        # fp32 in and out: the reference is one native call already; a small tensor: its three calls cost less
+        # than the blocks' and casts' set-up (the same bits either way)
+        return ms_norm_fwd_ref(x, kind, eps, out_dtype)
     x2d = x.reshape(-1, n)
     rows = x2d.shape[0]
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
@@ -412,24 +426,25 @@ def ms_norm_bytes(rows: int, n: int, x_dtype: torch.dtype, y_dtype: torch.dtype,
 
 # ------------------------------------------------------------------------------------------------- the custom ops
 def _fwd_on(backend: str, x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype):
-    """The forward on ``backend`` (``backend_for``), autocast off inside: Triton up to :data:`MAX_TRITON_N` columns."""
+    """The forward on ``backend`` (``backend_for``): Triton up to :data:`MAX_TRITON_N` columns (a kernel and its
+    allocations: autocast does not touch them), the others with autocast off inside."""
+    if backend == "triton" and x.shape[-1] <= MAX_TRITON_N:
+        return ms_norm_fwd_triton(x, kind, eps, out_dtype)
     if _autocast_on(x):
         with torch.autocast(x.device.type, enabled=False):
             return _fwd_on(backend, x, kind, eps, out_dtype)
-    if backend == "triton" and x.shape[-1] <= MAX_TRITON_N:
-        return ms_norm_fwd_triton(x, kind, eps, out_dtype)
     if backend == "cpu":
         return ms_norm_fwd_cpu(x, kind, eps, out_dtype)
     return ms_norm_fwd_ref(x, kind, eps, out_dtype)
 
 
 def _bwd_on(backend: str, g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, kind: str, dx_dtype: torch.dtype):
-    """The backward on ``backend``, autocast off inside."""
+    """The backward on ``backend``: Triton as the forward, the others with autocast off inside."""
+    if backend == "triton" and y.shape[-1] <= MAX_TRITON_N and rstd.dtype == torch.float32:
+        return ms_norm_bwd_triton(g, y, rstd, kind, dx_dtype)
     if _autocast_on(g):
         with torch.autocast(g.device.type, enabled=False):
             return _bwd_on(backend, g, y, rstd, kind, dx_dtype)
-    if backend == "triton" and y.shape[-1] <= MAX_TRITON_N and rstd.dtype == torch.float32:
-        return ms_norm_bwd_triton(g, y, rstd, kind, dx_dtype)
     if backend == "cpu":
         return ms_norm_bwd_cpu(g, y, rstd, kind, dx_dtype)
     return ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
@@ -490,18 +505,6 @@ def _(g, y, rstd, kind, dx_dtype):
     return torch.empty(y.shape, dtype=dx_dtype, device=y.device)
 
 
-def _fwd_setup(ctx, inputs, output):
-    x, kind, _eps, _out = inputs
-    y, rstd = output
-    ctx.save_for_backward(y, rstd)  # the returned tensor itself: the next linear saves the same storage
-    ctx.kind, ctx.x_dtype = kind, x.dtype
-
-
-def _fwd_backward(ctx, g, _grstd):
-    y, rstd = ctx.saved_tensors
-    return _ms_norm_bwd_op(g, y, rstd, ctx.kind, ctx.x_dtype), None, None, None
-
-
 def _bwd_setup(ctx, inputs, output):
     ctx.kind = inputs[3]
 
@@ -515,28 +518,46 @@ def _bwd_backward(ctx, *grads):
         f"computation, or convert the model without MS-norms (method 'lowmembp-act').")
 
 
-torch.library.register_autograd("lowmembp::ms_norm_fwd", _fwd_backward, setup_context=_fwd_setup)
 torch.library.register_autograd("lowmembp::ms_norm_bwd", _bwd_backward, setup_context=_bwd_setup)
 
 
-class _MSNormEager(torch.autograd.Function):
-    """Eager CPU and CUDA tensors with a kernel backend (``backend.eager_backend``): the kernels without the custom
-    op's dispatch (the same saved tensors, y itself and rstd, and the same gradient; a graph of the backward goes
-    through the custom op, which refuses double backward as before)."""
+class _MSNormOps(OpFamily):
+    """MS-LayerNorm / MS-RMSNorm (:mod:`lowmembp.ops.skeleton`): saves y itself (the tensor returned, which the next
+    linear saves too) and rstd."""
+    name = "ms_norm"
 
     @staticmethod
-    def forward(ctx, x, kind, eps, out_dtype, backend):
+    def forward(backend, x, kind, eps, out_dtype):
         y, rstd = _fwd_on(backend, x, kind, eps, out_dtype)  # grad mode is off here; y is a new tensor
-        ctx.save_for_backward(y, rstd)
-        ctx.kind, ctx.x_dtype, ctx.backend = kind, x.dtype, backend
-        return y
+        return y, (y, rstd), (kind, x.dtype)
 
     @staticmethod
-    def backward(ctx, g):
-        y, rstd = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            return _ms_norm_bwd_op(g, y, rstd, ctx.kind, ctx.x_dtype), None, None, None, None
-        return _bwd_on(ctx.backend, g, y, rstd, ctx.kind, ctx.x_dtype), None, None, None, None
+    def backward(backend, attrs, saved, g):
+        y, rstd = saved
+        return _bwd_on(backend, g, y, rstd, attrs[0], attrs[1]), None, None, None
+
+    @staticmethod
+    def graph_backward(attrs, saved, g):  # the backward op's own autograd refuses double backward
+        y, rstd = saved
+        return _ms_norm_bwd_op(g, y, rstd, attrs[0], attrs[1]), None, None, None
+
+
+# the custom op's inputs are (x, kind, eps, out_dtype): it saves both outputs, y the very tensor returned
+_MSNormOps.register_autograd("lowmembp::ms_norm_fwd",
+                              lambda inputs, output: (tuple(output), (inputs[1], inputs[0].dtype)))
+
+_INSTEAD = {"layernorm": "torch.nn.functional.layer_norm", "rmsnorm": "torch.nn.functional.rms_norm"}
+
+
+def _run(x: torch.Tensor, kind: str, eps: float, dtype: torch.dtype, op: str) -> torch.Tensor:
+    """The op on validated arguments, emitting ``dtype``: the eager route where it may run, else the custom op."""
+    backend = eager_backend(x)
+    if backend is not None:
+        if x.requires_grad and torch.is_grad_enabled():
+            return _MSNormOps.apply(backend, x, kind, eps, dtype)
+        return _fwd_on(backend, x, kind, eps, dtype)[0]
+    refuse_functorch_transforms(x, op, _INSTEAD[kind])
+    return _ms_norm_fwd_op(x, kind, eps, dtype)[0]
 
 
 def _ms_norm(x: torch.Tensor, eps: float, kind: str, op: str, out_dtype: str = "auto") -> torch.Tensor:
@@ -547,14 +568,7 @@ def _ms_norm(x: torch.Tensor, eps: float, kind: str, op: str, out_dtype: str = "
     eps = float(eps)
     if not eps >= 0.0:
         raise ValueError(f"{op}: eps must be a non-negative float, got {eps}")
-    refuse_functorch_transforms(x, op, "torch.nn.functional." + ("layer_norm" if kind == "layernorm" else "rms_norm"))
-    dtype = _out_dtype(x, out_dtype)  # read before autocast is switched off for the op itself
-    backend = eager_backend(x)
-    if backend is not None:
-        if torch.is_grad_enabled() and x.requires_grad:
-            return _MSNormEager.apply(x, kind, eps, dtype, backend)
-        return _fwd_on(backend, x, kind, eps, dtype)[0]
-    return _ms_norm_fwd_op(x, kind, eps, dtype)[0]
+    return _run(x, kind, eps, _out_dtype(x, out_dtype), op)  # the dtype read before the op's own work
 
 
 def ms_layer_norm(x: torch.Tensor, eps: float = 1e-5, out_dtype: str = "auto") -> torch.Tensor:
@@ -595,10 +609,14 @@ class _MSNormBase(nn.Module):
         self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # eps and out_dtype were checked when the module was made: per call only what the input can get wrong
+        if x.dtype not in SUPPORTED_FLOAT_DTYPES:
+            check_float_input(x, type(self).__name__)
         if x.dim() == 0 or x.shape[-1] != self.normalized_shape[0]:
             raise ValueError(f"{type(self).__name__}: expected the last dimension to be {self.normalized_shape[0]}, "
                              f"got input of shape {tuple(x.shape)}")
-        return _ms_norm(x, self.eps, self._kind, type(self).__name__, getattr(self, "out_dtype", "auto"))
+        return _run(x, self._kind, self.eps, _out_dtype(x, self.__dict__.get("out_dtype", "auto")),
+                    type(self).__name__)
 
     def extra_repr(self) -> str:
         dt = getattr(self, "out_dtype", "auto")

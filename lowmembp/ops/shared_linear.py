@@ -100,7 +100,16 @@ class CastWeightLinear(nn.Linear):
     save_wide_input = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_sharing_input(x, self.weight, self.bias, save_wide_input=self.save_wide_input)
+        if self.save_wide_input:
+            return linear_sharing_input(x, self.weight, self.bias, save_wide_input=True)
+        weight, bias = self.weight, self.bias
+        if weight.dtype is not x.dtype and autocast_dtype(x) is not x.dtype:
+            # (under autocast with x in its dtype, autocast's own weight cast, cached per region for a parameter,
+            # gives the same bits and leaves x untouched: one cast a step instead of one a call)
+            weight = weight.to(x.dtype)
+            if bias is not None:
+                bias = bias.to(x.dtype)
+        return F.linear(x, weight, bias)
 
 
 def share_lora_inputs(model: nn.Module, save_wide_inputs: bool = False) -> int:

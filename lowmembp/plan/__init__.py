@@ -45,7 +45,8 @@ from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
 from lowmembp.methods.registry import parse
 from lowmembp.plan.breakdown import split_peak
 from lowmembp.plan.combination import Peaks, StepSource
-from lowmembp.plan.combos import combinations, default_max_methods, key_of, option_grid
+from lowmembp.plan.combos import (NOT_ESTIMATED, check_sweeps, combinations, default_max_methods, key_of,
+                                  option_grid)
 from lowmembp.plan.models import resolve_model
 from lowmembp.plan.pool import modules_needed, rows_of, run_rows
 from lowmembp.plan.progress import Bar
@@ -155,9 +156,15 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
     limit = default_max_methods(methods, max_methods)
     if combos is not None:
         skipped, limit = {}, None
-        combos = ["baseline"] + ["+".join(m.name for m in parse(c)) for c in combos if c != "baseline"]
+        combos = ["baseline"] + list(dict.fromkeys("+".join(m.name for m in parse(c)) for c in combos
+                                                   if c != "baseline"))
+        for c in combos:
+            for name in c.split("+"):
+                if name in NOT_ESTIMATED:
+                    raise ValueError(f"combination {c!r}: {name} cannot be planned ({NOT_ESTIMATED[name]})")
     else:
         combos, skipped = combinations(methods, exclude, limit, default=True)
+    check_sweeps(options, combos)
     more = {str(g): (parse_bytes(g) - mg["reserved_bytes"]) / (1 + mg["fraction"]) for g in more_gpus or []}
     common = dict(spec=spec, batch_size=batch_size, seq_len=spec.seq_len, dtype=dtype, overrides=overrides,
                   shallow=shallow, depth=blocks, capacity=capacity, weights=weights, margin=mg, max_batch=max_batch,

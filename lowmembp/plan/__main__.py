@@ -39,11 +39,14 @@ def main(argv: list[str] | None = None, start_method: str | None = None) -> int:
                     help="seq-len: also the largest sequence length that fits at --batch-size for each row, found by "
                          "steps and checked (the largest batch is always searched)")
     ap.add_argument("--plot", default=None, metavar="FILE",
-                    help="also write a figure: one stacked bar per row, the peak's GiB by category (PNG/PDF/SVG)")
+                    help="also write a figure: one stacked bar per row, the peak by category (PNG/PDF/SVG)")
     ap.add_argument("--world-size", type=int, default=1,
                     help="GPUs sharing the model (FSDP2: one rank's peak, the batch per GPU; "
                          "lowmembp.estimator.step.fsdp_peak)")
-    ap.add_argument("--methods", default=None, help="only combinations of these methods (comma-separated)")
+    ap.add_argument("--methods", default=None,
+                    help="only combinations of these methods (comma-separated: lora,lowmembp plans every combination "
+                         "of them); a name joined with + (lora+lowmembp) is that exact combination: then every "
+                         "comma-separated entry is planned as written, beside the baseline")
     ap.add_argument("--exclude", default=None, help="leave these methods out (comma-separated)")
     ap.add_argument("--max-methods", type=_max_methods, default=None, metavar="N|all",
                     help=f"at most N methods per combination, or all (default: {DEFAULT_MAX_METHODS} for the default "
@@ -71,15 +74,21 @@ def main(argv: list[str] | None = None, start_method: str | None = None) -> int:
     def names(text):
         return [n.strip() for n in text.split(",") if n.strip()] if text else None
 
+    methods, combos = names(a.methods), None
+    if methods and any("+" in m for m in methods):  # exact combinations, as every other command spells them
+        if a.exclude or a.max_methods is not None:
+            ap.error("--methods with a combination (a+b) plans exactly the entries named; leave out --exclude and "
+                     "--max-methods, or name single methods to plan every combination of them")
+        methods, combos = None, methods
     try:
         p = make_plan(a.model, batch_size=a.batch_size, gpu_memory=a.gpu_memory, seq_len=a.seq_len, dtype=a.dtype,
-                 world_size=a.world_size, methods=names(a.methods), exclude=names(a.exclude),
+                 world_size=a.world_size, methods=methods, exclude=names(a.exclude), combos=combos,
                  max_methods=a.max_methods, options=parse_option_sweeps(a.option), margin=a.margin,
                  reserved=a.reserved, runs=a.runs, jobs=a.jobs, image_size=a.image_size,
                  more_gpus=names(a.also_gpu), weights=names(a.weights), progress=_progress if a.progress else "bar",
                  start_method=start_method, optimizer=names(a.optimizer), find=names(a.find))
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}\n(python -m lowmembp.plan --help lists every option)", file=sys.stderr)
         return 2
     print(p.to_json() if a.json else p.table())
     if a.csv:
@@ -115,7 +124,9 @@ def _start_method() -> str | None:
 
 
 def _progress(row: dict) -> None:
-    what = (f"peak {row['peak_bytes'] / 2**30:.1f} GiB, max batch {row['largest_batch']}" if row["status"] == "ok"
+    from lowmembp.plan.report import _size
+
+    what = (f"peak {_size(row['peak_bytes'])}, max batch {row['largest_batch']}" if row["status"] == "ok"
             else row["reason"])
     print(f"  {row['label']}: {what} ({row.get('seconds', 0):.1f} s)", file=sys.stderr, flush=True)
 

@@ -65,30 +65,31 @@ def compact(row: dict) -> str:
 
 
 def plot_breakdown(p, path) -> None:
-    """One horizontal stacked bar per estimated row of plan ``p`` (its rank order): the peak's bytes by category in
-    GiB, the GPU's usable memory as a line; written to ``path`` (PNG/PDF/SVG by its suffix), atomically."""
+    """One horizontal stacked bar per estimated row of plan ``p`` (its rank order): the peak's bytes by category (in
+    the table's unit: GiB, MiB or KiB), the GPU's usable memory as a line; written to ``path`` (PNG/PDF/SVG by its
+    suffix), atomically."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     from lowmembp.atomic import atomic_open
-    from lowmembp.plan.report import _size
-    from lowmembp.plan.sources import GiB
+    from lowmembp.plan.report import _size, unit_for
 
     s, rows = p.settings, [r for r in p.rows if r["status"] == "ok"]
     if not rows:
         raise ValueError("plot_breakdown: no estimated row to plot")
     labels = [f"{r['label']} ({r['weights']})" for r in rows]
+    unit_name, unit = unit_for([s["capacity_bytes"], *(r["peak_bytes"] for r in rows)])
     fig, ax = plt.subplots(figsize=(10, 1.5 + 0.22 * len(rows)))
     left = [0.0] * len(rows)
     for k in DEVICE_PARTS:
-        v = [r["peak_breakdown"][k] / GiB for r in rows]
+        v = [r["peak_breakdown"][k] / unit for r in rows]
         ax.barh(range(len(rows)), v, left=left, label=k.replace("_", " "))
         left = [a + b for a, b in zip(left, v)]
-    ax.axvline(s["capacity_bytes"] / GiB, color="k", ls="--", lw=1, label="usable GPU memory")
+    ax.axvline(s["capacity_bytes"] / unit, color="k", ls="--", lw=1, label="usable GPU memory")
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("peak memory of one training step (GiB)")
+    ax.set_xlabel(f"peak memory of one training step ({unit_name})")
     seq = f", {s['seq_len']} tokens" if s.get("seq_len") else ""
     ax.set_title(f"Where the peak is: {s['model']}, batch {s['batch_size']}{seq}, "
                  f"{_size(s['gpu_memory_bytes'])} GPU\n(fake-tensor estimates of one step on the CPU; lowmembp.plan)",

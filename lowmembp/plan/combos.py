@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import itertools
 
-from lowmembp.methods.registry import list_methods, parse
+from lowmembp.methods.registry import check_options, list_methods, parse
 
 __all__ = ["NOT_ESTIMATED", "VARIANTS", "DEFAULT_MAX_METHODS", "ALL", "combinations", "variants",
-           "default_max_methods", "option_grid", "key_of", "parse_option_sweeps"]
+           "default_max_methods", "option_grid", "check_sweeps", "key_of", "parse_option_sweeps"]
 
 DEFAULT_MAX_METHODS = 2  # methods per combination in the default plan (module doc)
 ALL = "all"              # max_methods without a limit
@@ -113,6 +113,32 @@ def option_grid(method: str, sweeps: dict[str, dict[str, list]] | None) -> list[
                 raise ValueError(f"options: {m.name}.{opt} takes a list of values to sweep, e.g. [{values!r}]")
             axes.append([(opt, v) for v in values])
     return [dict(c) for c in itertools.product(*axes)] if axes else [{}]
+
+
+def check_sweeps(sweeps: dict[str, dict[str, list]] | None, combos: list[str]) -> None:
+    """ValueError naming the option for a sweep the plan cannot use: a method not in the registry or in no planned
+    combination, an option the method does not take, or a value its ``check`` refuses (never a row dropped later)."""
+    known = list_methods()
+    planned = {m.name for c in combos for m in parse(c)}
+    for method, opts in (sweeps or {}).items():
+        if method not in known:
+            raise ValueError(f"option {method}.{', '.join(opts)}: unknown method {method!r}; known: "
+                             f"{', '.join(n for n in known if n != 'baseline')}")
+        if method not in planned:
+            raise ValueError(f"option {method}.{', '.join(opts)}: {method!r} is in no planned combination; add it to "
+                             f"the methods (--methods {method},...) or drop the option")
+        m = parse(method)[0]
+        for opt, values in opts.items():
+            if opt not in m.options:
+                raise ValueError(f"option {method}.{opt}: {method!r} has no option {opt!r}; its options: "
+                                 f"{', '.join(m.options) or 'none'}")
+            if not isinstance(values, (list, tuple)):
+                raise ValueError(f"options: {method}.{opt} takes a list of values to sweep, e.g. [{values!r}]")
+            for v in values:
+                try:
+                    check_options(method, {opt: v})
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"option {method}.{opt}={v}: {e}") from None
 
 
 def parse_option_sweeps(items: list[str]) -> dict[str, dict[str, list]]:

@@ -14,7 +14,14 @@ __all__ = ["resolve_model"]
 
 def resolve_model(model: str | ModelSpec, *, seq_len: int | None = None, num_classes: int | None = None,
                   image_size: int | None = None) -> tuple[ModelSpec, str]:
-    """``(spec, where)``: the :class:`ModelSpec` that ``model`` names and a few words on where it came from."""
+    """``(spec, where)``: the :class:`ModelSpec` that ``model`` names and a few words on where it came from.
+    ``seq_len``, ``num_classes``, ``image_size``: None (the model's own) or a positive integer; anything else is a
+    ValueError, never a silent fallback to the default."""
+    for what, flag, value in (("seq_len", "--seq-len", seq_len), ("num_classes", None, num_classes),
+                              ("image_size", "--image-size", image_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{what} must be a positive integer{f' ({flag})' if flag else ''}, got {value!r}; "
+                             "leave it out for the model's own")
     if isinstance(model, ModelSpec):
         spec, where = model, f"the given ModelSpec ({model.family} {model.arch})"
     elif (name := paper_model_name(model)) is not None:

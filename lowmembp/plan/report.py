@@ -16,12 +16,23 @@ CSV_COLUMNS = ["rank", "label", "method", "optimizer", "weights", "status", "pea
                "measured_where", "batch_line", "estimates", "seconds", "cpu_seconds", "reason"]
 
 
-def _gib(b) -> str:
-    return "-" if b is None else f"{b / GiB:.1f}" if b >= 10 * GiB else f"{b / GiB:.3g}"
+UNITS = (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def unit_for(sizes) -> tuple[str, int]:
+    """``(name, bytes)``: the largest unit in which the largest of ``sizes`` is at least 1 (one unit per table, so
+    a tiny model's peaks read 0.40 MiB, not 0.000396 GiB)."""
+    top = max((b for b in sizes if b is not None), default=0)
+    return next(((n, u) for n, u in UNITS if top >= u), UNITS[-1])
+
+
+def _in(b, unit: int) -> str:
+    return "-" if b is None else f"{b / unit:.1f}" if b >= 10 * unit else f"{b / unit:.3g}"
 
 
 def _size(b) -> str:
-    return f"{b / GiB:.1f} GiB" if b >= GiB else f"{b / 2**20:.1f} MiB"
+    name, unit = unit_for([b])
+    return f"{b / unit:.1f} {name}"
 
 
 def _x(v) -> str:
@@ -38,7 +49,8 @@ def text_table(p) -> str:
             f"{s['world_size']} GPU")
     more = next((list(r.get("largest_batch_by_gpu", {})) for r in p.rows if r["status"] == "ok"), [])
     seq = "seq-len" in s.get("find", ())
-    cols = ["#", "method", "weights, optimizer", "peak GiB", "+margin", "fits", "max batch"] + \
+    unit_name, unit = unit_for(r["need_bytes"] for r in p.rows if r["status"] == "ok")
+    cols = ["#", "method", "weights, optimizer", f"peak {unit_name}", "+margin", "fits", "max batch"] + \
         [f"@{g}" for g in more] + (["max seq len"] if seq else []) + ["FLOPs x", "measured x", "peak at"]
     body = []
     for r in p.rows:
@@ -47,7 +59,7 @@ def text_table(p) -> str:
         meas = "-" if r.get("measured_ratio") is None else f"{r['measured_ratio']:.2f} ({len(r['measured'])})"
         best = str(r["largest_batch"]) + ("+" if r["largest_batch_how"].startswith("at least") else "")
         body.append([str(r["rank"]), _label_only(r), f"{r.get('weights', 'fp32')}, {r.get('optimizer', 'adamw')}",
-                     _gib(r["peak_bytes"]), _gib(r["need_bytes"]),
+                     _in(r["peak_bytes"], unit), _in(r["need_bytes"], unit),
                      "yes" if r["fits"] else "no", best] + [str(r["largest_batch_by_gpu"][g]) for g in more]
                     + ([_most(r.get("largest_seq_len"), r.get("largest_seq_len_how", ""))] if seq else [])
                     + [_x(r.get("flops_ratio")), meas, compact(r)])

@@ -6,9 +6,7 @@ before the modules it preloads, so that what it sets holds for every worker; :fu
 import logging
 import warnings
 
-# bitsandbytes (imported through peft) logs on CPUs with AVX512-BF16 that its optional CPU 4-bit matmul kernel
-# cannot be downloaded; fake-tensor steps never run a 4-bit matmul, so that line would only confuse the output
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+# bitsandbytes' notice about its optional CPU 4-bit kernel is dropped by lowmembp/__init__.py (imported first)
 
 
 def init() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from script_loader import load_script
+from backends import force_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +21,7 @@ def _load(name):
 
 
 def test_cpu_ops_writes_a_table_that_reads_alone(tmp_path, monkeypatch):
-    monkeypatch.delenv("LOWMEMBP_BACKEND", raising=False)
+    force_backend(monkeypatch, None)
     argv = ["--ops", "ms-rmsnorm", "--dtypes", "fp32", "--threads", "1", "--rounds", "1", "--out", str(tmp_path),
             "--malloc", "default"]  # in this process: pytest's worker keeps glibc's own thresholds
     assert _load("cpu_ops").main(argv) == 0

@@ -11,6 +11,7 @@ import pytest
 
 from experiments import record as R
 from lowmembp.atomic import file_mode
+from backends import force_backend
 
 # a version-1 record as the job wrote it before schema 2 (tweets-lm, lora+lowmembp, 3 steps), trimmed env
 V1 = {
@@ -191,16 +192,16 @@ def test_environment_never_raises():
 def test_ops_backend_is_recorded_and_records_without_it_still_valid(monkeypatch):
     """A run's record says which ops ran on its device; a record written before the field existed is valid (JSON
     schema and loader) and flattens with it empty."""
-    monkeypatch.delenv("LOWMEMBP_BACKEND", raising=False)
+    force_backend(monkeypatch, None)
     assert R.environment("cpu").ops_backend == "cpu"
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")
+    force_backend(monkeypatch, "torch")
     assert R.environment("cpu").ops_backend == "torch"
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "nonsense")
+    force_backend(monkeypatch, "nonsense")
     env = R.environment("cpu")
     assert env.ops_backend.startswith("unknown (ValueError") and env.device.startswith("cpu")
     d = full_record().to_dict()
     assert "ops_backend" not in R.schema()["properties"]["environment"]["required"]
-    d["environment"].pop("ops_backend")
+    d["environment"].pop("ops_backend", None)  # unset: omitted by to_dict
     jsonschema.Draft202012Validator(R.schema()).validate(d)
     assert R.Record.from_dict(d).environment.ops_backend is None and R.flatten(d)["ops_backend"] is None
 
@@ -213,3 +214,22 @@ def test_the_columns_tables_read_since_version_1_are_still_there():
                   "started_at", "finished_at"]
     assert [c for c in R.COLUMNS if c in v1_columns] == v1_columns
     assert len(set(R.COLUMNS)) == len(R.COLUMNS)
+
+
+def test_gpu_fields_are_omitted_when_unset_and_read_back_when_set():
+    """The fields of a CUDA run (reserved peak, the median's interval, driver, capture, synthetic data) are absent
+    from a CPU record, so its layout is the one before them; set, they validate and flatten into their columns."""
+    d = full_record().to_dict()
+    for section, key in (("run", "capture"), ("run", "synthetic_data"), ("environment", "driver"),
+                         ("environment", "cuda")):
+        assert key not in d[section]
+    d["run"].update(capture="cuda-graphs", synthetic_data=True)
+    d["environment"].update(cuda="13.0", driver="580.1", capability="9.0", device_memory_bytes=80 * 2**30)
+    d["step_time_s"] = {"p20": 0.02, "p50": 0.021, "p80": 0.022, "n": 20, "how": "cuda events", "ci95_low": 0.0205,
+                        "ci95_high": 0.0215}
+    d["peak"]["device"]["reserved_bytes"] = 123
+    jsonschema.Draft202012Validator(R.schema()).validate(d)
+    row = R.flatten(d)
+    assert (row["capture"], row["synthetic_data"], row["driver"], row["reserved_peak_bytes"],
+            row["step_time_ci95_low"]) == ("cuda-graphs", True, "580.1", 123, 0.0205)
+    assert R.Record.from_dict(d).to_dict() == d

@@ -125,3 +125,57 @@ def test_hold_freed_memory_stops_the_page_faults_of_fresh_tensors():
 def test_hold_freed_memory_is_a_no_op_without_glibc(monkeypatch):
     monkeypatch.setattr(timing.platform, "libc_ver", lambda: ("", ""))
     assert timing.hold_freed_memory() is False
+
+
+# --- the one timing protocol: the median with its interval, ratios paired by round ----------------------------------
+def test_median_interval_is_the_order_statistics_of_95_percent_coverage():
+    from math import comb
+
+    from lowmembp.measurement.timing import median_interval
+
+    xs = [float(i) for i in range(20, 0, -1)]  # 20 samples, given out of order
+    m = median_interval(xs)
+    # Binomial(20, 1/2): P(B <= 5) = 0.0207 -> x(6), x(15) cover 95.9 %; x(7), x(14) would cover only 88.5 %
+    assert (m["low"], m["high"], m["median"], m["n"]) == (6.0, 15.0, 10.5, 20)
+    assert m["coverage"] == pytest.approx(1 - 2 * sum(comb(20, i) for i in range(6)) / 2 ** 20)
+    assert m["coverage"] >= 0.95
+    few = median_interval([3.0, 1.0, 2.0])  # below 6 samples no pair reaches 95 %: the range, its coverage said
+    assert (few["low"], few["high"], few["median"]) == (1.0, 3.0, 2.0) and few["coverage"] == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="no samples"):
+        median_interval([])
+
+
+def test_ratio_interval_pairs_rounds_so_a_shared_drift_cancels():
+    from lowmembp.measurement.timing import median_interval, ratio_interval
+
+    drift = [1.0 + 0.5 * i for i in range(12)]  # the machine slows down over the run, for both rows alike
+    a = [1.2 * d for d in drift]
+    b = list(drift)
+    r = ratio_interval(a, b)
+    assert r["median"] == pytest.approx(1.2) and r["low"] == pytest.approx(1.2) and r["high"] == pytest.approx(1.2)
+    unpaired = median_interval(a)["median"] / median_interval(b)["median"]
+    assert unpaired == pytest.approx(1.2)  # the medians' ratio agrees here, but their own intervals are wide:
+    assert median_interval(a)["high"] / median_interval(a)["low"] > 2
+    with pytest.raises(ValueError, match="equal"):
+        ratio_interval([1.0], [1.0, 2.0])
+
+
+def test_event_timer_on_the_cpu_keeps_only_the_blocks_asked_for():
+    from lowmembp.measurement.timing import EventTimer
+
+    t = EventTimer("cpu")
+    with t.time(keep=False):
+        pass
+    with t.time():
+        pass
+    assert len(t.seconds()) == 1 and t.how == "cpu perf_counter"
+
+
+@pytest.mark.gpu
+def test_time_interleaved_on_cuda_uses_events():
+    import torch
+
+    x = torch.randn(1024, 1024, device="cuda")
+    times = time_interleaved({"mm": lambda r: x @ x, "add": lambda r: x + x}, rounds=5, device="cuda")
+    assert all(len(v) == 5 and all(t > 0 for t in v) for v in times.values())
+    assert np.median(times["mm"]) > np.median(times["add"])

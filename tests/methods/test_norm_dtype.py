@@ -11,6 +11,7 @@ from lowmembp.measurement.saved import SavedTensorAccountant
 from lowmembp.ops.ms_norm import (MSLayerNorm, MSRMSNorm, ms_layer_norm, ms_norm_fwd_ref, ms_norm_fwd_triton,
                                   ms_rms_norm)
 from lowmembp.ops.shared_linear import CastWeightLinear, share_lora_inputs
+from backends import force_backend
 
 FN = {"layernorm": ms_layer_norm, "rmsnorm": ms_rms_norm}
 EPS = {"layernorm": 1e-5, "rmsnorm": 1e-6}
@@ -41,7 +42,7 @@ def _saved_storages(fn):
 def test_fp32_output_under_autocast_is_saved_and_exact(monkeypatch, backend, kind):
     """fp32 under fp16 autocast: the fp32 output itself is saved (4 bytes per element + rstd), it and its gradient
     equal float64 math to fp32 rounding, and equal the default (fp16) output/gradient to fp16 rounding."""
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    force_backend(monkeypatch, backend)
     x = _x((3, 4, 40), seed=1)
     g = _x((3, 4, 40), seed=2)
     out = {}

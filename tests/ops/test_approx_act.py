@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lowmembp.ops import approx_act as A
+from backends import force_backend
 
 KINDS = {"gelu": (A._GELU, A.regelu2, A.ReGELU2, A.REGELU2_C, A.REGELU2_A),
          "silu": (A._SILU, A.resilu2, A.ReSiLU2, A.RESILU2_C, A.RESILU2_A)}
@@ -226,9 +227,9 @@ def test_triton_matches_reference(kind, dtype, shape, monkeypatch):
         assert not x.is_contiguous()
     else:
         x, dy = _rand(shape, dtype), _rand(shape, dtype, scale=1.0)
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")
+    force_backend(monkeypatch, "torch")
     y0, dx0, p0 = _run_autograd(fn, x, dy)
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "triton")
+    force_backend(monkeypatch, "triton")
     y1, dx1, p1 = _run_autograd(fn, x, dy)
     assert torch.equal(p0, p1), "packed codes differ"
     assert y1.shape == x.shape and y1.dtype == dtype and dx1.dtype == dtype
@@ -258,7 +259,7 @@ def _special_expected(kind):
 def test_special_values_follow_the_mathematics(kind, backend, monkeypatch):
     """Expected values written from the definition, not from F.gelu / F.silu (whose vectorised CPU path returns NaN
     for +inf in torch 2.14.1 on some CPUs): the result must not depend on the CPU's vector unit."""
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    force_backend(monkeypatch, backend)
     k = KINDS[kind][0]
     x = torch.tensor(_SPECIAL_X)
     expected = _special_expected(kind)
@@ -289,7 +290,7 @@ def test_triton_matches_reference_on_special_values(kind, triton_backend):
 @pytest.mark.parametrize("kind", KINDS)
 def test_non_finite_inputs_give_non_finite_gradients(kind, backend, monkeypatch):
     """NaN in → NaN gradient (as F.gelu / F.silu); +inf → f'(+inf) = 1, -inf → f'(-inf) = 0 when no NaN is present."""
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    force_backend(monkeypatch, backend)
     fn = KINDS[kind][1]
     x = torch.tensor([_NAN, 0.5, 2.0, -1.0], requires_grad=True)
     (g,) = torch.autograd.grad(fn(x), x, torch.ones(4))
@@ -311,7 +312,7 @@ def test_non_finite_inputs_give_non_finite_gradients(kind, backend, monkeypatch)
 def test_saves_only_ceil_n_over_4_bytes_and_a_flag(backend, kind, shape, monkeypatch):
     if backend == "triton":
         pytest.importorskip("triton")
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    force_backend(monkeypatch, backend)
     fn = KINDS[kind][1]
     x = _rand(shape, torch.bfloat16).requires_grad_()
     with _SavedLog() as log:
@@ -349,7 +350,7 @@ def test_fake_tensors_take_the_reference_and_save_the_same_bytes(device, triton_
     assert [(t.dtype, t.numel()) for t in log.saved] == [(torch.uint8, 64 * 197 * 3072 // 4 + 1)]
     monkey = torch.randn(7, requires_grad=True)  # real tensors afterwards still work
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LOWMEMBP_BACKEND", "torch")
+        force_backend(mp, "torch")
         (g,) = torch.autograd.grad(A.regelu2(monkey), monkey, torch.ones(7))
     assert torch.equal(g, A.backward_reference(torch.ones(7), A.forward_reference(monkey.detach(), A._GELU)[1], 0))
 
@@ -382,17 +383,18 @@ from lowmembp.ops import approx_act as A
 div16 = lambda sig: {(i,): [["tt.divisibility", 16]] for i, a in enumerate(sig) if sig[a][0] == "*" or a[0] == "n"}
 for arch in (80, 90):
     for dt in ("fp32", "bf16"):
-        sig = dict(x_ptr="*" + dt, y_ptr="*" + dt, code_ptr="*u8", t_ptr="*fp32", flag_ptr="*i32", n="i64",
+        sig = dict(x_ptr="*" + dt, y_ptr="*" + dt, code_ptr="*u8", t_ptr="*fp32", ws_ptr="*i32", n="i64",
                    nbytes="i64", KIND="constexpr", BITS="constexpr", NT="constexpr", NEG_ZERO="constexpr",
-                   UNBOUNDED="constexpr", WRITE_CODES="constexpr", BLOCK="constexpr")
+                   UNBOUNDED="constexpr", WRITE_CODES="constexpr", BLOCK="constexpr", TILES="constexpr")
         more = arch == 90 and dt == "fp32"  # the other kinds / bits once: each compile costs seconds
         for kind, bits in ((0, 2), (3, 2)) + (((1, 3), (5, 4), (4, 1)) if more else ()):
             const = dict(KIND=kind, BITS=bits, NT=2 ** bits - 1, NEG_ZERO=kind < 4, UNBOUNDED=kind == 5,
-                         WRITE_CODES=True, BLOCK=512)
+                         WRITE_CODES=True, BLOCK=512, TILES=4)
             k = triton.compile(ASTSource(A._act_fwd_kernel, sig, const, div16(sig)),
                                target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8))
             assert "ld.global.v" in k.asm["ptx"], "forward loads are not vectorised"
-        sig = dict(dy_ptr="*" + dt, code_ptr="*u8", s_ptr="*fp32", flag_ptr="*u8", dx_ptr="*" + dt, n="i32",
+            assert "atom.global" in k.asm["ptx"], "the flag byte's ticket is not an atomic"
+        sig = dict(dy_ptr="*" + dt, code_ptr="*u8", s_ptr="*fp32", dx_ptr="*" + dt, n="i32",
                    nbytes="i32", BITS="constexpr", NS="constexpr", BLOCK="constexpr")
         for bits in (1, 2, 3, 4) if more else (2,):
             k = triton.compile(ASTSource(A._act_bwd_kernel, sig, dict(BITS=bits, NS=2 ** bits, BLOCK=512),
@@ -465,7 +467,7 @@ def test_every_kind_forward_matches_float64_math(kind, dtype, torch_backend):
 def test_every_kind_forward_matches_float64_math_on_a_dense_sweep(kind, dtype, backend, monkeypatch):
     """[-12, 12] at 1.2e-4 spacing, through the reference and the CPU fast path: a CPU-dependent library error
     shows on every run, not only when the random inputs above happen to land on it."""
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    force_backend(monkeypatch, backend)
     x = torch.linspace(-12, 12, 200_001, dtype=torch.float64).to(dtype)
     y = A.approx_act(x, kind, 2)
     _assert_within_ulps(y, _exact64_any(kind, x), dtype, ulps=2.0 if dtype == torch.float32 else 1.0,
@@ -522,7 +524,7 @@ def test_triton_matches_reference_every_kind_and_bits(kind, bits, triton_backend
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_relu2_plus_inf_gives_an_infinite_gradient(backend, monkeypatch):
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    force_backend(monkeypatch, backend)
     x = torch.tensor([_INF, 1.0, -_INF, -2.0], requires_grad=True)
     y = A.approx_act(x, "relu2", 2)
     assert y[0] == _INF and y[2] == 0.0
@@ -580,3 +582,22 @@ def test_torch_func_gradient_transforms_and_forward_ad_raise(torch_backend):
     with fwAD.dual_level(), pytest.raises(RuntimeError, match="forward-mode AD"):
         A.regelu2(fwAD.make_dual(x, torch.ones_like(x)))
     torch.testing.assert_close(torch.func.vmap(A.regelu2)(x), A.regelu2(x))  # vmap alone works
+
+
+@pytest.mark.parametrize("kind", ["gelu", "relu2"])
+@pytest.mark.parametrize("special", ["none", "nan", "inf", "both"])
+def test_triton_forward_over_several_tiles_and_programs(kind, special, monkeypatch, gen):
+    """The GPU's launch shape through the interpreter: programs of several tiles (the flags gathered over the tiles,
+    one ticket per program, the last program writing the flag byte), on an odd length that ends mid-tile. The codes,
+    output and flag byte equal the reference's, and the workspace is back at zero for the next call."""
+    monkeypatch.setattr(A, "_launch_cfg", lambda groups: (16, 3, 4))  # 384 elements a program
+    x = torch.randn(1, 1283, generator=gen) * 4
+    if special in ("nan", "both"):
+        x[0, 700] = float("nan")
+    if special in ("inf", "both"):
+        x[0, 1281] = float("inf")
+    y, packed = A.forward_triton(x, kind)
+    y_ref, p_ref = A.forward_reference(x, kind)
+    assert torch.equal(packed, p_ref)  # codes and the flag byte
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert all(int(v) == 0 for v in A._WORKSPACE.values() for v in v)

@@ -7,6 +7,7 @@ from lowmembp.ops import approx_act as A
 from lowmembp.ops import mesa_quant as Q
 from lowmembp.ops import ms_norm as N
 from lowmembp.ops.backend import eager_backend
+from backends import force_backend
 
 KERNEL_BACKENDS = ["cpu", "triton"]  # triton: Triton's interpreter on CPU tensors (tests/conftest.py sets it)
 
@@ -20,10 +21,10 @@ def _refuse(name):
 def _reference_then_eager(fn, x, dy, backend, monkeypatch, module, ops):
     """(y_ref, g_ref) through the custom op on the reference, then (y, g, saved) on ``backend`` with ``module``'s
     custom ``ops`` refused: the eager route only."""
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")
+    force_backend(monkeypatch, "torch")
     y_ref = fn(x)
     (g_ref,) = torch.autograd.grad(y_ref, x, dy)
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    force_backend(monkeypatch, backend)
     for op in ops:
         monkeypatch.setattr(module, op, _refuse(op))
     saved = []
@@ -35,7 +36,7 @@ def _reference_then_eager(fn, x, dy, backend, monkeypatch, module, ops):
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_eager_backend_of_plain_tensors(backend, monkeypatch):
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    force_backend(monkeypatch, backend)
     x = torch.randn(3, 8)
     assert eager_backend(x) == (None if backend == "torch" else backend)
     assert eager_backend(torch.empty(3, 8, device="meta")) is None
@@ -62,7 +63,7 @@ def test_act_skips_the_custom_op_and_equals_it(backend, kind, monkeypatch, gen):
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_act_double_backward_goes_through_the_custom_op(backend, monkeypatch, gen):
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    force_backend(monkeypatch, backend)
     x = torch.randn(4, 16, generator=gen).requires_grad_()
     calls = []
     op = A._approx_act_bwd
@@ -88,7 +89,7 @@ def test_norm_skips_the_custom_op_and_equals_it(backend, fn, monkeypatch, gen):
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_norm_double_backward_is_refused_on_the_eager_route(backend, monkeypatch, gen):
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    force_backend(monkeypatch, backend)
     x = torch.randn(3, 24, generator=gen).requires_grad_()
     (g,) = torch.autograd.grad((N.ms_layer_norm(x) * torch.randn(3, 24, generator=gen)).sum(), x,
                                create_graph=True)
@@ -100,10 +101,10 @@ def test_norm_double_backward_is_refused_on_the_eager_route(backend, monkeypatch
 def test_mesa_skips_the_custom_op_and_equals_it(backend, monkeypatch, gen):
     x = torch.randn(4, 6, 32, generator=gen)
     alpha, beta = torch.full((4,), 5.0), torch.full((4,), -2.5)
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")
+    force_backend(monkeypatch, "torch")
     q_ref = Q.quantize(x, alpha, beta, inner=1, groups=4, seed=11)
     x_ref = Q.dequantize(q_ref)
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    force_backend(monkeypatch, backend)
     monkeypatch.setattr(Q, "_mesa_quantize_op", _refuse("mesa_quantize"))
     monkeypatch.setattr(Q, "_mesa_dequantize_op", _refuse("mesa_dequantize"))
     q = Q.quantize(x, alpha, beta, inner=1, groups=4, seed=11)
@@ -112,7 +113,7 @@ def test_mesa_skips_the_custom_op_and_equals_it(backend, monkeypatch, gen):
 
 
 def test_fake_tensors_take_the_custom_op(monkeypatch):
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "cpu")
+    force_backend(monkeypatch, "cpu")
     from lowmembp._compat import FakeTensorMode
     calls = []
     op = A._approx_act_fwd
@@ -126,7 +127,7 @@ def test_dispatch_modes_see_the_custom_op_whole(monkeypatch):
     """Under a TorchDispatchMode (here the memory tracker's base class) the ops go through their custom op, whose CPU
     implementation is the fast path: the mode sees one op per call and its outputs, not the fast path's inner ops;
     the values are those of the eager route."""
-    monkeypatch.delenv("LOWMEMBP_BACKEND", raising=False)  # the default: the fast path on CPU tensors
+    force_backend(monkeypatch, None)  # the default: the fast path on CPU tensors
     from lowmembp._compat import TorchDispatchMode
 
     class Seen(TorchDispatchMode):

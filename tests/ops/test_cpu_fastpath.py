@@ -18,6 +18,7 @@ from lowmembp.ops import mesa_quant as Q
 from lowmembp.ops import ms_norm as M
 
 from bitwise import assert_same
+from backends import force_backend
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -99,12 +100,12 @@ def test_act_autograd_equals_reference(fn, dtype, threads, blocks, gen, monkeypa
     for x in (base, base.transpose(0, 2), base[:, ::2]):  # contiguous and two non-contiguous views
         x = x.detach().requires_grad_()
         dy = randn(x.shape, dtype, gen, 1.0)
-        monkeypatch.setenv("LOWMEMBP_BACKEND", "cpu")
+        force_backend(monkeypatch, "cpu")
         with mock.patch.object(A, "_fwd_cpu", wraps=A._fwd_cpu) as f, \
                 mock.patch.object(A, "_bwd_cpu", wraps=A._bwd_cpu) as b:
             y1, s1, g1 = _saved_and_grad(fn, x, dy)
         assert f.called and b.called, "the dispatch did not take the CPU fast path"
-        monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")
+        force_backend(monkeypatch, "torch")
         y0, s0, g0 = _saved_and_grad(fn, x, dy)
         assert_same(y1, y0, "forward")
         assert len(s1) == len(s0) == 1
@@ -163,7 +164,7 @@ def test_model_step_equals_reference(name, method, monkeypatch):
     batch = inputs()
     results = {}
     for backend in ("cpu", "torch"):
-        monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+        force_backend(monkeypatch, backend)
         m = copy.deepcopy(model)
         torch.manual_seed(1)  # Mesa draws its rounding seeds from torch's generator
         results[backend] = _model_grads(m, batch, logits)
@@ -214,7 +215,7 @@ def test_mesa_public_functions_dispatch(gen, monkeypatch):
     mn, mx = Q.group_min_max(x, inner, groups)
     out = {}
     for backend in ("cpu", "torch"):
-        monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+        force_backend(monkeypatch, backend)
         with mock.patch.object(Q, "quantize_cpu", wraps=Q.quantize_cpu) as qc, \
                 mock.patch.object(Q, "dequantize_cpu", wraps=Q.dequantize_cpu) as dc:
             qt = Q.quantize(x, mx - mn, mn, inner, groups, seed=42)
@@ -227,23 +228,23 @@ def test_mesa_public_functions_dispatch(gen, monkeypatch):
 # ------------------------------------------------------------------------------------------------ dispatch
 def test_backend_for_picks_cpu_by_default_and_when_asked(monkeypatch):
     x = torch.ones(3)
-    monkeypatch.delenv("LOWMEMBP_BACKEND", raising=False)
+    force_backend(monkeypatch, None)
     assert backend_for(x) == "cpu"  # the default on CPU tensors
     assert backend_for(torch.empty(3, device="meta")) == "torch"  # no data: the reference (its fake shapes)
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")
+    force_backend(monkeypatch, "torch")
     assert backend_for(x) == "torch"
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "cpu")
+    force_backend(monkeypatch, "cpu")
     assert backend_for(x) == "cpu"
     with pytest.raises(RuntimeError, match="CPU tensors only"):
         backend_for(torch.empty(3, device="meta"))
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "fast")
+    force_backend(monkeypatch, "fast")
     with pytest.raises(ValueError, match="'cpu'"):
         backend_for(x)
 
 
 def test_norm_dispatch_takes_fast_path(threads, blocks, gen, monkeypatch):
     x = randn((70, 40), torch.bfloat16, gen).requires_grad_()
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "cpu")
+    force_backend(monkeypatch, "cpu")
     with mock.patch.object(M, "ms_norm_fwd_cpu", wraps=M.ms_norm_fwd_cpu) as f, \
             mock.patch.object(M, "ms_norm_bwd_cpu", wraps=M.ms_norm_bwd_cpu) as b:
         y = M.ms_layer_norm(x)

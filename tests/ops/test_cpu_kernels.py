@@ -31,7 +31,7 @@ def fresh(tmp_path, monkeypatch):
     """An empty cache folder and a library not loaded yet; the process's own library state comes back after."""
     saved = dict(K._state)
     monkeypatch.setenv("LOWMEMBP_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(K, "_OFF", False)
     K._reset()
     yield tmp_path / "cpu_kernels"
     K._state.update(saved)
@@ -132,10 +132,10 @@ def test_every_half_value_equals_reference(dtype, path, monkeypatch):
     if path == "kernels":
         if not HAVE_CC:
             pytest.skip("no C compiler ($CC, cc, gcc or clang) on this machine")
-        monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+        monkeypatch.setattr(K, "_OFF", False)
         assert K.library() is not None, K.build_info()["reason"]
     else:
-        monkeypatch.setenv(K.ENV_SWITCH, "0")
+        monkeypatch.setattr(K, "_OFF", True)
     x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     x = x[torch.isfinite(x)]
     for kind in A.KINDS:
@@ -260,7 +260,7 @@ def test_mesa_nan_equals_reference(dtype, kernels, gen):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_eager_fallback_equals_reference(dtype, threads, gen, monkeypatch):
     """With the C kernels off, the eager ATen ops (small blocks: many block boundaries) give the same bits."""
-    monkeypatch.setenv(K.ENV_SWITCH, "0")
+    monkeypatch.setattr(K, "_OFF", True)
     monkeypatch.setattr(A, "_CPU_BLOCK", 64)
     monkeypatch.setattr(Q, "_CPU_BLOCK", 80)
     for kind in A.KINDS:
@@ -318,7 +318,7 @@ def test_concurrent_first_use_by_two_processes(fresh):
 
 
 def test_switched_off_runs_the_eager_ops(fresh, monkeypatch, gen):
-    monkeypatch.setenv(K.ENV_SWITCH, "0")
+    monkeypatch.setattr(K, "_OFF", True)
     assert K.library() is None
     x = (torch.randn(3, 1001, generator=gen) * 3).to(torch.bfloat16)
     assert K.codes2(x.reshape(-1), A._consts32("gelu", 2)[0], torch.empty(800, dtype=torch.uint8)) is None

@@ -23,6 +23,7 @@ from lowmembp.ops import cpu_kernels as K
 from lowmembp.ops import ms_norm as M
 
 from bitwise import assert_same
+from backends import force_backend
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HAVE_CC = K.compiler() is not None
@@ -101,7 +102,7 @@ def test_addcmul_probe_says_how_aten_rounds(gen):
 @pytest.mark.parametrize("kind", M.KINDS)
 def test_bwd_equals_reference(kind, g_dtype, y_dtype, threads, bwd_path, gen, monkeypatch):
     """Every dtype pair of g and y, every dx dtype, every shape; the C passes ran (no fallback)."""
-    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(K, "_OFF", False)
     for (rows, n), dx_dtype in itertools.product(SHAPES, DTYPES):
         if rows * n > 10**5 and dx_dtype != y_dtype:  # the big shapes: the dx dtype of y
             continue
@@ -129,7 +130,7 @@ def test_bwd_small_blocks_and_portable_build_equal_reference(kind, kernels, thre
 @pytest.mark.parametrize("kind", M.KINDS)
 def test_bwd_non_finite_and_overflow_equal_reference(kind, dtype, threads, bwd_path, gen, monkeypatch):
     """NaN, ±inf, ±max in g and in y (products that overflow, rows whose sums are inf or NaN): the same bits."""
-    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(K, "_OFF", False)
     for rows, n in [(1, 1), (3, 7), (3, 768), (1, 5000), (40, 768)]:
         for where in ("g", "y", "both"):
             g, y = rows_of((rows, n), dtype, gen, 2.0), rows_of((rows, n), dtype, gen)
@@ -235,7 +236,7 @@ def test_fwd_equals_reference(kind, x_dtype, out_dtype, threads, fwd_path, gen, 
     """LayerNorm whole in C ("whole", where the probe finds ATen's variant) or the C casts around ATen's fp32 norm
     ("casts", as RMSNorm always): y and rstd equal the reference's, with and without special values; LayerNorm's
     whole C forward produced them for finite inputs (the reference did not run)."""
-    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(K, "_OFF", False)
     own = kind == "layernorm" and fwd_path == "whole"
     for rows, n in SHAPES + [(3, 768)]:
         x = rows_of((rows, n), x_dtype, gen, 3.0)
@@ -400,7 +401,7 @@ def test_layer_norm_one_long_row_is_not_split(threads, gen, monkeypatch):
     """ATen computes each row on one thread (parallel over rows, grain 1): a single row of 32768 elements or more
     has the same bits as the C forward's one-thread row, with torch on two threads as on one; a row of 32768 runs
     the C forward through ms_norm_fwd_cpu (wider rows run the reference)."""
-    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(K, "_OFF", False)
     for n in (32768, 32769, 65536, 100003):
         _check_ln(torch.randn(1, n, generator=gen) * 5 + 3, 1e-5, f"one row of {n}")
     x = (torch.randn(1, 32768, generator=gen) * 2 - 1).to(torch.bfloat16)
@@ -415,7 +416,7 @@ def test_layer_norm_one_long_row_is_not_split(threads, gen, monkeypatch):
 def test_layer_norm_native_and_portable_builds_agree_on_every_variant(portable_library, gen, monkeypatch):
     """Every variant gives the same bits in the native build (AVX2 registers for its fused width-8 moments) as in
     the portable one (lane arrays): the vector forms are the lane loops' arithmetic."""
-    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(K, "_OFF", False)
     native = K.library()
     rows = [torch.randn(3, n, generator=gen) * 4 + torch.randn(3, 1, generator=gen) * 30
             for n in (5, 37, 300, 768, 1031, 4100)]
@@ -477,13 +478,13 @@ def test_kernels_take_rows_of_any_dim(shape, kernels, gen):
 def test_ms_layer_norm_autograd_equals_reference(dtype, threads, gen, monkeypatch):
     """ms_layer_norm under LOWMEMBP_BACKEND=cpu (the C forward, then the C backward from its y and rstd) equals it
     under the reference backend: the output and the gradient, bit for bit."""
-    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(K, "_OFF", False)
     for shape in [(3, 7), (2, 5, 768), (1576, 96)]:
         x = ((torch.randn(shape, generator=gen) * 2 + 0.5).to(dtype))
         dy = torch.randn(shape, generator=gen).to(dtype)
         out = {}
         for backend in ("torch", "cpu"):
-            monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+            force_backend(monkeypatch, backend)
             xg = x.clone().requires_grad_()
             y = M.ms_layer_norm(xg, 1e-5)
             (g,) = torch.autograd.grad(y, xg, dy)
@@ -501,7 +502,7 @@ def _eager_cases(gen):
 
 
 def test_switched_off_runs_the_eager_ops(threads, gen, monkeypatch):
-    monkeypatch.setenv(K.ENV_SWITCH, "0")
+    monkeypatch.setattr(K, "_OFF", True)
     assert K.library() is None
     for kind, x, g in _eager_cases(gen):
         y0, r0 = M.ms_norm_fwd_ref(x, kind, 1e-5)
@@ -515,7 +516,7 @@ def test_switched_off_runs_the_eager_ops(threads, gen, monkeypatch):
 def test_no_compiler_runs_the_eager_ops(tmp_path, monkeypatch, gen):
     saved = dict(K._state)
     monkeypatch.setenv("LOWMEMBP_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(K.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(K, "_OFF", False)
     monkeypatch.setenv("CC", "lowmembp-no-such-compiler")
     K._reset()
     try:

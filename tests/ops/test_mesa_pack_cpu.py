@@ -12,6 +12,7 @@ import torch
 
 from lowmembp.ops import cpu_kernels
 from lowmembp.ops import mesa_quant as mq
+from backends import force_backend
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 LAYOUTS = [((2, 3, 5, 7), "head", 3), ((3, 5, 12), "channel", 4), ((7, 10), "channel", 8), ((1, 1, 13), "channel", 1),
@@ -20,7 +21,7 @@ LAYOUTS = [((2, 3, 5, 7), "head", 3), ((3, 5, 12), "channel", 4), ((7, 10), "cha
 
 @pytest.fixture(autouse=True)
 def cpu_backend(monkeypatch):
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "cpu")
+    force_backend(monkeypatch, "cpu")
     if cpu_kernels.library() is None:
         pytest.skip(f"the C kernels are unavailable here: {cpu_kernels.build_info()['reason']}")
 
@@ -183,7 +184,7 @@ def test_eval_mode_and_the_reference_backend(monkeypatch):
     for qa, qb in zip(a, b):
         assert torch.equal(qa.codes, qb.codes) and torch.equal(qa.step, qb.step) and torch.equal(qa.beta, qb.beta)
     assert int(fused_q.count) == 5  # eval mode does not update
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "torch")  # the reference quantiser, its ATen EMA
+    force_backend(monkeypatch, "torch")  # the reference quantiser, its ATen EMA
     ref_q = mq.EMAQuantizer(3, "head")
     ref, _, _ = _run(ref_q, batches, True)
     for name in ("alpha", "beta", "count", "skipped"):
@@ -219,7 +220,7 @@ def test_large_tensor_on_threads(threads, shape, groups, dtype, monkeypatch):
 
 def test_turned_off_without_kernels(monkeypatch):
     """With the C kernels off the ATen ops run (and give the same bits)."""
-    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    monkeypatch.setattr(cpu_kernels, "_OFF", True)
     calls = []
     real = cpu_kernels.mesa_pack8_trusted
     monkeypatch.setattr(cpu_kernels, "mesa_pack8_trusted", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -9,6 +9,7 @@ from torch import nn
 from lowmembp.ops import ms_norm
 from lowmembp.ops.ms_norm import (MSLayerNorm, MSRMSNorm, ms_layer_norm, ms_norm_bwd_ref, ms_norm_bwd_triton,
                                   ms_norm_fwd_ref, ms_norm_fwd_triton, ms_rms_norm)
+from backends import force_backend
 
 FN = {"layernorm": ms_layer_norm, "rmsnorm": ms_rms_norm}
 EPS = {"layernorm": 1e-5, "rmsnorm": 1e-6}
@@ -117,7 +118,7 @@ def test_triton_autograd_path_matches_torch_path(monkeypatch, kind, dtype):
     x = _x((2, 5, 48), dtype, seed=3)
     results = {}
     for backend in ("torch", "triton"):
-        monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+        force_backend(monkeypatch, backend)
         assert (ms_norm.backend_for(x) == "triton") == (backend == "triton")
         xi = x.clone().requires_grad_(True)
         y = FN[kind](xi)
@@ -133,7 +134,7 @@ def test_triton_autograd_path_matches_torch_path(monkeypatch, kind, dtype):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
 def test_non_contiguous_inputs(monkeypatch, backend, kind):
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    force_backend(monkeypatch, backend)
     base = _x((6, 40), seed=4)
     views = [base[:, ::2],                                  # column stride 2
              base[:, 3:23],                                 # row stride 40, unit column stride
@@ -178,7 +179,7 @@ def _storages(tensors):
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
                                             (torch.float32, torch.bfloat16)])
 def test_norm_saves_output_and_rstd_only(monkeypatch, backend, kind, dtype, autocast):
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    force_backend(monkeypatch, backend)
     x = _x((3, 4, 20), dtype).requires_grad_(True)
     ctx = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
     with ctx:
@@ -239,7 +240,7 @@ def test_autocast_dtype_and_gradient_dtype():
 
 def test_fake_tensor_mode_uses_reference(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
-    monkeypatch.setenv("LOWMEMBP_BACKEND", "triton")
+    force_backend(monkeypatch, "triton")
     with FakeTensorMode():
         x = torch.randn(3, 7, 33, requires_grad=True)
         y = ms_rms_norm(x)

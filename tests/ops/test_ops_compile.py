@@ -11,6 +11,7 @@ from lowmembp.ops import approx_act as A
 from lowmembp.ops import mesa_layers as ML
 from lowmembp.ops import mesa_quant as mq
 from lowmembp.ops import ms_norm as MS
+from backends import force_backend
 
 ACTS = [("gelu", 2), ("silu", 2), ("relu", 1)]
 
@@ -58,7 +59,7 @@ OPS = {
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("name", OPS)
 def test_no_graph_breaks_forward_and_backward(name, backend, monkeypatch):
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    force_backend(monkeypatch, backend)
     fn = _fwd_bwd(OPS[name])
     n, reasons = _breaks(fn.loss, _norm_input())
     assert n == 0, reasons
@@ -172,7 +173,7 @@ class _MesaBlock(nn.Module):
 def test_mesa_quantiser_compiles_without_breaks(backend, monkeypatch):
     """The seed is a tensor (no SymInt per call); quantise/dequantise are opaque custom ops (inductor never sees
     the integer hash that failed to vectorise: ``a[i] >> max_shift``)."""
-    monkeypatch.setenv("LOWMEMBP_BACKEND", backend)
+    force_backend(monkeypatch, backend)
     q = mq.EMAQuantizer(4)
 
     def fn(x):

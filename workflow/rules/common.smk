@@ -88,6 +88,25 @@ def res(key, default):
     return lambda wc: cell(wc).get("resources", {}).get(key, default)
 
 
+def gpu_count():
+    """GPUs this machine has for the training jobs (torch.cuda.device_count(), which honours CUDA_VISIBLE_DEVICES); 0
+    without CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# On a machine with CUDA every training cell claims a GPU (`gpu: 1` unless its sweep's resources say otherwise) and
+# the run's `gpu` resource is the number of GPUs, as if `--resources gpu=N` had been given (a --resources gpu on the
+# command line or in a profile wins): one cell per GPU at a time, while the CPU-only jobs (reproductions on fake
+# tensors, tables) run beside them. Without CUDA nothing changes: cells claim no GPU. A cluster executor (SLURM)
+# submits jobs that ask for their GPUs themselves: this local limit is not set there.
+N_GPUS = gpu_count() if workflow.global_resources["_nodes"].value is None else 0
+if N_GPUS and "gpu" not in workflow.global_resources:
+    workflow.register_resource("gpu", N_GPUS)
+GPU_PER_CELL = 1 if N_GPUS else 0
+
+
 def slurm_extra(wc):
     return cell(wc).get("resources", {}).get("slurm_extra", "")
 

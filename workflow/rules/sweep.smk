@@ -47,7 +47,7 @@ rule train:
         runner=SCRIPTS / "run_cell.py",
     threads: config["threads_per_run"]
     resources:
-        gpu=res("gpu", 0),
+        gpu=res("gpu", GPU_PER_CELL),
         runtime=res("runtime", 30),
         mem_mb=res("mem_mb", 4000),
         slurm_extra=slurm_extra,

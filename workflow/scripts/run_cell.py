@@ -15,11 +15,17 @@ must be fixed, not recorded).
 processes on this node (``python -m torch.distributed.run --standalone --nproc-per-node N``), adding
 ``--distributed ddp`` unless the cell's ``train_args`` choose (``[--distributed, fsdp]``); ``--batch-size`` is
 then the global batch (``experiments.distributed``).
+
+One GPU per job: where the machine has several GPUs and ``CUDA_VISIBLE_DEVICES`` is not set (a local run; SLURM sets
+it), a one-process job claims a GPU of its own (:func:`claim_gpu`: an exclusive ``flock`` on one lock file per GPU,
+held until the job ends) and sees only that one. Snakemake runs at most ``gpu`` such jobs at once (the Snakefile's
+default ``--resources gpu=<number of GPUs>``), so a free one is always there.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import platform
 import signal
 import subprocess
@@ -92,6 +98,34 @@ class Stop:
             self.job.send_signal(self.signals[0])
 
 
+def gpu_count() -> int:
+    """GPUs ``nvidia-smi -L`` lists (0 without it): no CUDA context here."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")) if out.returncode == 0 else 0
+
+
+def claim_gpu(count: int, lock_dir: Path | None = None):
+    """``(index, open lock file)`` of a GPU no other job of this user holds (an exclusive non-blocking ``flock`` on
+    ``<lock_dir>/lowmembp-gpu-<uid>-<index>.lock``; the lock goes with the file's closing or the process's end), or
+    ``(None, None)`` when all ``count`` are held."""
+    import fcntl
+    import tempfile
+
+    where = Path(lock_dir or tempfile.gettempdir())
+    for i in range(count):
+        f = open(where / f"lowmembp-gpu-{os.getuid()}-{i}.lock", "a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            continue
+        return i, f
+    return None, None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path)
@@ -103,17 +137,27 @@ def main(argv: list[str] | None = None) -> int:
     train_args = a.train_args[1:] if a.train_args[:1] == ["--"] else a.train_args
     a.log.parent.mkdir(parents=True, exist_ok=True)
     cmd = job_command(a.python, train_args, a.out, a.nproc)
+    env, held = None, None
+    if a.nproc == 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        count = gpu_count()
+        if count > 1:
+            index, held = claim_gpu(count)
+            if index is not None:
+                env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(index))
     started = _now()
     stop = Stop()
     for sig in USER_SIGNALS:  # before the job starts: a signal that comes while it starts still reaches it
         signal.signal(sig, stop.handle)
     with open(a.log, "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
+        log.write(("" if env is None else f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} ")
+                  + "$ " + " ".join(cmd) + "\n")
         log.flush()
         # its own process group: a signal reaches the job once, from here (a terminal's Ctrl-C reaches this wrapper)
-        stop.job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stop.job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         stop.pass_on()
         rc = stop.job.wait()
+    if held is not None:
+        held.close()
     stopped = stop.signals
     if stopped:
         a.out.unlink(missing_ok=True)

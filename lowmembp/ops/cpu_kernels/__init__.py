@@ -10,9 +10,9 @@ uint16 / uint8 pointers, no Python or torch headers: the build takes a few secon
 long). Building writes a temporary file and renames it into place, so processes building at the same time each load
 a complete library.
 
-``LOWMEMBP_CPU_KERNELS=0`` turns the kernels off. Without a compiler, or if the build fails, a RuntimeWarning says
-so once per process and every function here returns ``None``: the callers then run their eager ATen ops, which give
-the same bits.
+``LOWMEMBP_CPU_KERNELS=0`` (read when this module is imported) turns the kernels off. Without a compiler, or if
+the build fails, a RuntimeWarning says so once per process and every function here returns ``None``: the callers
+then run their eager ATen ops, which give the same bits.
 
 The kernels reproduce the PyTorch references' arithmetic bit for bit (IEEE fp32 operations one at a time: the build
 passes ``-ffp-contract=off`` and never a fast-math flag; fp16 / bf16 converted exactly and rounded to nearest even).
@@ -58,6 +58,7 @@ LIBS = ("-lm",)  # linked after the source: fmaf, which the norms' pass calls wh
 MIN_PER_THREAD = 1 << 16  # elements per thread below which a call runs on one thread
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
+_OFF = os.environ.get(ENV_SWITCH, "1").strip() == "0"  # read once, at import (tests set _OFF itself)
 _lock = threading.Lock()
 _state: dict = {"lib": None, "tried": False, "compiles": 0, "seconds": None, "path": None, "reason": None}
 
@@ -152,7 +153,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, built on first use; None when turned off (``LOWMEMBP_CPU_KERNELS=0``) or when they
     cannot be built (warned once per process)."""
-    if os.environ.get(ENV_SWITCH, "1").strip() == "0":
+    if _OFF:
         return None
     if _state["tried"]:
         return _state["lib"]
@@ -186,6 +187,8 @@ def _reset() -> None:
 
 
 def _threads(n: int) -> int:
+    if n < 2 * MIN_PER_THREAD:  # one thread (without asking torch how many it has)
+        return 1
     return max(1, min(torch.get_num_threads(), n // MIN_PER_THREAD))
 
 
@@ -203,6 +206,12 @@ def _check_tensor(t: torch.Tensor, at_least: int, dtype: torch.dtype) -> None:  
 def read_byte(t: torch.Tensor, i: int) -> int:
     """Byte ``i`` of a contiguous CPU uint8 tensor, read from memory (no tensor indexing: a fraction of its cost)."""
     _check_tensor(t, i + 1, torch.uint8)
+    return ctypes.c_uint8.from_address(t.data_ptr() + i).value
+
+
+def read_byte_trusted(t: torch.Tensor, i: int) -> int:
+    """:func:`read_byte` without its check, for a caller that has made sure ``t`` is a contiguous CPU uint8 tensor
+    of more than ``i`` bytes."""
     return ctypes.c_uint8.from_address(t.data_ptr() + i).value
 
 
