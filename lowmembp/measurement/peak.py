@@ -323,8 +323,8 @@ def measure_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         return _compiled_cpu_peak(model, optimizer, step, external)
     if not fake and _opaque_step(optimizer):
         out = _compiled_cpu_peak(model, optimizer, step, external)
-        out["how"] = ("cpu allocator events (torch.profiler profile_memory): the optimizer's CPU kernel allocates "
-                      "scratch inside one op, unseen by the storage tracker")
+        out["how"] = ("cpu allocator events (torch.profiler profile_memory): the optimizer's CPU step allocates "
+                      "inside one op or a compiled kernel, unseen by the storage tracker")
         return out
     tracker = StorageTracker()
     tracker.track_external(model, optimizer, *external)
@@ -343,9 +343,13 @@ def measure_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer | None,
 
 
 def _state_tensors(v) -> list[torch.Tensor]:
-    """The tensors of one optimizer-state entry: itself, or those an object in the state holds as attributes (GaLore's
-    and APOLLO's projector keeps its projection matrix as ``ortho_matrix``: a tensor or a list of tensors)."""
+    """The tensors of one optimizer-state entry: itself (a tensor subclass: the tensors it is made of), or those an
+    object in the state holds as attributes (GaLore's and APOLLO's projector keeps its projection matrix as
+    ``ortho_matrix``: a tensor or a list of tensors)."""
     if isinstance(v, torch.Tensor):
+        if type(v) is not torch.Tensor and hasattr(v, "__tensor_flatten__"):  # a tensor subclass (torchao's
+            names, _ = v.__tensor_flatten__()                               # low-bit states): its own tensors
+            return [t for n in names for t in _state_tensors(getattr(v, n))]
         return [v]
     if isinstance(v, (int, float, str, bool)) or v is None or not hasattr(v, "__dict__"):
         return []
@@ -374,8 +378,9 @@ def prime_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
 
 def _opaque_step(optimizer) -> bool:
     """Whether ``optimizer``'s step runs a kernel whose own allocations a dispatch mode cannot see (bitsandbytes'
-    8-bit update: on the CPU it dequantises each parameter's two states to fp32 inside one op)."""
-    return optimizer is not None and type(optimizer).__module__.startswith("bitsandbytes")
+    8-bit update: on the CPU it dequantises each parameter's two states to fp32 inside one op), or cannot run under
+    one (torchao's low-bit optimizers: a ``torch.compile``'d step, which refuses a dispatch mode)."""
+    return optimizer is not None and type(optimizer).__module__.startswith(("bitsandbytes", "torchao"))
 
 
 def _gradient_bytes(model: nn.Module, optimizer) -> int:
@@ -404,7 +409,7 @@ def _compiled_cpu_peak(model, optimizer, step, external) -> dict:
     grads = _gradient_bytes(model, optimizer)
     opt = 0
     if optimizer is not None:
-        opt = _nbytes([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
+        opt = _nbytes([t for s in optimizer.state.values() for v in s.values() for t in _state_tensors(v)])
     return {"bytes": total, "how": "cpu allocator events (torch.profiler profile_memory; compiled step)",
             "by_category": {"parameters": params, "gradients": grads, "optimizer_state": opt,
                             "activations_and_temporaries": max(total - params - grads - opt, 0)}}
@@ -420,7 +425,7 @@ def _cuda_peak(model, optimizer, step, device) -> dict:
     grads = _gradient_bytes(model, optimizer)
     opt = 0
     if optimizer is not None:
-        opt = _nbytes([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
+        opt = _nbytes([t for s in optimizer.state.values() for v in s.values() for t in _state_tensors(v)])
     rest = max(peak - params - grads - opt, 0)
     how = "cuda max_memory_allocated" + ("; compiled step" if _is_compiled(model) else "")
     return {"bytes": peak, "how": how, "reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
@@ -475,7 +480,7 @@ def _profiled_peak(model, optimizer, step, external) -> tuple[int, int]:
     allocator's running total of allocations minus frees during ``step()``)."""
     live = list(model.parameters()) + list(model.buffers()) + [t for t in external if isinstance(t, torch.Tensor)]
     if optimizer is not None:
-        live += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        live += [t for s in optimizer.state.values() for v in s.values() for t in _state_tensors(v)]
     return _nbytes(live), allocator_events_peak(step)
 
 
