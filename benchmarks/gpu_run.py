@@ -13,9 +13,13 @@ time allows). Then the parts, in priority order, each in its own process with it
              LoRA r4 on qkv then on all linears — eager; captured in a CUDA graph (--capture cuda-graphs); and
              LowMemoryBP with the official CUDA ops swapped into the same ViT -> fig1.csv, fig1_runs/*.json
   bound      the device-bound setting through the training job: ViT-B/16 at batch 256 -> bound.csv, bound_runs/
-  host_time  benchmarks/host_time.py --device cuda (host time per op call), where that file is in the tree
+  profile    benchmarks/profile_step.py on Fig. 1's LoRA and LowMemoryBP (qkv, eager): host time per op, device
+             time per kernel, the device's busy share -> profile/
+  host_time  benchmarks/host_time.py --device cuda --autocast (host time per op call: ours, torch's, the official
+             extension's) -> host_time/
   smoke      the GPU smoke sweep (config/gpu-smoke.yaml) through Snakemake -> smoke/ (runs, runs.csv, tables)
-  llama      LLaMA-7B-width 4-layer steps: LoRA and its peers, full fine-tuning per optimizer -> llama.csv
+  llama      LLaMA-7B width, 4 layers, through the training job (bf16 weights, as the job's alpaca task loads them):
+             LoRA and its peers, full fine-tuning per optimizer -> llama.csv, llama_runs/
   gpu_check  benchmarks/gpu_check.py: every Triton kernel against its reference, GB/s and % of a device copy
   kernels    ours vs the official LowMemoryBP CUDA ops vs Liger vs PyTorch (benchmarks/gpu_run_kernels.py)
   pytest     ``pytest -m gpu`` over the test files that hold gpu tests -> pytest_gpu.txt, pytest_gpu.xml
@@ -40,9 +44,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -60,10 +66,10 @@ HERE = Path(__file__).resolve().parent
 # 80-120 ms a step: 30-40 s; the smoke sweep 5 job processes of 15-30 s each. The caps add up to more than the
 # budget: a part gets its cap while the budget lasts, each later part keeps FLOOR_S, and the last ones get what
 # is left.
-PARTS = {"fig1": (130, 600), "bound": (70, 300), "host_time": (60, 300), "smoke": (150, 300), "llama": (120, 300),
-         "gpu_check": (65, 300), "kernels": (80, 300), "pytest": (75, 300)}
+PARTS = {"fig1": (130, 600), "bound": (70, 300), "profile": (40, 300), "host_time": (60, 300), "smoke": (150, 300),
+         "llama": (120, 300), "gpu_check": (65, 300), "kernels": (80, 300), "pytest": (75, 300)}
 PREPARE_S = (240, 300)  # the official build and the estimates, before any timed part: the most they may take
-OFFICIAL_PARTS = ("fig1", "kernels")  # the parts that use the official ops
+OFFICIAL_PARTS = ("fig1", "host_time", "kernels")  # the parts that use the official ops
 ESTIMATED_PARTS = ("fig1", "bound", "llama")  # the parts whose configurations get a fake-tensor estimate
 FLOOR_S = 20  # what each later part keeps back from an earlier one's limit
 PAPER_FIG1 = {"lora": (3827, 288), "lora+checkpointing": (1252, 229), "lora+mesa-gelu-ln": (2853, 226),
@@ -149,9 +155,9 @@ def run_part(name: str, ctx: Ctx, deadline: float) -> int:
         sink.close()
         return 1 if kernel_rows_failing(rows) or stopped else 0
     if name in ("fig1", "bound", "llama"):
-        from gpu_run_steps import JOB_PARTS, STEP_COLUMNS, run_job_part, run_steps
+        from gpu_run_steps import STEP_COLUMNS, run_job_part
         sink = CsvSink(ctx.out / f"{name}.csv", STEP_COLUMNS)
-        facts = (run_job_part if name in JOB_PARTS else run_steps)(ctx, name, sink, deadline)
+        facts = run_job_part(ctx, name, sink, deadline)
         sink.close()
         (ctx.out / f"{name}_allocator.json").write_text(json.dumps(facts, indent=1))
         rows = read_csv(ctx.out / f"{name}.csv")
@@ -202,6 +208,9 @@ def part_note(name: str, ctx: Ctx) -> str:
 # ---------------------------------------------------------------------------------------------- processes
 def _env(ctx: Ctx, extra: dict | None = None) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    sent = commit_sent(ctx)
+    if sent and "LOWMEMBP_GIT_COMMIT" not in env:  # the job records of the parts name the commit sent, too
+        env["LOWMEMBP_GIT_COMMIT"] = sent["sent"]
     paths = [str(ROOT), str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.update(extra or {})
@@ -269,6 +278,14 @@ def part_command(name: str, ctx: Ctx, deadline: float) -> list[str]:
                "--autocast", "--out", str(ctx.out / "host_time")]
         official = ctx.third_party / "lomem"
         return cmd + (["--official", str(official), "--build-dir", str(ctx.build_dir)] if official.is_dir() else [])
+    if name == "profile":  # where Fig. 1's step time goes: LoRA and LowMemoryBP on qkv, eager
+        from gpu_run_steps import job_argv, step_configs
+
+        cmd = [py, str(HERE / "profile_step.py"), "--out", str(ctx.out / "profile"), "--warmup", "5", "--steps", "3"]
+        for c in step_configs(ctx.smoke):
+            if c.config == "fig1-qkv" and c.method in ("lora", "lora+lowmembp"):
+                cmd += ["--cell", f"{c.method}={shlex.join(job_argv(c, ctx.smoke))}"]
+        return cmd
     if name == "smoke":
         return smoke_command(ctx)
     if name == "gpu_check":
@@ -288,14 +305,39 @@ def part_command(name: str, ctx: Ctx, deadline: float) -> list[str]:
 
 def skip_reason(name: str, ctx: Ctx) -> str | None:
     """Why part ``name`` cannot run here (it is then recorded "skipped" with the reason), or None."""
-    import importlib.util
     if name == "host_time" and not HOST_TIME.is_file():
         return f"benchmarks/{HOST_TIME.name} is not in this tree"
     if name == "host_time" and ctx.smoke:
         return "CPU dry run: the host-time benchmark runs on the GPU machine"
-    if name == "smoke" and importlib.util.find_spec("snakemake") is None:
-        return "snakemake is not installed here (pip install snakemake; the project's own environment has it)"
     return None
+
+
+def smoke_without_snakemake(ctx: Ctx, deadline: float) -> int:
+    """The smoke sweep's cells where snakemake is not installed: each cell's command as the pipeline builds it
+    (``workflow/sweep_config.py``), run one after the other through ``workflow/scripts/run_cell.py`` into
+    ``<out>/smoke/runs/``; 0 when every cell has an ``ok`` record."""
+    import yaml
+    sys.path[:0] = [str(ROOT), str(ROOT / "workflow")]
+    import sweep_config
+    config = sweep_config.fill_defaults(yaml.safe_load(SMOKE_CONFIG.read_text()))
+    results = ctx.out / "smoke"
+    bad = 0
+    for (task, model, method, bs, seed, opt), (_, sw) in sorted(sweep_config.cells(config).items()):
+        out = Path(sweep_config.record_path(str(results), task, model, method, bs, seed, opt))
+        argv = sweep_config.cell_argv(sw, task, model, method, bs, seed, optimizer=opt)
+        log = results / "logs" / out.relative_to(results / "runs").with_suffix(".log")
+        if time.time() > deadline:
+            print(f"  smoke {out.relative_to(results)}: not run (the part's time limit)", flush=True)
+            bad += 1
+            continue
+        cmd = [sys.executable, str(ROOT / "workflow" / "scripts" / "run_cell.py"), "--nproc", "1", "--log", str(log),
+               "--out", str(out), "--", *argv]
+        t = time.time()
+        rc = subprocess.run(cmd, cwd=ROOT, env=_env(ctx)).returncode
+        status = json.loads(out.read_text())["status"] if out.is_file() else f"no record (rc {rc})"
+        bad += status != "ok"
+        print(f"  smoke {out.relative_to(results)}: {status} in {time.time() - t:.0f} s", flush=True)
+    return 1 if bad else 0
 
 
 def gpu_test_files() -> list[str]:
@@ -496,6 +538,16 @@ def main(argv=None) -> int:
         if name in OFFICIAL_PARTS and build is not None and build["status"] != "ok":
             extra["GPU_RUN_OFFICIAL_FAILED"] = f"the official build {build['status']} (rc {build.get('rc')}), see " \
                                                "official_build.log"
+        no_snakemake = name == "smoke" and importlib.util.find_spec("snakemake") is None
+        if no_snakemake and not ctx.smoke:  # the cells as Snakemake would run them, one after the other
+            t = time.time()
+            print("gpu_run: snakemake is not installed here: the smoke sweep's cells run through run_cell.py",
+                  flush=True)
+            rc = smoke_without_snakemake(ctx, deadline)
+            status[name] = dict(status="ok" if rc == 0 else "failed", rc=rc, seconds=round(time.time() - t, 1),
+                                limit_s=round(limit), note="snakemake not installed: the cells ran through "
+                                                           "workflow/scripts/run_cell.py, as Snakemake runs them")
+            continue
         if ctx.smoke and name in ("kernels", "fig1", "bound", "llama"):
             t = time.time()
             try:
@@ -541,7 +593,8 @@ def prepare(ctx: Ctx, a, status: dict, t0: float, end: float) -> None:
             print(f"gpu_run: no official sources at {lomem}: their rows are recorded as skipped "
                   "(run benchmarks/prepare_gpu_run.sh and carry third_party)", flush=True)
     if set(ESTIMATED_PARTS) & set(a.parts):
-        est_limit = limit if "official_build" in procs else min(limit, 60.0 if not ctx.smoke else limit)
+        # beside the build, about as long as it takes; alone, a minute (the rest: "no estimate", time limit)
+        est_limit = limit if ctx.smoke else min(limit, 150.0 if "official_build" in procs else 60.0)
         procs["estimates"] = Proc("estimates", part_command("estimates", ctx, time.time() + est_limit - 5),
                                   ctx.out / "estimates.log",
                                   _env(ctx, {"CUDA_VISIBLE_DEVICES": "", "GPU_RUN_EST_THREADS": "2"}))

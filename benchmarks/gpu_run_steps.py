@@ -11,39 +11,33 @@ fig1   (through the training job) LowMemoryBP Fig. 1 (docs/design.md#papers): ti
        qkv only FIRST (Fig. 1's setting, the official lora_qv: q and v, here one adapter on timm's fused qkv;
        experiments/configs/vit-b16-cifar100-lora-qv.yaml), then on all linears (qkv, proj, fc1, fc2: lora_all):
        lora, lora+checkpointing, lora+mesa-gelu-ln, lora+lowmembp, lora+liger (refused for timm models: recorded so);
-       then Fig. 1's setting with the step captured in a CUDA graph (``--capture cuda-graphs``: lora and the three
-       levers; refused off CUDA, so the CPU dry run records them "skipped"), and ``lora+lowmembp`` with the official
-       CUDA ops swapped into the same ViT (``benchmarks/official_lomem.py``; the dry run: their stand-in).
+       then ``lora+lowmembp`` with the official CUDA ops swapped into the same ViT (``benchmarks/official_lomem.py``;
+       the dry run: their stand-in), and last Fig. 1's setting with the step captured in a CUDA graph
+       (``--capture cuda-graphs``: lora and the three levers; refused off CUDA, so the CPU dry run records them
+       "skipped").
 bound  (through the training job) the device-bound setting: ViT-B/16 at batch 256, LoRA r4 on qkv, fp16 — lora and
        the three levers, eager: a step several times the host's time, so the ratios compare with the paper's GPU.
-llama  transformers LLaMA-7B width (hidden 4096, intermediate 11008, 32 heads, vocabulary 32000), 4 layers, bf16
-       autocast over fp32 weights, two configurations:
+llama  (through the training job) transformers LLaMA-7B width (hidden 4096, intermediate 11008, 32 heads, vocabulary
+       32000), 4 layers, the weights in bf16 (as the job's alpaca task loads them) under bf16 autocast, two
+       configurations:
        ``llama7b-4layers``: batch 4 x seq 640 (the official run's longest batch: source 512 + target 128), LoRA r64
-       α16 with dropout 0.1 on all linears (experiments/configs/llama-7b-alpaca-lora.yaml; the base in fp32 under
-       bf16 autocast, not NF4): lora, lora+lowmembp, lora+liger, lora+checkpointing, then the peers lora+cce (Cut
-       Cross-Entropy's Triton kernel, ``impl="cce"``: refused off CUDA), velora (peft's VeLoRA, ``num_groups`` 64,
-       which divides both input widths; LoRA dropout 0, as peft's VeLoRA has none) and lora+tiled-mlp (the
-       library's default tiles of hidden_size tokens: the 2560 tokens make one tile, the MLP recomputed in the
-       backward). Their estimates run dropout as CUDA does (a 1-byte mask; the CPU dropout of a fake step keeps one
-       of the input's dtype); in the CPU dry run both sides use the CPU's.
+       α16 with dropout 0.1 on all linears (experiments/configs/llama-7b-alpaca-lora.yaml, not NF4): lora,
+       lora+lowmembp, lora+liger, lora+checkpointing, then the peers lora+cce (Cut Cross-Entropy's Triton kernel,
+       ``impl="cce"``: refused off CUDA), velora (peft's VeLoRA, ``num_groups`` 64, which divides both input widths;
+       LoRA dropout 0, as peft's VeLoRA has none) and lora+tiled-mlp (the library's default tiles of hidden_size
+       tokens: the 2560 tokens make one tile, the MLP recomputed in the backward). Their estimates run dropout as
+       CUDA does (a 1-byte mask; the CPU dropout of a fake step keeps one of the input's dtype); in the CPU dry run
+       both sides use the CPU's.
        ``llama7b-4layers-full``: full fine-tuning (``baseline``: every weight trained, embeddings and head included,
        1.07e9 parameters) at batch 1 x 640, once per optimizer of ``lowmembp.methods.optimizers.OPTIMIZERS``
        (adamw, adamw8bit, adamw-fused-backward). Batch 1, so that the step's peak falls where the optimizer levers
-       act: the estimate (``estimate("llama-7b", "baseline", batch_size=1, seq_len=640, layers=4, optimizer=...)``)
-       puts it at 17.16e9 bytes with adamw (4.29e9 fp32 weights + 3.76e9 gradients in flight + 8.57e9 fp32 states
-       at the optimizer step), 10.76e9 with adamw8bit (2.18e9 of 8-bit states and their absmax) and 15.88e9 with
-       adamw-fused-backward (no gradient outlives its own step: the peak moves into the backward); at batch 4 the
-       forward's 5.3e9 bytes of activations set the peak (18.2e9 with adamw and adamw-fused-backward alike). All
-       three stay resident beside the seven LoRA models (about 4.5e9 bytes each): about 64e9 bytes on the device.
-       ``adamw8bit`` needs bitsandbytes: without it the row is "skipped" with the library's reason.
-Each model is built once (fp32 weights under autocast, as :func:`lowmembp.estimator.step.estimate` builds them), warmed
-up right after its build, then the configurations take steps in turn (round-robin), so drifts of clock or temperature
-hit them alike. A step is forward, loss, backward, the optimizer's step (the optimizer
-:func:`lowmembp.estimator.step.make_optimizer` builds for the row's name: AdamW lr 1e-4, wd 0.1, torch's fused kernel;
-bitsandbytes' AdamW8bit; or AdamW fused into the backward), ``zero_grad(set_to_none=True)`` — the step the estimate
-measures, on the batch and loss the estimate builds. A configuration is built only while the part's time limit leaves
-room for it and for the measured rounds of those built (the last warm-up step's time x their steps); one that is not
-is recorded "error: not built".
+       act: the estimate with bf16 weights (``estimate("llama-7b", "baseline", batch_size=1, seq_len=640, layers=4,
+       weights="bf16", optimizer=...)``) puts it at 8.58e9 bytes with adamw, 6.47e9 with adamw8bit and 7.24e9 with
+       adamw-fused-backward. ``adamw8bit`` needs bitsandbytes: without it the job refuses the row (exit 2) and it is
+       "skipped" with the job's reason.
+Every configuration's cells are the training job's (:func:`job_argv`), built and stepped by
+``experiments.interleave`` (:func:`run_job_part`); the estimates count the weights in the rows' dtype
+(``StepConfig.weights``).
 
 A method that refuses the device or the model is recorded with the library's message, not as a failure:
 "not applicable" (a ValueError of the method: it has no path for this model, e.g. Liger for timm), "refused" (its
@@ -63,9 +57,7 @@ GPU parts by benchmarks/gpu_run.py), with the row's optimizer. Methods the estim
 from __future__ import annotations
 
 import os
-import statistics
 import time
-import traceback
 from dataclasses import dataclass, field
 
 from lowmembp.methods.optim_levers import LEVERS
@@ -80,7 +72,7 @@ ERROR_COLUMNS = ["config", "method", "optimizer", "estimate_bytes", "measured_by
 FIG1_METHODS = ["lora", "lora+checkpointing", "lora+mesa-gelu-ln", "lora+lowmembp", "lora+liger"]
 CAPTURED_METHODS = ["lora", "lora+checkpointing", "lora+mesa-gelu-ln", "lora+lowmembp"]
 BOUND_METHODS = ["lora", "lora+checkpointing", "lora+mesa-gelu-ln", "lora+lowmembp"]
-JOB_PARTS = ("fig1", "bound")  # the parts whose cells run through the training job
+JOB_PARTS = ("fig1", "bound", "llama")  # the parts whose cells run through the training job
 # the LoRA configuration: the four rows of the official LLaMA recipe's levers, then the peers
 LLAMA_METHODS = ["lora", "lora+lowmembp", "lora+liger", "lora+checkpointing", "lora+cce", "velora", "lora+tiled-mlp"]
 LLAMA_LORA = {"rank": 64, "alpha": 16, "dropout": 0.1}  # experiments/configs/llama-7b-alpaca-lora.yaml
@@ -110,6 +102,8 @@ class StepConfig:
     lora_targets: str = "all"
     optimizer: str = DEFAULT_OPTIMIZER  # a name of lowmembp.methods.optimizers.OPTIMIZERS
     capture: str = "none"  # the training job's --capture
+    weights: str = "fp32"  # the dtype the model's weights are stored in (the estimate's ``weights``): the job's
+    #                        alpaca task loads LLaMA in its --dtype, so the llama rows' are bf16
     ops: str = "ours"      # "official": the official CUDA ops swapped into the model after the job built it
 
 
@@ -141,16 +135,17 @@ def step_configs(smoke: bool) -> list[StepConfig]:
             out.append(StepConfig("fig1", f"fig1-{label}", "vit-b16", m, {"rank": 4, "targets": targets},
                                   batch_size=2 if smoke else 64,
                                   lora_targets="qkv, proj, fc1, fc2" if targets is None else targets, **vit))
+    out.append(StepConfig("fig1", "fig1-qkv-official", "vit-b16", "lora+lowmembp", {"rank": 4, "targets": "qkv"},
+                          batch_size=2 if smoke else 64, lora_targets="qkv (official ops)", ops="official", **vit))
+    # the captured configuration last: a capture that fails can leave the process's CUDA state unusable
     for m in CAPTURED_METHODS:
         out.append(StepConfig("fig1", "fig1-qkv-cuda-graphs", "vit-b16", m, {"rank": 4, "targets": "qkv"},
                               batch_size=2 if smoke else 64, lora_targets="qkv (cuda-graphs)", capture="cuda-graphs",
                               **vit))
-    out.append(StepConfig("fig1", "fig1-qkv-official", "vit-b16", "lora+lowmembp", {"rank": 4, "targets": "qkv"},
-                          batch_size=2 if smoke else 64, lora_targets="qkv (official ops)", ops="official", **vit))
     for m in BOUND_METHODS:
         out.append(StepConfig("bound", "vit-b16-bs256-qkv", "vit-b16", m, {"rank": 4, "targets": "qkv"},
                               batch_size=4 if smoke else 256, lora_targets="qkv", **vit))
-    llama = dict(seq_len=16 if smoke else 640, dtype="bf16", layers=2 if smoke else 4)
+    llama = dict(seq_len=16 if smoke else 640, dtype="bf16", layers=2 if smoke else 4, weights="bf16")
     for m in LLAMA_METHODS:
         out.append(StepConfig("llama", "llama7b-4layers", "llama-7b", m, llama_options(m, smoke),
                               batch_size=2 if smoke else 4, overrides=dict(LLAMA_SMOKE) if smoke else None,
@@ -168,120 +163,7 @@ def missing_methods(method: str) -> list[str]:
     return [n for n in method.split("+") if n.strip() not in known]
 
 
-# ------------------------------------------------------------------------------------------------- one model
-def off_device(model, device) -> list[str]:
-    """Names of the parameters and buffers of ``model`` that are not on ``device``'s type: tensors a method created
-    when it was applied to a model already on the GPU and left on the CPU (where the step would fail with "Expected
-    all tensors to be on the same device")."""
-    import itertools
-
-    import torch
-    kind = torch.device(device).type
-    return [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.device.type != kind]
-
-
-def _stray_note(run, device) -> str:
-    stray = getattr(run, "stray", None) or []
-    return (f"the method left {len(stray)} tensors off {device} ({', '.join(stray[:3])}"
-            f"{', ...' if len(stray) > 3 else ''}); ") if stray else ""
-
-
-class StepRun:
-    """One configuration: model, optimizer, batch and its step, built on ``device``."""
-
-    def __init__(self, cfg: StepConfig, device: str):
-        import torch
-        import lowmembp
-        from lowmembp.estimator.step import DTYPES, MODELS, _batch, _loss, build, make_optimizer
-        from lowmembp.measurement.peak import prime_optimizer
-
-        self.cfg, self.device, self.torch = cfg, device, torch
-        spec = MODELS[cfg.model]
-        cuda = device == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-        self.before = torch.cuda.memory_allocated() if cuda else 0
-        model = build(spec, layers=cfg.layers, overrides=cfg.overrides, device=device)
-        model = lowmembp.apply(model, cfg.method, **cfg.options)  # (liger changes this instance only)
-        self.stray = off_device(model, device)  # applied after the model is on the device, as a user would
-        model.train()
-        self.model = model
-        self.opt = make_optimizer(model, cfg.optimizer)  # the estimate's optimizer for that name
-        prime_optimizer(self.opt)
-        batch = _batch(spec, model, cfg.batch_size, cfg.seq_len, (cfg.overrides or {}).get("vocab_size"))
-        self.batch = {k: v.to(device) for k, v in batch.items()}
-        amp = DTYPES[cfg.dtype]
-
-        def step():
-            with torch.autocast(device, dtype=amp, enabled=amp is not None):
-                loss = _loss(spec, model, self.batch)
-            loss.backward()
-            if self.opt is not None:
-                self.opt.step()
-                self.opt.zero_grad(set_to_none=True)
-
-        self.step = step
-        self.resident = 0
-        self.step_s = 0.0  # the last warm-up step's seconds (what the part reserves for each measured step)
-        self.peaks, self.times, self.how = [], [], ""
-
-    def _sync(self):
-        if self.device == "cuda":
-            self.torch.cuda.synchronize()
-
-    def warm_up(self, n: int):
-        for _ in range(n):
-            self._sync()
-            t = time.perf_counter()
-            self.step()
-            self._sync()
-            self.step_s = time.perf_counter() - t
-        if self.device == "cuda":
-            self.resident = self.torch.cuda.memory_allocated() - self.before
-
-    def measured_step(self):
-        torch = self.torch
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            a0 = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            t = time.perf_counter()
-            self.step()
-            torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - t)
-            self.peaks.append(torch.cuda.max_memory_allocated() - a0 + self.resident)
-            self.how = "cuda max_memory_allocated over the step - allocated at its start + own resident bytes"
-        else:
-            from lowmembp.measurement.peak import measure_step_peak
-            t = time.perf_counter()
-            pk = measure_step_peak(self.model, self.opt, self.step, warmup=0, external=tuple(self.batch.values()))
-            self.times.append(time.perf_counter() - t)
-            self.peaks.append(int(pk["bytes"]))
-            self.how = f"CPU dry run: {pk['how']} (stands in for the allocator)"
-
-    def row(self, smoke: bool) -> dict:
-        cfg = self.cfg
-        r = _base_row(cfg)
-        if not self.times:
-            r.update(status="error", note="no measured step (time limit)")
-            return r
-        ts = sorted(self.times)
-        q = lambda f: ts[min(len(ts) - 1, int(f * len(ts)))] * 1e3  # noqa: E731
-        p50 = statistics.median(ts)
-        units = cfg.batch_size if cfg.part == "fig1" else cfg.batch_size * cfg.seq_len
-        peak = int(statistics.median(self.peaks))
-        r.update(status="ok", steps=len(ts), peak_bytes=peak, peak_mib=f"{peak / 2 ** 20:.0f}",
-                 resident_bytes=self.resident, measured_how=self.how)
-        if self.stray:
-            r["note"] = "; ".join(x for x in (_stray_note(self, self.device).rstrip("; "), r.get("note")) if x)
-        if not smoke:
-            r.update(step_ms_p20=f"{q(0.2):.2f}", step_ms_p50=f"{p50 * 1e3:.2f}", step_ms_p80=f"{q(0.8):.2f}",
-                     throughput=f"{units / p50:.1f}", throughput_unit="img/s" if cfg.part == "fig1" else "tokens/s")
-        else:
-            r["note"] = "; ".join(x for x in ("CPU dry run: no timing", r.get("note")) if x)
-        return r
-
-
+# ------------------------------------------------------------------------------------------------- the rows
 def _base_row(cfg: StepConfig) -> dict:
     return dict(config=cfg.config, model=cfg.model, method=cfg.method, optimizer=cfg.optimizer,
                 lora_targets=cfg.lora_targets, batch_size=cfg.batch_size, seq_len=cfg.seq_len or "", dtype=cfg.dtype)
@@ -305,99 +187,14 @@ def refusal_status(cfg: StepConfig, e: BaseException) -> str:
     return "error"
 
 
-def build_run(cfg: StepConfig, device: str, warmup: int):
-    """``(run, None)``: ``cfg`` built and warmed up; or ``(None, row)``: the row saying why not (see
-    :func:`refusal_status`; the note carries the exception's message)."""
-    run = None
-    try:
-        run = StepRun(cfg, device)
-        run.warm_up(warmup)
-        return run, None
-    except Exception as e:
-        if os.environ.get("GPU_RUN_TRACEBACKS"):
-            traceback.print_exc()
-        return None, dict(_base_row(cfg), status=refusal_status(cfg, e),
-                          note=f"{_stray_note(run, device)}{type(e).__name__}: {str(e)[:600]}")
-
-
-def run_steps(ctx, part: str, sink, deadline: float, warmup: int | None = None, steps: int | None = None) -> dict:
-    """Build every configuration of ``part``, warm each up, then round-robin measured steps; rows into ``sink``.
-
-    Returns allocator facts of the part (max allocated / reserved, bytes outside PyTorch's allocator)."""
-    import torch
-    smoke = ctx.smoke
-    device = "cpu" if smoke else "cuda"
-    warmup = (1 if smoke else 3) if warmup is None else warmup
-    steps = (2 if smoke else 20) if steps is None else steps
-    runs, rows = [], []
-    cfgs = [c for c in step_configs(smoke) if c.part == part]
-    build_s = []
-    for cfg in cfgs:
-        label = f"{part} {cfg.config} {cfg.method} {cfg.optimizer}"
-        missing = missing_methods(cfg.method)
-        if missing:
-            rows.append(dict(_base_row(cfg), status="method not available",
-                             note=f"not in lowmembp.list_methods(): {', '.join(missing)}"))
-            print(f"  {label}: method not available ({missing})", flush=True)
-            continue
-        # room for this build (as long as the longest so far but the first, which also paid the process's one-time
-        # CUDA / cuBLAS / kernel start-up: 18.9 s of LLaMA's first build on the H200, 0.9-7.3 s the later ones) and
-        # the measured rounds of every run, this one's step as long as the longest so far
-        longest = max([r.step_s for r in runs] or [0.0])
-        need = max(build_s[1:] or build_s or [0.0]) + steps * (sum(r.step_s for r in runs) + longest)
-        if time.time() + need > deadline:
-            rows.append(dict(_base_row(cfg), status="error",
-                             note=f"not built: the part's time limit (kept for the {steps} measured rounds of the "
-                                  f"{len(runs)} built)"))
-            print(f"  {label}: not built (time limit)", flush=True)
-            continue
-        t = time.perf_counter()
-        run, row = build_run(cfg, device, warmup)
-        build_s.append(time.perf_counter() - t)
-        if run is not None:
-            runs.append(run)
-            print(f"  {label}: built + {warmup} warm-up steps in {build_s[-1]:.1f} s, resident "
-                  f"{run.resident / 2 ** 20:.0f} MiB, step {run.step_s * 1e3:.0f} ms", flush=True)
-        else:
-            rows.append(row)
-            print(f"  {label}: {row['status']}: {row['note'][:200]}", flush=True)
-            if device == "cuda":
-                torch.cuda.empty_cache()
-    for i in range(steps):
-        if time.time() > deadline:
-            print(f"  {part}: time limit after {i} measured rounds", flush=True)
-            break
-        for run in list(runs):
-            try:
-                run.measured_step()
-            except Exception as e:
-                rows.append(dict(_base_row(run.cfg), status="error", note=f"step {i}: {type(e).__name__}: {e}"))
-                runs.remove(run)
-    for run in runs:
-        r = run.row(smoke)
-        rows.append(r)
-        print(f"  {part} {r['config']:20s} {r['method']:18s} {r['optimizer']:20s} peak {r.get('peak_mib', '-'):>7s} "
-              f"MiB  {r.get('throughput', '-')} {r.get('throughput_unit', '')}", flush=True)
-    order = {row_key(c): i for i, c in enumerate(cfgs)}
-    for r in sorted(rows, key=lambda r: order.get(row_key(r), len(order))):
-        sink.write(r)
-    facts = {}
-    if device == "cuda":
-        free, total = torch.cuda.mem_get_info()
-        facts = dict(max_memory_allocated=torch.cuda.max_memory_allocated(),
-                     max_memory_reserved=torch.cuda.max_memory_reserved(),
-                     memory_reserved=torch.cuda.memory_reserved(), memory_allocated=torch.cuda.memory_allocated(),
-                     device_used=total - free, outside_allocator=total - free - torch.cuda.memory_reserved())
-    return facts
-
-
 # ------------------------------------------------------------------------------------- through the training job
-JOB_TASK = {"vit-b16": "cifar100"}  # the paper task whose shapes a model's cells take (--synthetic-data)
+JOB_TASK = {"vit-b16": "cifar100", "llama-7b": "alpaca"}  # the paper task whose shapes a model's cells take
 
 
 def cell_name(cfg: StepConfig) -> str:
-    """A file name for the configuration's job record: config and method (``+`` kept)."""
-    return f"{cfg.config}__{cfg.method}"
+    """A file name for the configuration's job record: config, method (``+`` kept) and optimizer where it is not the
+    default."""
+    return f"{cfg.config}__{cfg.method}" + ("" if cfg.optimizer == DEFAULT_OPTIMIZER else f"__{cfg.optimizer}")
 
 
 def job_argv(cfg: StepConfig, smoke: bool) -> list[str]:
@@ -415,6 +212,8 @@ def job_argv(cfg: StepConfig, smoke: bool) -> list[str]:
         argv += ["--capture", cfg.capture]
     if cfg.layers is not None:
         argv += ["--layers", str(cfg.layers)]
+    if cfg.seq_len:
+        argv += ["--max-len", str(cfg.seq_len)]
     if cfg.overrides:
         argv += ["--synthetic-overrides", json.dumps(cfg.overrides)]
     if smoke:
@@ -446,18 +245,33 @@ def record_row(cfg: StepConfig, rec: dict, ratio: dict | None, smoke: bool, path
              measured_how=f"the training job (experiments.interleave): {dev.get('how', '')}")
     notes = [f"record {path}"]
     if not smoke:
+        tokens = cfg.part == "llama"
+        thr = rec["throughput"]["tokens_per_s" if tokens else "samples_per_s"]
         r.update(step_ms_p20=f"{st['p20'] * 1e3:.2f}", step_ms_p50=f"{st['p50'] * 1e3:.2f}",
-                 step_ms_p80=f"{st['p80'] * 1e3:.2f}", throughput=f"{rec['throughput']['samples_per_s']:.1f}",
-                 throughput_unit="img/s")
+                 step_ms_p80=f"{st['p80'] * 1e3:.2f}", throughput=f"{thr:.1f}",
+                 throughput_unit="tokens/s" if tokens else "img/s")
         notes.insert(0, f"median step {st['p50'] * 1e3:.2f} ms, 95 % [{st['ci95_low'] * 1e3:.2f}, "
                         f"{st['ci95_high'] * 1e3:.2f}]")
         if ratio is not None:
-            notes.insert(1, f"img/s vs its config's first row {1 / ratio['median']:.3f} "
+            notes.insert(1, f"speed vs its config's first row {1 / ratio['median']:.3f} "
                             f"[{1 / ratio['high']:.3f}, {1 / ratio['low']:.3f}]")
     else:
         notes.insert(0, "CPU dry run: no timing")
     r["note"] = "; ".join(notes)
     return r
+
+
+def job_refuses(cfg: StepConfig, smoke: bool) -> dict | None:
+    """The row of a configuration whose arguments the training job refuses (exit 2: e.g. ``--optimizer adamw8bit``
+    without bitsandbytes, "skipped" with the job's message), or None."""
+    from experiments.args import ArgError, parse_args
+
+    try:
+        parse_args(job_argv(cfg, smoke) + ["--out", os.devnull])
+    except ArgError as err:
+        skipped = "pip install" in str(err)  # an optional package missing
+        return dict(_base_row(cfg), status="skipped" if skipped else "error", note=f"the training job: {err}")
+    return None
 
 
 def official_transform(ctx):
@@ -503,7 +317,11 @@ def run_job_part(ctx, part: str, sink, deadline: float, rounds: int | None = Non
                 rows[row_key(c)] = dict(_base_row(c), status="skipped",
                                         note="CPU dry run: --capture needs CUDA (the job refuses it with exit 2)")
             else:
-                todo.append(c)
+                refused = job_refuses(c, smoke)
+                if refused:
+                    rows[row_key(c)] = refused
+                else:
+                    todo.append(c)
         for c in [c for c in todo if c.ops == "official"]:
             fn, why = official_transform(ctx)
             if fn is None:
@@ -524,6 +342,9 @@ def run_job_part(ctx, part: str, sink, deadline: float, rounds: int | None = Non
             rows[row_key(c)] = record_row(c, records[name], ratios.get(name), smoke, path)
             if c.ops == "official" and rows[row_key(c)]["status"] == "ok":
                 rows[row_key(c)]["note"] += f"; {why}"
+        import gc
+
+        gc.collect()  # the group's models (their step closures hold cycles) before the next group's build
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     for c in cfgs:
@@ -560,6 +381,7 @@ def _estimate_one(cfg: StepConfig, cuda_dropout: bool = False) -> dict:
         if cuda_dropout:
             F.dropout = cuda_like
         est = estimate(cfg.model, cfg.method, batch_size=cfg.batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
+                       weights=cfg.weights,
                        layers=cfg.layers, overrides=cfg.overrides, optimizer=cfg.optimizer, **cfg.options)
         row.update(status="ok", estimate_bytes=int(est["peak"]["bytes"]), saved_bytes=int(est["saved"]["total"]))
     except Exception as e:

@@ -84,14 +84,22 @@ def run_cells(cells: dict[str, list[str]], *, rounds: int, warmup_rounds: int = 
         except Exception as err:  # the cell is recorded; the others go on
             failed[name] = (cfg, sections, started, "oom" if is_oom(err) else "error", f"{type(err).__name__}: {err}")
             progress(f"  {name}: {failed[name][3]}: {failed[name][4][:300]}")
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            with contextlib.suppress(Exception):  # a failed capture may leave CUDA refusing even this
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
 
     def stepper(name):
         b = built[name]
 
         def one(_round):
-            result = b["run"].step(b["step"], contextlib.nullcontext())
+            if "failed" in b:  # a cell that failed in an earlier round sits the others out
+                return
+            try:
+                result = b["run"].step(b["step"], contextlib.nullcontext())
+            except Exception as err:
+                b["failed"] = ("oom" if is_oom(err) else "error", f"{type(err).__name__}: {err} (step {b['step']})")
+                progress(f"  {name}: {b['failed'][0]} in the rounds: {b['failed'][1][:300]}")
+                return
             b["losses"].append(result.loss)
             b["step"] += 1
         return one
@@ -99,6 +107,10 @@ def run_cells(cells: dict[str, list[str]], *, rounds: int, warmup_rounds: int = 
     device = next((b["run"].device for b in built.values()), "cpu")
     times = time_interleaved({n: stepper(n) for n in built}, rounds=rounds, warmup=warmup_rounds, rotate=True,
                              device=device) if built else {}
+    for name in [n for n, b in built.items() if "failed" in b]:
+        b = built.pop(name)
+        failed[name] = (b["cfg"], b["sections"], b["started"], *b["failed"])
+        b["sections"]["run"]["steps"] = b["step"]
     for name, b in built.items():
         cfg, sections, run = b["cfg"], b["sections"], b["run"]
         ts = times[name]

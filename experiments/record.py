@@ -571,9 +571,24 @@ def _version(dist: str) -> str | None:
         return None
 
 
+SENT_COMMIT = "LOWMEMBP_GIT_COMMIT"  # "<sha>" or "<sha> dirty": the commit a copied tree (stale or no .git) came from
+
+
+def _sent_commit() -> tuple[str, bool | None] | None:
+    line = os.environ.get(SENT_COMMIT, "").strip()
+    if not line:
+        return None
+    sha, _, rest = line.partition(" ")
+    return sha, ("dirty" in rest) if rest else None
+
+
 @lru_cache(maxsize=1)
 def git_commit() -> str | None:
-    """HEAD's commit of the repository this file is in: one ``git rev-parse`` with a short timeout."""
+    """HEAD's commit of the repository this file is in: one ``git rev-parse`` with a short timeout; where
+    ``$LOWMEMBP_GIT_COMMIT`` is set (a tree copied to another machine, e.g. the GPU run's), that commit instead."""
+    sent = _sent_commit()
+    if sent:
+        return sent[0]
     try:
         out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=3)
@@ -584,9 +599,13 @@ def git_commit() -> str | None:
 
 @lru_cache(maxsize=1)
 def git_changes() -> tuple[bool | None, str | None]:
-    """(dirty, sha256 of ``git diff HEAD``) of the repository's tracked files; (None, None) without git."""
+    """(dirty, sha256 of ``git diff HEAD``) of the repository's tracked files; (None, None) without git. With
+    ``$LOWMEMBP_GIT_COMMIT``: its dirty flag, and no diff hash (the copy's .git cannot say)."""
     import hashlib
 
+    sent = _sent_commit()
+    if sent:
+        return sent[1], None
     try:
         out = subprocess.run(["git", "-C", str(REPO), "diff", "HEAD", "--binary"], capture_output=True, timeout=10)
     except (OSError, subprocess.SubprocessError):

@@ -250,23 +250,28 @@ class Run:
         if not self._training_mode:  # after an evaluation only: train() visits every module, a cost that grows with
             self.model.train()  # their number (a method's extra modules would pay it on every step)
             self._training_mode = True
-        total_loss, n_tok = 0.0, 0
+        losses, n_tok = [], 0
         for micro in range(cfg.grad_accum):
             batch = _to(self.dist.rows(next(self.batches), cfg.batch_size), self.device)  # a rank's rows
             t = setup.tokens(batch)
             n_tok = None if t is None or n_tok is None else n_tok + t
             with self.autocast(), (forward if micro == 0 else contextlib.nullcontext()):
                 loss = setup.loss(self.model, batch)
-            if not torch.isfinite(loss.detach()):
-                raise FloatingPointError(f"training loss is {float(loss.detach())} at step {step} (lr {cfg.lr:g}): "
-                                         "diverged")
             self.scaler.scale(loss / cfg.grad_accum).backward()
-            total_loss += float(loss.detach()) / cfg.grad_accum
+            losses.append(loss.detach())
             del loss, batch
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        # the losses read back once, after the whole step is queued (on a GPU a read in the middle would hold the
+        # host until the forward had run, and the device idle while the host then queued the backward)
+        values = torch.stack(losses).tolist() if len(losses) > 1 else [float(losses[0])]
+        total_loss = 0.0
+        for v in values:
+            if not math.isfinite(v):
+                raise FloatingPointError(f"training loss is {v} at step {step} (lr {cfg.lr:g}): diverged")
+            total_loss += v / cfg.grad_accum
         total_loss, n_tok = self.dist.reduce_step(total_loss, n_tok)  # over ranks: the global batch's
         return StepResult(loss=total_loss, samples=cfg.batch_size * cfg.grad_accum, tokens=n_tok)
 
@@ -356,11 +361,12 @@ def train(cfg, task, out: dict, ctx=None) -> None:
 
         what = (f"warms up ({CAPTURE_WARMUP} extra steps on its batch) and captures" if run.capture == "cuda-graphs"
                 else "compiles")
-        reserved, most = torch.cuda.memory_reserved(run.device), torch.cuda.max_memory_reserved(run.device)
+        reserved = (f"; reserved after the run {torch.cuda.memory_reserved(run.device)} bytes (max "
+                    f"{torch.cuda.max_memory_reserved(run.device)}: the graph's private pool included)"
+                    if run.device.type == "cuda" else "")
         out.setdefault("notes", []).append(
             f"--capture {run.capture}: steps 0-1 eager (saved bytes, peak: peak.device is the eager step's), step 2 "
-            f"{what}, timed from step {run.schedule.time_from}; reserved after the run {reserved} bytes (max {most}: "
-            "the graph's private pool included)")
+            f"{what}, timed from step {run.schedule.time_from}{reserved}")
     if getattr(cfg, "synthetic_data", False):
         out.setdefault("notes", []).append("synthetic data: no metric (generated inputs are not evaluated)")
         out["metric"] = None

@@ -47,3 +47,21 @@ def test_a_cells_peak_leaves_out_what_the_cells_before_it_hold():
     dev = sections["peak"]["device"]
     assert dev["bytes"] == 400 and dev["by_category"]["activations_and_temporaries"] == 100
     assert "less 600 bytes allocated before this cell's build" in dev["how"]
+
+
+def test_a_cell_that_fails_in_the_rounds_gets_its_record_and_the_others_go_on(tmp_path, monkeypatch):
+    from experiments import train
+
+    real_step = train.Run.step
+
+    def step(self, step, forward):
+        if self.cfg.method == "lora+lowmembp" and step == 3:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")
+        return real_step(self, step, forward)
+
+    monkeypatch.setattr(train.Run, "step", step)
+    cells = {"lora": TINY + ["--method", "lora"], "lowmembp": TINY + ["--method", "lora+lowmembp"]}
+    records, ratios = interleave.run_cells(cells, rounds=3, warmup_rounds=1, out_dir=tmp_path, progress=lambda m: 0)
+    assert records["lowmembp"]["status"] == "oom" and "step 3" in records["lowmembp"]["message"]
+    assert records["lora"]["status"] == "ok" and set(ratios) == {"lora"}
+    assert json.loads((tmp_path / "lowmembp.json").read_text())["status"] == "oom"

@@ -233,3 +233,14 @@ def test_gpu_fields_are_omitted_when_unset_and_read_back_when_set():
     assert (row["capture"], row["synthetic_data"], row["driver"], row["reserved_peak_bytes"],
             row["step_time_ci95_low"]) == ("cuda-graphs", True, "580.1", 123, 0.0205)
     assert R.Record.from_dict(d).to_dict() == d
+
+
+def test_a_copied_tree_names_the_commit_it_was_sent_from(monkeypatch):
+    R.git_commit.cache_clear()
+    R.git_changes.cache_clear()
+    monkeypatch.setenv("LOWMEMBP_GIT_COMMIT", "abc123 dirty")
+    try:
+        assert R.git_commit() == "abc123" and R.git_changes() == (True, None)
+    finally:
+        R.git_commit.cache_clear()
+        R.git_changes.cache_clear()

@@ -124,3 +124,39 @@ def test_captured_run_trains_as_the_eager_run_does(tmp_path):
         losses[capture] = record(out)["final_loss"]
     assert torch.isfinite(torch.tensor(losses["cuda-graphs"]))
     assert losses["cuda-graphs"] == pytest.approx(losses["none"], rel=0.2)
+
+
+def test_the_jobs_captured_path_on_the_cpu_through_a_stand_in_for_cuda_graphs(tmp_path, monkeypatch):
+    """The job's --capture cuda-graphs path (steps 0-1 eager for the probes, step 2 warms up and captures, then
+    replays; fused AdamW with a tensor lr; the schedule refilling it) run on the CPU: the CUDA graph calls are a
+    stand-in that replays by calling the captured step again (tests/measurement/test_capture.py). The arguments'
+    CUDA check is passed by (it refuses a CPU, as tested above)."""
+    import sys as _sys
+
+    from experiments import args as job_args
+    from lowmembp.measurement import capture
+
+    sys_path = str(Path(__file__).resolve().parents[1] / "measurement")
+    monkeypatch.syspath_prepend(sys_path)
+    from test_capture import FakeGraphs
+
+    made = []
+
+    class Graphs(FakeGraphs):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(capture, "_CudaGraphs", Graphs)
+    monkeypatch.setattr(job_args, "check_capture_args", lambda values: None)
+    out = tmp_path / "r.json"
+    rc = run(TINY_VIT + ["--method", "lora+lowmembp", "--synthetic-data", "--batch-size", "2", "--steps", "7",
+                         "--capture", "cuda-graphs", "--device", "cpu", "--no-progress", "--out", out])
+    rec = record(out)
+    assert rc == 0, rec["message"]
+    assert rec["run"]["capture"] == "cuda-graphs" and rec["run"]["steps"] == 7
+    assert rec["step_time_s"]["n"] == 4  # steps 3-6: 0-1 probes, 2 the warm-up and capture
+    assert "step 2 warms up (3 extra steps on its batch) and captures" in " ".join(rec["notes"])
+    log = made[0].log
+    assert log[:2] == [("warm_up", 3), ("capture",)] and log.count(("replay",)) == 5  # steps 2-6
+    assert _sys.modules["experiments.train"].CAPTURE_WARMUP == 3

@@ -352,8 +352,11 @@ def test_the_fork_server_imports_what_the_workers_need_once():
     assert "peft" not in _modules_needed(spec, None, ["baseline", "mesa+checkpointing"])
     swin, _ = resolve_model("swin-t", seq_len=None, num_classes=None, image_size=None)  # depth per stage
     assert "timm.models.swin_transformer" in _modules_needed(swin, None, ["baseline"])
-    # the worker module quietens bitsandbytes' "cannot download the CPU 4-bit kernel" line, here and in workers
-    assert logging.getLogger("bitsandbytes.backends.cpu.ops").level == logging.ERROR
+    # lowmembp's import (the workers' first) drops bitsandbytes' "cannot download the CPU 4-bit kernel" line
+    record = logging.LogRecord("bitsandbytes.backends.cpu.ops", logging.WARNING, __file__, 1,
+                               "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'",
+                               None, None)
+    assert not logging.getLogger("bitsandbytes.backends.cpu.ops").filter(record)
 
 
 def test_optimizer_axis_rows_are_estimates_with_that_optimizer(tiny_config, capsys):

@@ -103,3 +103,22 @@ def test_a_job_on_a_machine_with_several_gpus_sees_only_its_own(tmp_path, monkey
     rc = run_cell.main(["--out", str(out), "--log", str(tmp_path / "log"), "--python", str(py), "--nproc", "1",
                         "--", "--task", "x"])
     assert rc == 0 and out.read_text().strip() == "3"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_training_cells_claim_a_gpu_exactly_when_the_machine_has_one(gpus, tmp_path):
+    """`snakemake -n` of the default sweep with torch seeing ``gpus`` GPUs (a sitecustomize stands in for CUDA): on a
+    GPU machine every training cell asks for `gpu=1` (and the run's gpu resource is the GPU count); without CUDA
+    none does, as before."""
+    import subprocess
+
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import torch\ntorch.cuda.is_available = lambda: {gpus > 0}\ntorch.cuda.device_count = lambda: {gpus}\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout + out.stderr
+    train = [line for line in text.splitlines() if "resources:" in line and "runtime=30" in line]
+    assert len(train) == 77 and all(f"gpu={1 if gpus else 0}," in line for line in train), train[:2]

@@ -92,7 +92,8 @@ def test_headline_is_the_detail_tables_in_percent():
     assert h.loc["checkpointing", "step_time_change_%_ours"] == pytest.approx(50.0)
     shown = tables.headline_display(h.reset_index())
     row = shown[shown["method (compared with)"] == "lowmembp (vs baseline)"].iloc[0]
-    assert row["peak memory saved: ours / paper"].startswith("25 % / ")
+    # no paper figure for any row of these stand-in models: the column shows ours alone and says why
+    assert "peak memory saved: ours / paper" not in shown and row["peak memory saved (no paper figure)"] == "25 %"
     h = tables.headline_table(_paper_runs(), tables.load_claims()).set_index("method")
     assert h.loc["lowmembp", "peak_saved_%_paper"] == pytest.approx(27.0)  # LowMemoryBP summary, ViT: -27 %
     assert h.loc["lora+lowmembp", "peak_saved_%_paper"] == pytest.approx(29.0)  # Fig. 1: 1 - 2717/3827
@@ -326,7 +327,8 @@ def test_reference_tables_read_alone_and_hold_the_csvs_figures(name):
         mean = found[0]["mean ± std"].str.split(" ± ").str[0]
         assert _md_numbers(mean).tolist() == csv["metric_mean"].round(2).tolist()
     elif name == "headline":
-        saved = found[0]["peak memory saved: ours / paper"].str.split(" % / ").str[0]
+        col = next(c for c in found[0].columns if c.startswith("peak memory saved"))
+        saved = found[0][col].str.split(" %").str[0]
         assert _md_numbers(saved).tolist() == csv["peak_saved_%_ours"].round(0).tolist()
         assert len(found[0]) == len(csv)
     elif name == "fig1":
@@ -416,3 +418,31 @@ def test_run_by_snakemake_finds_the_gpu_results(tmp_path):
     assert tables.NO_GPU not in text
     (thr,) = [t for t in md_tables(text) if "GPU step-time ratio to LoRA (ours)" in t.columns]
     assert thr["GPU step-time ratio to LoRA (ours)"].iloc[0] == "1.000"
+
+
+def test_headline_names_each_rows_device_and_never_sets_a_cpu_time_against_a_gpu_time():
+    runs = _paper_runs()
+    gpu = "NVIDIA H100 80GB HBM3"
+    runs = runs.assign(device="cpu (x86_64, 1 threads)")
+    runs.loc[runs["method"] == "lora+lowmembp", "device"] = gpu  # its compared cells (lora) ran on a CPU
+    h = tables.headline_table(runs, tables.load_claims()).set_index("method")
+    assert h.loc["lora+lowmembp", "device"] == gpu and h.loc["lowmembp", "device"] == "cpu"
+    assert pd.isna(h.loc["lora+lowmembp", "step_time_change_%_ours"])
+    assert f"lora+lowmembp ran on {gpu}, lora on cpu" in h.loc["lora+lowmembp", "notes"]
+    assert pd.notna(h.loc["lowmembp", "step_time_change_%_ours"])  # both on the CPU: compared
+    shown = tables.headline_display(h.reset_index())
+    assert any(x.endswith(f"({gpu})") for x in shown["task / model"]) and any(x.endswith("(cpu)")
+                                                                               for x in shown["task / model"])
+    runs.loc[:, "device"] = gpu  # all on the GPU: compared again, each row says where
+    h = tables.headline_table(runs, tables.load_claims()).set_index("method")
+    assert pd.notna(h.loc["lora+lowmembp", "step_time_change_%_ours"])
+
+
+def test_speed_table_sets_no_cpu_time_against_a_gpu_time():
+    runs = _paper_runs().assign(device="cpu (x86_64, 1 threads)")
+    runs.loc[runs["method"] == "lora+lowmembp", "device"] = "NVIDIA H100 80GB HBM3"
+    spd = tables.speed_table(runs, tables.load_claims())
+    gpu_rows = spd[spd["method"] == "lora+lowmembp"]
+    assert len(gpu_rows) and gpu_rows["time_ratio_ours"].isna().all()
+    assert gpu_rows["time_ratio_ours_p20/p80"].isna().all()
+    assert spd[spd["method"] == "lowmembp"]["time_ratio_ours"].notna().any()  # both on the CPU: compared

@@ -101,7 +101,8 @@ def gpu_count():
 # command line or in a profile wins): one cell per GPU at a time, while the CPU-only jobs (reproductions on fake
 # tensors, tables) run beside them. Without CUDA nothing changes: cells claim no GPU. A cluster executor (SLURM)
 # submits jobs that ask for their GPUs themselves: this local limit is not set there.
-N_GPUS = gpu_count() if workflow.global_resources["_nodes"].value is None else 0
+_nodes = workflow.global_resources.get("_nodes")
+N_GPUS = gpu_count() if getattr(_nodes, "value", _nodes) is None else 0  # (Snakemake 8: plain values)
 if N_GPUS and "gpu" not in workflow.global_resources:
     workflow.register_resource("gpu", N_GPUS)
 GPU_PER_CELL = 1 if N_GPUS else 0

@@ -153,6 +153,19 @@ def _ref_values(df: pd.DataFrame, value: str) -> np.ndarray:
                                                 df["batch_size"])], dtype=float)
 
 
+def same_device(df: pd.DataFrame, runs: pd.DataFrame) -> pd.Series:
+    """Per row of ``df`` (one cell each): whether its records and those of its compared method ran on the same device
+    kind (:func:`device_kind`; True where either is unknown or there is no compared method), so that a CPU's step
+    time is never set against a GPU's."""
+    out = []
+    for t, m, x, o, b in zip(df["task"], df["model"], df["method"], df["optimizer"], df["batch_size"]):
+        ref = reference_method(x)
+        mine = cell_devices(runs, t, m, x, o, b)
+        theirs = cell_devices(runs, t, m, ref, o, b) if ref else []
+        out.append(not mine or not theirs or mine == theirs)
+    return pd.Series(out, index=df.index, dtype=bool)
+
+
 def with_reference(df: pd.DataFrame, value: str, ref_value: str | None = None) -> pd.Series:
     """df[value] / df[ref_value or value] of the compared method in the same task, model, optimizer and batch
     size."""
@@ -219,10 +232,11 @@ def speed_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
     df[COMPARED] = df["method"].map(lambda x: reference_method(x) or "")
     for p in ("p20", "p50", "p80"):
         df[f"step_ms_{p}"] = df[f"step_time_{p}"] * 1e3
-    df["_time"] = with_reference(df, "step_time_p50")
+    df["_time"] = with_reference(df, "step_time_p50").where(same_device(df, runs))
     df = add_paper(df, "_time", "step_time_ratio", claims, "time")
-    df["time_ratio_ours_p20/p80"] = with_reference(df, "step_time_p20", "step_time_p80")  # lowest the ratio can be
-    df["time_ratio_ours_p80/p20"] = with_reference(df, "step_time_p80", "step_time_p20")  # highest
+    same = same_device(df, runs)  # a step time is only set against one measured on the same device
+    df["time_ratio_ours_p20/p80"] = with_reference(df, "step_time_p20", "step_time_p80").where(same)  # lowest
+    df["time_ratio_ours_p80/p20"] = with_reference(df, "step_time_p80", "step_time_p20").where(same)  # highest
     lo, hi = df["time_ratio_ours_p20/p80"], df["time_ratio_ours_p80/p20"]
     df["within_noise"] = np.where(lo.isna() | hi.isna(), "", np.where((lo <= 1) & (hi >= 1), "yes", "no"))
     extra = pd.Series(np.where(df["within_noise"] == "yes", WITHIN_NOISE, ""))
@@ -312,10 +326,30 @@ def accuracy_short_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
         .reset_index(drop=True)
 
 
+def device_kind(name) -> str:
+    """A record's device as the tables name it: ``cpu`` for any CPU (its thread count aside), else the GPU's name."""
+    text = str(name) if isinstance(name, str) else ""
+    return "cpu" if not text or text.lower().startswith("cpu") else text
+
+
+def cell_devices(runs: pd.DataFrame, task, model, method, opt, bs) -> list[str]:
+    """The device kinds (:func:`device_kind`) of a cell's records."""
+    if "device" not in runs:
+        return []
+    sel = runs[(runs["task"] == task) & (runs["model"] == model) & (runs["method"] == method)
+               & (runs["batch_size"] == bs)]
+    if "optimizer" in sel:
+        sel = sel[sel["optimizer"].fillna(DEFAULT_OPTIMIZER) == opt]
+    return sorted({device_kind(d) for d in sel["device"]})
+
+
 def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
     """One row per task, model and method (baseline left out): memory saved, step-time change and metric change
     against ``compared_with``, ours beside the paper's. Memory and speed come from the largest batch size where
-    the method and the one it is compared with both finished; the metric from the cells long enough to learn."""
+    the method and the one it is compared with both finished; the metric from the cells long enough to learn.
+    ``device``: where the method's cells at that batch ran (``cpu``, or the GPU's name); a step-time change is only
+    given where the method and the one it is compared with ran on the same device (a CPU time is never set against
+    a GPU time)."""
     mem, spd, acc = memory_table(runs, claims), speed_table(runs, claims), accuracy_table(runs, claims)
     rows = []
     groups = mem[mem[COMPARED] != ""].groupby(["task", "model", "method", "optimizer"], sort=False)
@@ -325,6 +359,13 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
         s = spd[(spd["task"] == task) & (spd["model"] == model) & (spd["method"] == method)
                 & (spd["optimizer"] == opt) & (spd["batch_size"] == m["batch_size"])]
         s = s.iloc[0] if len(s) else None
+        dev = cell_devices(runs, task, model, method, opt, m["batch_size"])
+        ref_dev = cell_devices(runs, task, model, m[COMPARED], opt, m["batch_size"])
+        device_note = ""
+        if s is not None and dev and ref_dev and dev != ref_dev:
+            device_note = (f"step time not compared: {method} ran on {', '.join(dev)}, {m[COMPARED]} on "
+                           f"{', '.join(ref_dev)}")
+            s = None
         a = acc[(acc["task"] == task) & (acc["model"] == model) & (acc["method"] == method)
                 & (acc["optimizer"] == opt)]
         a = a.iloc[0] if len(a) else None
@@ -356,7 +397,8 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
             "metric_change_ours": a["change_vs_compared"] if a is not None else np.nan,
             "metric_change_paper": ((a["metric_ratio_paper"] - 1) * ref_mean) if a is not None else np.nan,
             "unit": a["unit"] if a is not None else "",
-            "status": m["status"], "notes": m["notes"],
+            "status": m["status"], "notes": "; ".join(x for x in (m["notes"], device_note) if isinstance(x, str) and x),
+            "device": ", ".join(dev),
             "sources": " | ".join(dict.fromkeys(x for x in [m["peak_source"], m["act_source"],
                                                            s["time_source"] if s is not None else "",
                                                            a["metric_source"] if a is not None else ""] if x)),
@@ -365,7 +407,7 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
             "activations_saved_%_ours", "activations_saved_%_paper", "step_time_change_%_ours",
             "step_time_change_%_p20/p80", "step_time_change_%_p80/p20", "within_noise", "step_time_change_%_paper",
             "accuracy_batch", "seeds", "metric", "unit", "metric_compared", "metric_method", "metric_change_ours",
-            "metric_change_paper", "status", "notes", "sources"]
+            "metric_change_paper", "status", "notes", "sources", "device"]
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -775,6 +817,13 @@ def headline_display(df: pd.DataFrame, notes: Footnotes | None = None,
     so, its message a footnote (``notes``)."""
     notes = notes if notes is not None else Footnotes()
     rows = []
+    on_gpu = "device" in df and any(device_kind(x) != "cpu" for x in df["device"].dropna() if x)
+    paper = {k: k in df and df[k].notna().any() for k in ("peak_saved_%_paper", "activations_saved_%_paper",
+                                                         "metric_change_paper")}
+
+    def pair(ours: str, theirs: str, key: str) -> str:
+        return f"{ours} / {theirs}" if paper[key] else ours
+
     for d in df.to_dict("records"):
         unit = d["unit"]
         before = "-" if pd.isna(d["metric_compared"]) else (
@@ -787,17 +836,21 @@ def headline_display(df: pd.DataFrame, notes: Footnotes | None = None,
         flag = "" if status in ("ok", "nan", "") else f" — {status}"
         msg = d.get("notes", "")
         rows.append({
-            "task / model": f"{d['task']} / {d['model']}",
+            "task / model": f"{d['task']} / {d['model']}" + (f" ({d.get('device') or '?'})" if on_gpu else ""),
             "method (compared with)": (f"{d['method']}"
                                        + ("" if d["optimizer"] == DEFAULT_OPTIMIZER else f", {d['optimizer']}")
                                        + f" (vs {d[COMPARED]}){flag}"
                                        + notes.mark(msg if isinstance(msg, str) else "")),
-            "peak memory saved: ours / paper": f"{_pct(d['peak_saved_%_ours'])} / {_pct(d['peak_saved_%_paper'])}",
-            "activations saved: ours / paper": (f"{_pct(d['activations_saved_%_ours'])} / "
-                                                f"{_pct(d['activations_saved_%_paper'])}"),
+            "peak memory saved" + (": ours / paper" if paper["peak_saved_%_paper"] else " (no paper figure)"):
+                pair(_pct(d["peak_saved_%_ours"]), _pct(d["peak_saved_%_paper"]), "peak_saved_%_paper"),
+            "activations saved" + (": ours / paper" if paper["activations_saved_%_paper"] else
+                                   " (no paper figure)"):
+                pair(_pct(d["activations_saved_%_ours"]), _pct(d["activations_saved_%_paper"]),
+                     "activations_saved_%_paper"),
             f"{time_label}: change (%) [p20 … p80]": f"{_pct(d['step_time_change_%_ours'], True)}{spread}{noise}",
-            "metric change: ours / paper": (f"{_change(d['metric_change_ours'], unit)} / "
-                                            f"{_change(d['metric_change_paper'], unit)}"),
+            "metric change" + (": ours / paper" if paper["metric_change_paper"] else " (no paper figure)"):
+                pair(_change(d["metric_change_ours"], unit), _change(d["metric_change_paper"], unit),
+                     "metric_change_paper"),
             "metric (compared → method)": (f"{d['metric']} {before}" if d["metric"] else "-"),
             "batch (memory, metric)": f"{d['memory_batch']}, " + _batch_seeds(d["accuracy_batch"], d["seeds"]),
         })
