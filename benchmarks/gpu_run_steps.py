@@ -60,6 +60,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from lowmembp.methods.optim_levers import LEVERS
 from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
 
 STEP_COLUMNS = ["config", "model", "method", "optimizer", "lora_targets", "batch_size", "seq_len", "dtype", "status",
@@ -76,7 +77,8 @@ JOB_PARTS = ("fig1", "bound", "llama")  # the parts whose cells run through the 
 LLAMA_METHODS = ["lora", "lora+lowmembp", "lora+liger", "lora+checkpointing", "lora+cce", "velora", "lora+tiled-mlp"]
 LLAMA_LORA = {"rank": 64, "alpha": 16, "dropout": 0.1}  # experiments/configs/llama-7b-alpaca-lora.yaml
 # the full fine-tuning configuration: one row per optimizer lever of the library
-LLAMA_FULL_METHOD, LLAMA_FULL_OPTIMIZERS = "baseline", list(OPTIMIZERS)
+# (AdamW and its two levers; the other packages' optimizers and CompAct: benchmarks/gpu_full_ft_levers.py)
+LLAMA_FULL_METHOD, LLAMA_FULL_OPTIMIZERS = "baseline", [o for o in OPTIMIZERS if o not in LEVERS]
 # VeLoRA's groups: a divisor of both input widths (LLaMA-7B: 4096 and 11008 = 64 x 172; peft's default 64), below
 # the narrower; the dry run's widths (64 and 172) take 4
 VELORA_GROUPS = {False: 64, True: 4}

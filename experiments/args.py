@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from lowmembp.measurement.capture import CAPTURE_MODES
-from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
+from lowmembp.methods.optim_levers import LEVERS, missing_package
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, steps_in_backward
+from lowmembp.methods.optimizers import check_optimizer as check_optimizer_spec
 from lowmembp.methods.registry import (check_options, method_options, list_methods, option_kinds, parse, plain_spec,
                                        read_option, spec_options)
 
@@ -55,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--optimizer",
       help="adamw (default: fp32 states), adamw8bit (bitsandbytes' 8-bit states) or adamw-fused-backward (each "
            "parameter stepped inside the backward, its gradient freed at once; not with --grad-accum > 1, fp16 "
-           "or --distributed) (lowmembp.methods.optimizers)")
+           "or --distributed); or a full-fine-tuning lever of another package: galore-adamw[-layerwise], "
+           "apollo-adamw (options in the name: galore-adamw@rank=64,update_proj_gap=200), adafactor, "
+           "adamw-cpu-offload, adamw8bit-torchao, adamw4bit-torchao, adamw-fp8-torchao, paged-adamw, paged-adamw8bit "
+           "(lowmembp.methods.optimizers, lowmembp.methods.optim_levers)")
     a("--dtype", choices=DTYPES, help="fp32, or bf16/fp16 autocast (fp16 with a GradScaler)")
     a("--max-len", type=int, help="maximum tokens per text sample")
     a("--limit", type=int, help="cap the training pool at N examples (for fast tests)")
@@ -300,8 +305,13 @@ def check_optimizer(values: dict) -> None:
     accumulate micro-batches, unscale fp16's scaled gradients first or wait for data-parallel reductions; 8-bit
     states need bitsandbytes (and are not sharded by FSDP2 here)."""
     name, flag = values.get("optimizer"), "--optimizer"
-    if name not in OPTIMIZERS:
-        raise ArgError(f"{flag} must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+    try:
+        base = check_optimizer_spec(name)
+    except ValueError as err:
+        raise ArgError(f"{flag} {str(err).removeprefix('optimizer ')}") from None
+    if base in LEVERS:
+        _check_lever(values, name, base, flag)
+        return
     if name == "adamw-fused-backward":
         why = [f"--grad-accum {values['grad_accum']} (each backward steps at once: no micro-batches to accumulate)"
                if (values.get("grad_accum") or 1) > 1 else "",
@@ -322,6 +332,28 @@ def check_optimizer(values: dict) -> None:
             raise ArgError(f"{flag} adamw8bit needs bitsandbytes: pip install 'bitsandbytes>=0.45,<0.51'") from None
 
 
+def _check_lever(values: dict, spec: str, name: str, flag: str) -> None:
+    """A full-fine-tuning lever of another package (lowmembp.methods.optim_levers): its package installed, a device it
+    runs on, and (stepping inside the backward) adamw-fused-backward's limits."""
+    why = missing_package(name)
+    if why:
+        raise ArgError(f"{flag} {name} needs {LEVERS[name].package}: {why}")
+    import torch
+
+    device = values.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if LEVERS[name].needs_accelerator and str(device).startswith("cpu"):
+        raise ArgError(f"{flag} {name} needs a CUDA device (torchao's CPUOffloadOptimizer moves the states of "
+                       "GPU parameters to the host); on the CPU use adamw")
+    if steps_in_backward(spec):
+        bad = [f"--grad-accum {values['grad_accum']}" if (values.get("grad_accum") or 1) > 1 else "",
+               "--dtype fp16" if values.get("dtype") == "fp16" else "",
+               f"--distributed {values['distributed']}" if values.get("distributed") else ""]
+        bad = [b for b in bad if b]
+        if bad:
+            raise ArgError(f"{flag} {name} steps each parameter inside the backward and does not work with "
+                           + "; ".join(bad))
+    elif values.get("distributed") == "fsdp" and name != "adafactor":
+        raise ArgError(f"{flag} {name} with --distributed fsdp is not supported here; use --distributed ddp")
 def check_synthetic(values: dict, task) -> None:
     """``--synthetic-data`` only for a paper task (the offline tasks ship their data), never with an evaluation;
     ``--layers`` / ``--synthetic-overrides`` only with it (read into ``values``)."""

@@ -8,7 +8,8 @@
 
 The optimizer (``--optimizer``, recorded in the record's ``run``): ``adamw`` (default), ``adamw8bit`` or
 ``adamw-fused-backward`` (:mod:`lowmembp.methods.optimizers`; the loop is the same for all three: with the step in
-the backward, ``step()`` and ``zero_grad()`` find nothing left to do).
+the backward, ``step()`` and ``zero_grad()`` find nothing left to do); or one of the full-fine-tuning levers of
+other packages (:mod:`lowmembp.methods.optim_levers`: GaLore, APOLLO, Adafactor, torchao, paged AdamW).
 
 Exit status: 2 for a bad argument (any of them: ranges, an unwritable ``--out`` / ``--save-model``, ``--device cuda``
 without CUDA, missing data or weights), at once, before any work, with a message saying what is valid or what to
@@ -170,7 +171,8 @@ class Run:
         # finds an inf) with the learning rate a device tensor, which the schedule refills between replays
         opt_kw = dict(lr=torch.tensor(float(cfg.lr), device=device), fused=True) if self.capture != "none" else \
             dict(lr=cfg.lr)
-        self.optimizer = make_optimizer(params, cfg.optimizer, weight_decay=cfg.weight_decay, **opt_kw)
+        self.optimizer = make_optimizer(params, cfg.optimizer, weight_decay=cfg.weight_decay,
+                                        model=self.model, **opt_kw)  # GaLore / APOLLO: the layout's linears
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lambda s: _lr_factor(s, self.steps, warmup))
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")

@@ -104,6 +104,11 @@ REPRODUCTIONS = (
     Reproduction("lever-estimates", "lever_estimates",
                  "One lever at a time on a LLaMA-7B training step: the optimizers, tiled MLP and VeLoRA, peak and "
                  "saved bytes by category (GiB)"),
+    Reproduction("stacked-full", "stacked_full",
+                 "Full fine-tuning levers: each optimizer at LLaMA-7B, and one lever at a time across weights, "
+                 "optimizer, activations and loss for LLaMA-7B (batch 4 × 2048) and ViT-B/16 (batch 64), GiB",
+                 how="fake tensors on the CPU at full size; `measured / estimated`: real tensors at a small width, "
+                     "the CPU allocator's events"),
 )
 REPRO_SCRIPT = "repro.py"  # reproduction -> repro/<name>.csv
 REPRO_TABLE_SCRIPT = "tables.py"

@@ -29,16 +29,17 @@ import re
 import shlex
 from pathlib import Path
 
-from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, check_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 # A cell's files, under results/runs/ (records), logs/train/, benchmarks/train/: {opt} is "" for the default
 # optimizer, "/<optimizer>" for another (OPT_SEGMENT, the Snakefiles' wildcard constraint; opt_segment, optimizer_of).
 CELL = "{task}/{model}/{method}{opt}/bs{bs}/seed{seed}"
-OPT_SEGMENT = "(/[a-z0-9][a-z0-9-]*)?"
+OPT_SEGMENT = "(/[a-z0-9][a-z0-9-]*(@[a-z_]+=[A-Za-z0-9._-]+(,[a-z_]+=[A-Za-z0-9._-]+)*)?)?"  # galore-adamw@rank=16
 # a record's path back to its cell (aggregate.py reads a damaged record's cell from it)
 CELL_PATH = re.compile(r"(?:^|/)runs/(?P<task>[^/]+)/(?P<model>[^/]+)/(?P<method>[^/]+)"
-                       r"(?:/(?P<optimizer>[a-z0-9][a-z0-9-]*))?/bs(?P<batch_size>\d+)/seed(?P<seed>\d+)\.json$")
+                       r"(?:/(?P<optimizer>[a-z0-9][a-z0-9-]*(?:@[a-z_]+=[A-Za-z0-9._-]+(?:,[a-z_]+=[A-Za-z0-9._-]+)*)?))?"
+                       r"/bs(?P<batch_size>\d+)/seed(?P<seed>\d+)\.json$")
 SWEEP_DEFAULTS = {"seeds": [0], "optimizers": [DEFAULT_OPTIMIZER], "steps": None, "dtype": "fp32",
                   "train_config": None, "train_args": [], "method_options": {}, "resources": {}, "init": None,
                   "synthetic_data": False}
@@ -318,7 +319,7 @@ def check(config: dict, root: Path = ROOT) -> None:
                                     f"task {tm['task']!r} ships its own data: drop synthetic_data")
         optimizers = sw["optimizers"]
         listed = optimizers if isinstance(optimizers, list) else []
-        if not listed or any(o not in OPTIMIZERS for o in listed) or len(set(map(str, listed))) != len(listed):
+        if not listed or any(not _is_optimizer(o) for o in listed) or len(set(map(str, listed))) != len(listed):
             problems.append(f"{where}.optimizers: must be a list of distinct names of {', '.join(OPTIMIZERS)} "
                             f"(lowmembp.methods.optimizers), got {optimizers!r}")
         bad_methods = set()
@@ -348,7 +349,7 @@ def check(config: dict, root: Path = ROOT) -> None:
             problems.append(f"{where}: init {sw['init']!r} is not under `bases:` (bases: {', '.join(bases) or 'none'})")
         known_tasks = [tm for tm in sw["tasks"] if tm["task"] in job.task_names
                        and tm["model"] in job.models(tm["task"])]
-        good_opts = [o for o in listed if o in OPTIMIZERS]
+        good_opts = [o for o in listed if _is_optimizer(o)]
         for tm, m, o in itertools.product(known_tasks[:1], [m for m in sw["methods"] if m not in bad_methods],
                                           good_opts):
             argv = cell_argv(sw, tm["task"], tm["model"], m, sw["batch_sizes"][0], sw["seeds"][0], optimizer=o)
@@ -364,3 +365,12 @@ def check(config: dict, root: Path = ROOT) -> None:
     if problems:
         raise ConfigError("the sweep config has entries the training job would refuse:\n  - "
                           + "\n  - ".join(dict.fromkeys(problems)))
+
+
+def _is_optimizer(name) -> bool:
+    """A name of OPTIMIZERS, GaLore / APOLLO options written in (``galore-adamw@rank=16``)."""
+    try:
+        check_optimizer(str(name))
+    except ValueError:
+        return False
+    return True

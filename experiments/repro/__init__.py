@@ -17,7 +17,9 @@ saving survives compilation; small real models on the CPU), ``compiled-budget`` 
 lora+lowmembp at torch.compile memory budgets below 1: saved bytes and CPU step time, eager beside),
 ``grad-fidelity`` (each approximate method's gradient against exact backprop's: cosine and relative error per layer
 on MiniLM, the tiny LLaMA base and a trained ViT, fp32 and bf16, exact methods as controls), ``lever-estimates``
-(what the optimizers, tiled MLP and VeLoRA each do to a LLaMA-7B step: the method pages' figures). The
+(what the optimizers, tiled MLP and VeLoRA each do to a LLaMA-7B step: the method pages' figures), ``stacked-full``
+(the full-fine-tuning levers: each optimizer of another package at LLaMA-7B, and one lever at a time for LLaMA-7B
+and ViT-B/16). The
 paper-scale ones run the real timm / transformers code on fake tensors (:mod:`lowmembp.estimator.step`): no GPU,
 nothing large allocated.
 Every table puts the paper's value (where there is one), ours and their ratio side by side, and a ``note`` says why
@@ -41,6 +43,7 @@ from experiments.repro.lever_estimates import lever_estimates
 from experiments.repro.mesa_attribution import mesa_attribution
 from experiments.repro.mesa_table import mesa_table
 from experiments.repro.stacked import stacked
+from experiments.repro.stacked_full import stacked_full
 from experiments.repro.tokentune_k import tokentune_k
 from experiments.repro.tokentune_memory import tokentune_memory
 from experiments.repro.tokentune_vs_ckpt import tokentune_vs_ckpt
@@ -52,7 +55,8 @@ REPROS: dict[str, Callable[..., pd.DataFrame]] = {
     "tokentune-memory": tokentune_memory, "stacked": stacked, "headline": headline,
     "mesa-attribution": mesa_attribution, "tokentune-vs-ckpt": tokentune_vs_ckpt,
     "tokentune-k": tokentune_k, "compiled-saving": compiled_saving, "compiled-budget": compiled_budget,
-    "grad-fidelity": grad_fidelity, "estimator-error": estimator_error, "lever-estimates": lever_estimates}
+    "grad-fidelity": grad_fidelity, "estimator-error": estimator_error, "lever-estimates": lever_estimates,
+    "stacked-full": stacked_full}
 
 
 def run(name: str, **kwargs) -> pd.DataFrame:

@@ -56,6 +56,7 @@ def _row(section: str, setting: str, method: str, optimizer: str, est: dict) -> 
 def lever_estimates(small: bool = False, sections: tuple[str, ...] | None = None) -> pd.DataFrame:
     """One row per (section, method, optimizer); ``sections``: a subset of :data:`SECTIONS`."""
     from lowmembp.estimator.step import estimate, estimate_by_depth
+    from lowmembp.methods.optim_levers import LEVERS
     from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
 
     rows = []
@@ -64,7 +65,8 @@ def lever_estimates(small: bool = False, sections: tuple[str, ...] | None = None
         settings = {**settings, **(SMALL if small else {})}
         if small:
             setting = f"{section}: the reduced version at a tiny width (2 blocks, hidden 64, 64 tokens)"
-        optimizers = OPTIMIZERS if section == "optimizers" else (DEFAULT_OPTIMIZER,)
+        # AdamW and its two levers; the other packages' levers: experiments/repro/stacked_full.py
+        optimizers = [o for o in OPTIMIZERS if o not in LEVERS] if section == "optimizers" else (DEFAULT_OPTIMIZER,)
         for method in methods:
             options = SMALL_OPTIONS["velora"] if small and "velora" in method else {}
             for optimizer in optimizers:

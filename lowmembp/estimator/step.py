@@ -190,23 +190,33 @@ def make_optimizer(model: nn.Module, optimizer: str = DEFAULT_OPTIMIZER) -> torc
     """:func:`estimate`'s optimizer over the trainable parameters (``None`` when there are none): ``optimizer`` a
     name of :data:`lowmembp.methods.optimizers.OPTIMIZERS`; torch's AdamW in its fused form (no per-tensor
     temporaries), also per parameter inside the backward. Make it outside the fake mode (bitsandbytes reads its
-    quantisation maps back at construction)."""
+    quantisation maps back at construction). On fake tensors, APOLLO, Adafactor, torchao's low-bit AdamW and its
+    CPU offload are stand-ins with their packages' states and step temporaries
+    (:mod:`lowmembp.estimator.optim_standins`): their own steps read values back or need CUDA."""
     from lowmembp.methods.optimizers import make_optimizer as make
 
     check_optimizer(optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return None
-    kw = {} if optimizer == "adamw8bit" else {"fused": True}
-    return make(params, optimizer, lr=1e-4, weight_decay=0.1, **kw)
+    from lowmembp._compat import is_fake
+
+    if is_fake(params[0]):  # optimizers whose own step cannot run on fake tensors: their states and temporaries
+        from lowmembp.estimator.optim_standins import standin
+        from lowmembp.methods.optim_levers import projection_weights
+
+        opt = standin(params, optimizer, targets=projection_weights(model), lr=1e-4, weight_decay=0.1)
+        if opt is not None:
+            return opt
+    kw = {"fused": True} if optimizer in ("adamw", "adamw-fused-backward") else {}
+    return make(params, optimizer, lr=1e-4, weight_decay=0.1, model=model, **kw)
 
 
 def check_optimizer(optimizer: str) -> None:
     """ValueError naming the choices unless ``optimizer`` is one of them."""
-    from lowmembp.methods.optimizers import OPTIMIZERS
+    from lowmembp.methods.optimizers import check_optimizer as check
 
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    check(optimizer)
 
 
 def train_step(spec: ModelSpec, model: nn.Module, batch: dict, opt, dtype: str, around_forward=None) -> None:

@@ -227,8 +227,8 @@ class StorageTracker(TorchDispatchMode):
         """Count ``optimizer``'s state tensors as optimizer state."""
         for state in optimizer.state.values():
             for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    self.track(v, "optimizer_state")
+                for t in _state_tensors(v):
+                    self.track(t, "optimizer_state")
 
     def free_storage(self, key: int) -> None:
         entry = self._live.pop(key, None)
@@ -342,8 +342,8 @@ def measure_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         return _compiled_cpu_peak(model, optimizer, step, external)
     if not fake and _opaque_step(optimizer):
         out = _compiled_cpu_peak(model, optimizer, step, external)
-        out["how"] = ("cpu allocator events (torch.profiler profile_memory): the optimizer's CPU kernel allocates "
-                      "scratch inside one op, unseen by the storage tracker")
+        out["how"] = ("cpu allocator events (torch.profiler profile_memory): the optimizer's CPU step allocates "
+                      "inside one op or a compiled kernel, unseen by the storage tracker")
         return out
     tracker = StorageTracker()
     tracker.track_external(model, optimizer, *external)
@@ -358,6 +358,24 @@ def measure_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                        "at_device_peak": int(tracker.host_at_peak),
                        "how": "storages the offload method keeps in host memory" + (
                            " (on the CPU they stay where they are: counted as host, not device)" if not fake else "")}
+    return out
+
+
+def _state_tensors(v) -> list[torch.Tensor]:
+    """The tensors of one optimizer-state entry: itself (a tensor subclass: the tensors it is made of), or those an
+    object in the state holds as attributes (GaLore's and APOLLO's projector keeps its projection matrix as
+    ``ortho_matrix``: a tensor or a list of tensors)."""
+    if isinstance(v, torch.Tensor):
+        if type(v) is not torch.Tensor and hasattr(v, "__tensor_flatten__"):  # a tensor subclass (torchao's
+            names, _ = v.__tensor_flatten__()                               # low-bit states): its own tensors
+            return [t for n in names for t in _state_tensors(getattr(v, n))]
+        return [v]
+    if isinstance(v, (int, float, str, bool)) or v is None or not hasattr(v, "__dict__"):
+        return []
+    out = []
+    for a in vars(v).values():
+        out += [a] if isinstance(a, torch.Tensor) else [t for t in a if isinstance(t, torch.Tensor)] \
+            if isinstance(a, (list, tuple)) else []
     return out
 
 
@@ -379,8 +397,9 @@ def prime_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
 
 def _opaque_step(optimizer) -> bool:
     """Whether ``optimizer``'s step runs a kernel whose own allocations a dispatch mode cannot see (bitsandbytes'
-    8-bit update: on the CPU it dequantises each parameter's two states to fp32 inside one op)."""
-    return optimizer is not None and type(optimizer).__module__.startswith("bitsandbytes")
+    8-bit update: on the CPU it dequantises each parameter's two states to fp32 inside one op), or cannot run under
+    one (torchao's low-bit optimizers: a ``torch.compile``'d step, which refuses a dispatch mode)."""
+    return optimizer is not None and type(optimizer).__module__.startswith(("bitsandbytes", "torchao"))
 
 
 def _gradient_bytes(model: nn.Module, optimizer) -> int:
@@ -409,7 +428,7 @@ def _compiled_cpu_peak(model, optimizer, step, external) -> dict:
     grads = _gradient_bytes(model, optimizer)
     opt = 0
     if optimizer is not None:
-        opt = _nbytes([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
+        opt = _nbytes([t for s in optimizer.state.values() for v in s.values() for t in _state_tensors(v)])
     return {"bytes": total, "how": "cpu allocator events (torch.profiler profile_memory; compiled step)",
             "by_category": {"parameters": params, "gradients": grads, "optimizer_state": opt,
                             "activations_and_temporaries": max(total - params - grads - opt, 0)}}
@@ -425,12 +444,24 @@ def _cuda_peak(model, optimizer, step, device) -> dict:
     grads = _gradient_bytes(model, optimizer)
     opt = 0
     if optimizer is not None:
-        opt = _nbytes([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
+        opt = _nbytes([t for s in optimizer.state.values() for v in s.values() for t in _state_tensors(v)])
     rest = max(peak - params - grads - opt, 0)
     how = "cuda max_memory_allocated" + ("; compiled step" if _is_compiled(model) else "")
     return {"bytes": peak, "how": how, "reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
             "by_category": {"parameters": params, "gradients": grads, "optimizer_state": opt,
-                            "activations_and_temporaries": rest}}
+                            "activations_and_temporaries": rest},
+            "device_resident": _driver_resident(peak, device)}
+
+
+def _driver_resident(peak: int, device) -> dict:
+    """What the device holds beyond PyTorch's caching allocator at the end of the step, from the driver's
+    free-memory figure (``torch.cuda.mem_get_info``): ``outside`` = used − reserved (the CUDA context, library
+    workspaces, and memory allocated outside the allocator: bitsandbytes' paged optimizer states in CUDA unified
+    memory, resident unless the driver has paged them out); ``bytes`` = the allocator's peak plus that."""
+    free, total = torch.cuda.mem_get_info(device)
+    outside = int(total - free - torch.cuda.memory_reserved(device))
+    return {"bytes": peak + max(outside, 0), "outside_allocator": outside,
+            "how": "max_memory_allocated + (total - free - memory_reserved) after the step (torch.cuda.mem_get_info)"}
 
 
 def _nbytes(tensors) -> int:
@@ -468,7 +499,7 @@ def _profiled_peak(model, optimizer, step, external) -> tuple[int, int]:
     allocator's running total of allocations minus frees during ``step()``)."""
     live = list(model.parameters()) + list(model.buffers()) + [t for t in external if isinstance(t, torch.Tensor)]
     if optimizer is not None:
-        live += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        live += [t for s in optimizer.state.values() for v in s.values() for t in _state_tensors(v)]
     return _nbytes(live), allocator_events_peak(step)
 
 

@@ -106,6 +106,7 @@ def export(model: nn.Module, merge_lora: bool = False, inplace: bool = False) ->
     _remove_tokentune(model)
     _remove_checkpointing(model, base)
     _remove_tiled_mlp(model)
+    _remove_compact(model)
     deltas: dict[tuple[int, str], tuple[nn.Module, torch.Tensor, torch.Tensor]] = {}
     if rec is not None:
         for f in rec.folds:
@@ -479,6 +480,13 @@ def _remove_tiled_mlp(model: nn.Module) -> None:
             d.pop(tiled["attr"], None)
             if tiled["inner"] is not None:
                 d[tiled["attr"]] = tiled["inner"]
+
+
+def _remove_compact(model: nn.Module) -> None:
+    """``compact``'s instance-level linear forwards removed (the class's own forward back)."""
+    for m in model.modules():
+        if m.__dict__.pop("_compact", None) is not None:
+            m.__dict__.pop("forward", None)
 
 
 __all__ = ["export", "ExportError", "guard_save"]

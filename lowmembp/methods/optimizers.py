@@ -22,7 +22,11 @@ Names (:data:`OPTIMIZERS`):
   gradients over micro-batches, clip by the global norm, or unscale a ``GradScaler``'s gradients before the step
   (every backward steps at once).
 
-May import: torch; bitsandbytes (``adamw8bit`` only, on first use).
+The full-fine-tuning levers of other packages (GaLore, APOLLO, Adafactor, torchao's CPU offload and low-bit AdamW,
+bitsandbytes' paged AdamW) are built by :mod:`lowmembp.methods.optim_levers` and listed here too; GaLore's and
+APOLLO's options are written into the name (``"galore-adamw@rank=64"``).
+
+May import: torch; bitsandbytes (``adamw8bit`` only, on first use); :mod:`lowmembp.methods.optim_levers`.
 """
 from __future__ import annotations
 
@@ -30,13 +34,16 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["OPTIMIZERS", "DEFAULT_OPTIMIZER", "make_optimizer", "FusedBackwardAdamW", "adamw8bit_state_bytes",
-           "frees_gradients"]
+from lowmembp.methods import optim_levers
+
+__all__ = ["OPTIMIZERS", "DEFAULT_OPTIMIZER", "make_optimizer", "FusedBackwardAdamW", "FusedBackwardOptimizer",
+           "adamw8bit_state_bytes", "frees_gradients", "check_optimizer", "optimizer_name", "steps_in_backward"]
 
 OPTIMIZERS = {
     "adamw": "torch.optim.AdamW: fp32 states (8 bytes per trained element), stepped after the backward",
     "adamw8bit": "bitsandbytes AdamW8bit: block-wise 8-bit states (2 bytes per element + an fp32 absmax per 256)",
     "adamw-fused-backward": "AdamW stepped per parameter inside the backward; each gradient freed once used (exact)",
+    **{name: lever.description for name, lever in optim_levers.LEVERS.items()},
 }
 DEFAULT_OPTIMIZER = "adamw"  # what a run uses unless told otherwise (the pipeline's record paths leave it out)
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller tensors keep fp32 states
@@ -44,19 +51,42 @@ BNB_BLOCKSIZE = 256       # bitsandbytes' block-wise 8-bit optimizers: one absma
 BNB_QMAP_BYTES = 2 * 256 * 4  # the two quantisation maps (signed, unsigned), fp32, shared by every parameter
 
 
+def check_optimizer(spec: str) -> str:
+    """The optimizer name of ``spec`` (a key of :data:`OPTIMIZERS`, GaLore / APOLLO options written in:
+    ``"galore-adamw@rank=64"``); ValueError naming the choices otherwise."""
+    return optim_levers.check_optimizer(spec, OPTIMIZERS)
+
+
+def optimizer_name(spec: str) -> str:
+    """``"galore-adamw@rank=64"`` -> ``"galore-adamw"`` (not checked)."""
+    return optim_levers.split_optimizer(spec)[0]
+
+
+def steps_in_backward(spec: str) -> bool:
+    """Whether the optimizer ``spec`` steps each parameter inside the backward and frees its gradient (then no
+    accumulation over micro-batches, no fp16 scaler, no data-parallel reduction before the step)."""
+    return optim_levers.steps_in_backward(spec)
+
+
 def make_optimizer(params: Iterable[torch.Tensor], name: str = DEFAULT_OPTIMIZER, *, lr: float = 1e-3,
                    weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                   **kw) -> torch.optim.Optimizer:
-    """The optimizer ``name`` (a key of :data:`OPTIMIZERS`) over ``params`` (tensors; those without
-    ``requires_grad`` are left out). ``kw`` goes to the underlying optimizer (torch's AdamW: ``foreach``,
-    ``fused``; bitsandbytes: ``min_8bit_size``, ...). Every result has the usual ``step()``, ``zero_grad()``,
-    ``state_dict()``, ``param_groups`` (so learning-rate schedulers work)."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+                   model: torch.nn.Module | None = None, **kw) -> torch.optim.Optimizer:
+    """The optimizer ``name`` (a key of :data:`OPTIMIZERS`, options written in for GaLore / APOLLO) over ``params``
+    (tensors; those without ``requires_grad`` are left out). ``kw`` goes to the underlying optimizer (torch's
+    AdamW: ``foreach``, ``fused``; bitsandbytes: ``min_8bit_size``, ...). ``model``: where GaLore / APOLLO find
+    the matrices they project (the blocks' attention and MLP linears; without it every 2-D tensor of ``params``).
+    Every result has the usual ``step()``, ``zero_grad()``, ``state_dict()``, ``param_groups`` (so
+    learning-rate schedulers work)."""
+    try:
+        base = check_optimizer(name)
+    except ValueError as err:
+        raise ValueError(f"unknown optimizer {name!r}; {err}") from None
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("make_optimizer: no parameter requires a gradient")
     common = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
+    if base in optim_levers.LEVERS:
+        return optim_levers.build_lever(params, name, model=model, **common, **kw)
     if name == "adamw":
         return torch.optim.AdamW(params, **common, **kw)
     if name == "adamw8bit":
@@ -85,7 +115,7 @@ def adamw8bit_state_bytes(numel: int, *, min_8bit_size: int = BNB_MIN_8BIT_SIZE,
     return 2 * numel + 2 * 4 * -(-numel // blocksize)
 
 
-def frees_gradients(optimizer) -> bool:
+def frees_gradients(optimizer) -> bool:  # also FusedBackwardOptimizer (GaLore's layer-wise form): a subclass
     """Whether ``optimizer`` steps inside the backward and frees each gradient (no gradient outlives it)."""
     return isinstance(optimizer, FusedBackwardAdamW)
 
@@ -168,3 +198,24 @@ class FusedBackwardAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         self._link()  # load_state_dict replaces self.state
+
+
+class FusedBackwardOptimizer(FusedBackwardAdamW):
+    """:class:`FusedBackwardAdamW`'s hooks around another optimizer class: ``inner(p, lr=, betas=, eps=,
+    weight_decay=)`` builds parameter ``p``'s own optimizer (GaLore's layer-wise recipe: one ``GaLoreAdamW`` per
+    parameter, stepped from its post-accumulate-grad hook, the gradient then freed). The state is keyed by
+    parameter as the inner class keeps it (not necessarily AdamW's layout)."""
+
+    def __init__(self, params: Iterable[torch.Tensor], inner, lr: float = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01):
+        self._make_inner = inner
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def _link(self) -> None:
+        group = self.param_groups[0]
+        self._inner = {}
+        for p in group["params"]:
+            inner = self._make_inner(p, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                                     weight_decay=group["weight_decay"])
+            inner.state = self.state
+            self._inner[p] = inner

@@ -4,8 +4,9 @@ Each method lives in its own file under ``lowmembp/methods/`` and registers a tr
 :func:`register`. A method declares the options it takes (with defaults) and its place in the order in which
 composed methods are applied, so ``"lowmembp+lora"`` and ``"lora+lowmembp"`` mean the same thing.
 
-Order (lower first): lora / lora-fa / velora 10 → lowmembp / lowmembp-act / lowmembp-norm 20 → mesa / mesa-gelu-ln
-30 → tiled-mlp 35 → tokentune 40 → chunked-ce / cce 45 → checkpointing 50 → compile 60 (torch.compile of the result).
+Order (lower first): lora / lora-fa / velora 10 → lowmembp / lowmembp-act / lowmembp-norm 20 → compact 25 → mesa /
+mesa-gelu-ln 30 → tiled-mlp 35 → tokentune 40 → chunked-ce / cce 45 → checkpointing 50 → compile 60 (torch.compile of
+the result).
 ``baseline`` changes nothing.
 
 **Deferred steps.** A method may leave part of its work for later in the same ``apply`` with :func:`defer`: the step
@@ -330,7 +331,7 @@ def _why(a: Method, b: Method) -> str:
 _loaded = False
 # Modules of lowmembp/methods/ that register no method: the registry itself, the export that undoes the methods
 # and what it records, the optimizer levers (chosen beside the methods, not applied to the model).
-NOT_METHODS = frozenset({"registry", "export", "export_record", "optimizers"})
+NOT_METHODS = frozenset({"registry", "export", "export_record", "optimizers", "optim_levers"})
 
 
 def _load_all() -> None:

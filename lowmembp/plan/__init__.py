@@ -351,9 +351,20 @@ def _label(method: str, opts: dict, optimizer: str = DEFAULT_OPTIMIZER) -> str:
 
 def _optimizers(optimizer) -> list[str]:
     """The optimizers to plan with, as a list of known names (one name or several); ValueError otherwise."""
-    from lowmembp.methods.optimizers import OPTIMIZERS
+    from lowmembp.methods.optimizers import OPTIMIZERS, check_optimizer
 
-    return _names(optimizer, OPTIMIZERS, "optimizer", "optimizer")
+    names = ([n.strip() for n in optimizer.split(",") if n.strip()] if isinstance(optimizer, str)
+             else [str(n) for n in optimizer or []])
+    # GaLore / APOLLO options written into a name ("galore-adamw@rank=64;update_proj_gap=500" on the command line,
+    # where "," separates optimizers: ";" separates the options there)
+    names = [n.replace(";", ",") for n in names]
+    for n in names:
+        if "@" in n:
+            try:
+                check_optimizer(n)
+            except ValueError as err:
+                raise ValueError(f"optimizer: {err}") from None
+    return _names(names, list(OPTIMIZERS) + [n for n in names if "@" in n], "optimizer", "optimizer")
 
 
 def _names(given, choices, what: str, noun: str) -> list[str]:

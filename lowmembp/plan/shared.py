@@ -179,6 +179,11 @@ class SharedSteps:
         if weights == "nf4" and world_size > 1:
             raise ValueError("weights='nf4' with world_size > 1 is not modelled (FSDP2 of 4-bit weights)")
         self.weights = weights
+        from lowmembp.methods.optim_levers import LEVERS, split_optimizer
+
+        levers = [z for z in optimizers if split_optimizer(z)[0] in LEVERS]
+        if levers:  # GaLore's refresh depends on the step count, a layer-wise step is not fused-backward's: direct
+            raise NotShared(f"{', '.join(levers)}: the other packages' optimizers are stepped directly")
         self.vocab = (overrides or {}).get("vocab_size")
         # the fused-backward optimizer first: its hooks on the parameters come first, as in its direct step
         self.optimizers = sorted(dict.fromkeys(optimizers), key=lambda z: z != FUSED_BACKWARD)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lowmembp.methods.liger import NO_GPU
-from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
 from lowmembp.plan.combos import NOT_ESTIMATED
 
 pytestmark = pytest.mark.slow  # the full suite only: the prepared GPU run's CPU smoke
@@ -28,6 +28,7 @@ gpu_run = importlib.import_module("gpu_run")
 kernels = importlib.import_module("gpu_run_kernels")
 steps = importlib.import_module("gpu_run_steps")
 official = importlib.import_module("official_lomem")
+OPTIMIZERS = steps.LLAMA_FULL_OPTIMIZERS  # the full fine-tuning rows: AdamW and its two levers
 
 
 def _csv(path):

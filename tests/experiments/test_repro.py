@@ -12,7 +12,7 @@ def test_registry_names():
     assert set(REPROS) == {"block-breakdown", "fig1", "mesa-table", "tokentune-memory", "stacked", "headline",
                            "mesa-attribution", "tokentune-vs-ckpt",
                            "tokentune-k", "compiled-saving", "compiled-budget", "grad-fidelity",
-                           "estimator-error", "lever-estimates"}
+                           "estimator-error", "lever-estimates", "stacked-full"}
     with pytest.raises(ValueError, match="unknown reproduction"):
         run("fig2")
 

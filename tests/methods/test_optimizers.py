@@ -144,7 +144,8 @@ def test_errors():
         make_optimizer(_model().parameters(), "sgd")
     with pytest.raises(ValueError, match="requires a gradient"):
         make_optimizer([nn.Parameter(torch.ones(3), requires_grad=False)], "adamw-fused-backward")
-    assert set(OPTIMIZERS) == {"adamw", "adamw8bit", "adamw-fused-backward"}
+    from lowmembp.methods.optim_levers import LEVERS  # the other packages' levers: tests/methods/test_optim_levers.py
+    assert set(OPTIMIZERS) == {"adamw", "adamw8bit", "adamw-fused-backward", *LEVERS}
 
 
 @pytest.mark.parametrize("name", ["adamw", "adamw-fused-backward"])

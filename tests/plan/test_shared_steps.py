@@ -7,6 +7,7 @@ import pytest
 
 from lowmembp.estimator.step import MODELS
 from lowmembp.estimator.weights import WEIGHTS
+from lowmembp.methods.optim_levers import LEVERS
 from lowmembp.methods.optimizers import OPTIMIZERS
 from lowmembp.plan import make_plan
 from lowmembp.plan.combination import Peaks, StepSource
@@ -19,7 +20,7 @@ LLAMA = dict(overrides={"hidden_size": 32, "intermediate_size": 56, "num_attenti
                         "num_key_value_heads": 2, "vocab_size": 61, "num_hidden_layers": 4}, seq_len=16, dtype="bf16")
 VIT = dict(overrides={"img_size": 32, "embed_dim": 48, "num_heads": 3}, seq_len=None, dtype="fp16")
 MODELS_ = {"llama-7b": LLAMA, "vit-b16": VIT}
-ALL = tuple(OPTIMIZERS)
+ALL = tuple(o for o in OPTIMIZERS if o not in LEVERS)  # the other packages' levers are stepped directly (NotShared)
 # the weights each model is stepped with: the ViT under fp16 autocast with fp32 or fp16 weights (bf16 weights there
 # meet fp16 activations in one op, which autocast refuses); nf4 is a bf16 step with the base linears' bytes
 # replaced, planned only with a LoRA-family method

@@ -414,8 +414,9 @@ def headline_table(runs: pd.DataFrame, claims: dict) -> pd.DataFrame:
 
 # The peers' sections of the peers table, each the docs page of one method (docs/methods/<name>.md), which includes
 # its section alone: the method's cells beside the cells of the method they are compared with.
-PEER_METHODS = ("velora", "cce", "tiled-mlp")
-PEER_ALSO = {"velora": ("lora",)}  # shown beside a peer besides its compared method: the method it modifies
+PEER_METHODS = ("velora", "cce", "tiled-mlp", "compact")
+# shown beside a peer besides its compared method: the method it modifies, or (compact) the one it composes with
+PEER_ALSO = {"velora": ("lora",), "compact": ("lowmembp",)}
 OPTIMIZERS_SECTION = "optimizers"  # the same cell with each optimizer (docs/methods/optimizers.md)
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")  # peak_<c>_bytes
 
@@ -907,6 +908,9 @@ REPRO_CAPTIONS = {
                          "tensors); saving in %, the paper's beside ours and ours / paper; official run: the same "
                          "step as the official QLoRA run holds memory (LLaMA rows); band: the paper's stated "
                          "'20–30 %'.",
+    "stacked_full": "GiB at the peak of one steady training step, by category (temporaries include the batch), "
+                    "estimated on fake tensors with the real transformers / timm code; `measured / estimated`: the "
+                    "same row at a small width measured by the CPU allocator (- where the optimizer needs CUDA).",
     "lever_estimates": "Each part one lever's page: the peak of one steady training step and the bytes saved for "
                        "backward by one forward, in GiB, and the peak's split by category at that moment "
                        "(lowmembp.measurement.peak; temporaries include the batch), estimated on fake tensors with "
@@ -1042,8 +1046,46 @@ def lever_estimates_layout(df: pd.DataFrame, notes: Footnotes) -> list[Part]:
     return parts
 
 
+def stacked_full_layout(df: pd.DataFrame, notes: Footnotes) -> list[Part]:
+    """The full-fine-tuning levers (experiments/repro/stacked_full.py): the optimizers at LLaMA-7B (snippet section
+    ``optimizers``), then one stacked part per model (section ``stacked-<model>``)."""
+    cats = ("weights", "gradients", "optimizer", "activations", "temporaries")
+    parts = []
+    for (part, model), sub in df.groupby(["part", "model"], sort=False):
+        rows = []
+        if part == "compact":
+            for d in sub.to_dict("records"):
+                rows.append({"method": d["lever"], "saved for backward (GiB)": _num(d["saved_GiB"], ".2f"),
+                             "one block (GiB)": _num(d["block_saved_GiB"], ".3f"),
+                             "saved / baseline's": _num(d["saved_vs_baseline"], ".3f"),
+                             "peak (GiB)": _num(d["peak_GiB"], ".2f"),
+                             "activations at peak (GiB)": _num(d["activations_GiB"], ".2f"),
+                             "measured / estimated (small width)": _num(d.get("measured / estimated"), ".3f")})
+            parts.append(Part(f"{model}: CompAct and LowMemoryBP, alone and together", pd.DataFrame(rows),
+                              section=f"compact-{model}"))
+            continue
+        for d in sub.to_dict("records"):
+            row = {"optimizer" if part == "optimizers" else "lever": d["lever"]}
+            if part != "optimizers":
+                row["category"] = d["category"]
+            row["peak (GiB)"] = _num(d["peak_GiB"], ".2f")
+            if part == "optimizers":
+                row["state / AdamW's"] = _num(d.get("state_vs_adamw"), ".3f")
+            else:
+                row["change"] = _num(d.get("change_%"), "+.1f", " %")
+            row.update({f"{c} (GiB)": _num(d[f"{c}_GiB"], ".2f") for c in cats})
+            if part != "optimizers":
+                row["measured / estimated (small width)"] = _num(d.get("measured / estimated"), ".3f")
+            rows.append(row)
+        title = ("LLaMA-7B full fine-tuning, batch 1 × 512, bf16 weights and autocast, per optimizer"
+                 if part == "optimizers" else f"{model}: one lever at a time")
+        parts.append(Part(title, pd.DataFrame(rows), section="optimizers" if part == "optimizers"
+                          else f"stacked-{model}"))
+    return parts
+
+
 REPRO_LAYOUTS = {"fig1": fig1_layout, "lowmembp_headline": lowmembp_headline_layout,
-                 "lever_estimates": lever_estimates_layout}
+                 "lever_estimates": lever_estimates_layout, "stacked_full": stacked_full_layout}
 
 
 def repro_machine(repro) -> str:
