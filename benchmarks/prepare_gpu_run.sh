@@ -2,6 +2,10 @@
 # Fill the git-ignored third_party/ with what benchmarks/gpu_run.py needs on a GPU machine that has no network:
 #   third_party/lomem/        the official LowMemoryBP package (github yyyyychen/LowMemoryBP: lomem/, setup.py, LICENSE)
 #   third_party/wheels/       the liger-kernel 0.8.x and cut-cross-entropy wheels (pure Python; the GPU image lacks them)
+#   third_party/pywheels/     the pinned peft, timm, bitsandbytes, galore-torch, apollo-torch and torchao wheels for the
+#                             GPU machine's Python (GPU_PYTHON_VERSION, default 3.12; manylinux x86_64): install them
+#                             there with `pip install --no-index --no-deps --target /tmp/site third_party/pywheels/*.whl`
+#                             and PYTHONPATH=/tmp/site (the versions of .ci/requirements-cpu.txt)
 #   third_party/PREPARED.txt  where each came from
 #   third_party/COMMIT        the commit (and "dirty") of this checkout: machine.json's git commit on the GPU machine,
 #                             whose copy of the tree may carry a stale .git
@@ -85,8 +89,22 @@ case "$(basename "$whl")" in
 esac
 echo "cce: $(basename "$whl")"
 
+# --- the pinned library wheels for the GPU machine's Python (no network there; torch is the image's own) ----------
+rm -rf "$DEST/pywheels" && mkdir -p "$DEST/pywheels"
+pins=()
+for pkg in peft timm bitsandbytes galore-torch apollo-torch torchao; do
+  pin="$(grep -i "^${pkg}==" "$ROOT/.ci/requirements-cpu.txt" || true)"
+  [ -n "$pin" ] || { echo "prepare_gpu_run: no pin for $pkg in .ci/requirements-cpu.txt" >&2; exit 2; }
+  pins+=("$pin")
+done
+"$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version "${GPU_PYTHON_VERSION:-3.12}" \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
+  "${pins[@]}" -d "$DEST/pywheels"
+echo "pywheels: $(cd "$DEST/pywheels" && ls | tr '\n' ' ')"
+
 { echo "prepared $(date -u '+%Y-%m-%d %H:%M:%S UTC') by benchmarks/prepare_gpu_run.sh"
   echo "lomem: $fetched_from"
-  echo "wheels: $(cd "$DEST/wheels" && ls)"; } > "$DEST/PREPARED.txt"
+  echo "wheels: $(cd "$DEST/wheels" && ls)"
+  echo "pywheels: $(cd "$DEST/pywheels" && ls)"; } > "$DEST/PREPARED.txt"
 write_commit
 du -sh "$DEST" | awk '{print "third_party/: " $1 " (the device tool carries up to 64 MiB with the working tree)"}'

@@ -618,7 +618,11 @@ def test_prepare_copies_the_sources_and_the_wheel(tmp_path):
     (src / "LICENSE").write_text("MIT\n")
     index = tmp_path / "index"
     index.mkdir()
-    for dist, version in (("liger-kernel", "0.8.7"), ("cut-cross-entropy", "25.1.1")):
+    pins = dict(line.strip().lower().split("==") for line in (ROOT / ".ci" / "requirements-cpu.txt").read_text().split()
+                if line.split("==")[0].lower() in ("peft", "timm", "bitsandbytes", "galore-torch", "apollo-torch",
+                                                   "torchao"))
+    assert len(pins) == 6  # the library wheels the GPU machine gets, at the CPU pins
+    for dist, version in (("liger-kernel", "0.8.7"), ("cut-cross-entropy", "25.1.1"), *pins.items()):
         name = f"{dist.replace('-', '_')}-{version}"
         with zipfile.ZipFile(index / f"{name}-py3-none-any.whl", "w") as z:  # pip "downloads" it from a local folder
             z.writestr(f"{dist.replace('-', '_')}/__init__.py", "")
@@ -635,6 +639,8 @@ def test_prepare_copies_the_sources_and_the_wheel(tmp_path):
     assert (dest / "setup.py").is_file() and (dest / "wheels" / "liger_kernel-0.8.7-py3-none-any.whl").is_file()
     assert (dest / "wheels" / "cut_cross_entropy-25.1.1-py3-none-any.whl").is_file()  # method cce's package
     assert "work tree" in (dest / "PREPARED.txt").read_text()
+    assert sorted(w.name.split("-")[0] for w in (dest / "pywheels").iterdir()) == sorted(
+        d.replace("-", "_") for d in pins)
     assert official.find_sources(dest / "lomem")["sources"]
     r = subprocess.run(["bash", str(BENCH / "prepare_gpu_run.sh"), str(tmp_path / "absent")], env=env,
                        capture_output=True, text=True, timeout=60)
