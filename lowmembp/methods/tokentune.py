@@ -6,66 +6,24 @@
 
 Supported: BERT / RoBERTa ``*ForSequenceClassification``, LLaMA-like ``*ForCausalLM`` and
 ``*ForSequenceClassification`` (transformers), timm ``VisionTransformer`` (vit_*, deit_*) — plain or wrapped by peft,
-with or without ``lowmembp`` norms/activations, with checkpointing applied after. The model is converted in place
-and returned (a peft wrapper stays the object you use).
+with or without ``lowmembp`` norms / activations, with checkpointing applied after. Converted in place and returned.
 
-**Selection.** Per sequence k distinct positions: first the rows the model's head reads (below; under
-``pool="model"``), then the first real token (ViT: the class token; BERT: [CLS]) always; for decoders (LLaMA) also
-the last real token (when k ≥ 2); the rest uniformly at random among the real (non-padding, ``attention_mask`` = 1)
-tokens. So a LLaMA ``ForSequenceClassification`` with k = 1 selects the token its head reads (the last one), not the
-first. The same positions in every block. A sequence with fewer than k real tokens selects all of them (and fills up
-with padding positions that are flagged ``valid=False`` and never used); k ≥ L selects every position, which is plain
-full fine-tuning. ``k`` may also be a fraction ``0 < k < 1`` of the real tokens, as the official scripts'
-``--prefix_length 0.3`` (facebookresearch/tokentune ``tokentune/llama_tokentune.py:108-125``): the forced tokens (the
-head's rows, the first; decoders: and the last) plus ``int(k · (n − forced))`` of the others, with ``n`` the real
-tokens of the batch's longest sequence (one count per batch: positions are a B×k tensor; rows of equal length, the
-usual case after padding to length, get exactly the official count).
-Randomness: the global torch RNG by default (so ``torch.manual_seed`` reproduces it); with option ``seed=<int>`` a
-private ``torch.Generator`` per device, seeded once at conversion. ``tokentune_state(model).selector`` may be set to
-``fn(valid: BoolTensor[B, L], k: int, decoder: bool, generator) -> LongTensor[B, k]`` to choose positions yourself
-(tests use it to replay a selection; it must include the rows the head reads, or a ValueError says so).
+Selection (:class:`TokenTuneState`): per sequence k distinct real positions, the same in every block — the rows the
+model's head reads (``pool="model"``), the first real token, for decoders the last, the rest at random (the global
+RNG, or a private generator with ``seed=``); ``k`` a count or a fraction ``0 < k < 1`` of the real tokens (the
+official ``--prefix_length``); k ≥ L is full fine-tuning. ``tokentune_state(model).selector`` replaces the choice.
 
-**Training forward (``model.train()``).** Exact forward: every block computes the unselected rows under
-``torch.no_grad()`` (no graph, nothing saved) and the selected rows with the graph, the selected queries attending
-over all keys/values (see :mod:`lowmembp.methods.tokentune_forward`). The gradient is the true gradient with a
-stop-gradient on every unselected hidden state (at every block input). Outputs:
+Training forward (``model.training``): exact. Every block computes the unselected rows under ``torch.no_grad()``
+and the selected rows with the graph, the selected queries attending over all keys / values
+(:mod:`lowmembp.methods.tokentune_forward`); the gradient is the true one with a stop-gradient on every unselected
+hidden state. A classification head reads what the model's own head reads, of the selected tokens
+(``pool="model"``; ``pool="mean"``: their mean, as the paper); a causal LM returns B×k×V logits at the selected
+positions and, with ``labels=``, their next-token loss. KV caches, ``output_attentions`` / ``output_hidden_states``
+and 4-D masks are refused in training. Evaluation (``model.eval()``) is the ordinary forward, untouched.
 
-- classification (BERT/RoBERTa/LLaMA ``ForSequenceClassification``, timm), option ``pool``:
-
-  * ``pool="model"`` (default): the head reads what the model's own head reads, restricted to the selected tokens,
-    so training and evaluation feed it the same thing (the official code never trains on one and evaluates on
-    another). Which rows that is, is the adapter's ``ModelLayout.head_reads`` / ``head_lead``
-    (:mod:`lowmembp.models`): BERT / RoBERTa token 0 ([CLS] / <s>; they pad on the right), read by their pooler /
-    classification head as usual; LLaMA-like ``ForSequenceClassification`` the last non-padding token by
-    ``input_ids`` and ``config.pad_token_id`` (transformers' rule,
-    :func:`lowmembp.models.hf_models.last_token_positions`); timm: ``forward_head`` gets the selected rows (B×k×d,
-    ascending, the class / register tokens first — they are forced: k must be at least their number, one more for
-    a pool that sets them apart) and pools them
-    as it pools every token: the class token (``global_pool="token"``), the mean / max of the selected patch tokens
-    (``"avg"``, ...). The rows read are always selected, so with k ≥ L training is plain full fine-tuning, equal to
-    the unconverted model's training step.
-  * ``pool="mean"``: the head is fed the mean of the selected tokens' last hidden states (after the final norm), as
-    the official BERT code's ``use_input_as_prefix`` pooler trains (which then evaluates on the mean of all tokens;
-    here evaluation stays the model's ordinary forward, so head input differs between the two). BERT's pooler /
-    RoBERTa's head read it as their first token, timm's ``forward_head`` pools it (every pool of identical rows
-    gives the mean back).
-
-  ``out.logits`` is B×C; ``labels=`` gives the model's usual loss (HF problem types).
-- causal LM (``ForCausalLM``): ``out.logits`` holds only the selected positions, B×k×V, in the order of
-  ``tokentune_state(model).last.positions``; with ``labels=`` (B×L, -100 = ignore, shifted inside as usual)
-  ``out.loss`` is the mean cross-entropy of the next-token targets of the selected positions.
-
-The training forward is chosen by ``module.training`` alone (also under ``torch.no_grad()``); it does not take KV
-caches, ``output_attentions`` / ``output_hidden_states`` or 4-D masks (clear errors: use ``model.eval()``).
-Dropout draws separately for the selected and the unselected rows (it is element-wise anyway); timm's per-sample
-DropPath is drawn once per block for both, in timm's order (same global RNG state → same masks as the plain model).
-
-**Evaluation (``model.eval()``).** The ordinary forward, untouched: outputs equal the unconverted model's.
-
-Memory: per block, backward keeps the selected rows' activations (∝ k/L) plus K/V and the attention input over all L
-tokens (an O(L·d) floor; see :mod:`lowmembp.methods.tokentune_forward`). The unselected rows' activations are never
-saved. Composes with ``lora`` (order 10), ``lowmembp*`` (20) and ``checkpointing`` (50, applied after: only the
-selected part of each marked block is recomputed in backward).
+Memory: per block the selected rows' activations (∝ k/L) plus K/V and the attention input over all L tokens (an
+O(L·d) floor). Composes with ``lora`` (order 10), ``lowmembp*`` (20) and ``checkpointing`` (50, applied after: only
+the selected part of each marked block is recomputed). The full rules: docs/methods/tokentune.md.
 """
 from __future__ import annotations
 
