@@ -33,7 +33,8 @@ TIMEOUT = 1800  # seconds per snakemake run; on an idle 2-core machine the whole
 # runs.csv columns that depend on timing, on when / where / from which commit a run ran, or on the process's memory
 # as the OS counts it (RSS). Everything else (cells, status, losses, metrics, exact tensor bytes, settings, versions,
 # and base_sha256: the base's file is the same bytes for the same weights, experiments/weights.py) must be equal.
-NOT_COMPARED = re.compile(r"^step_time_p\d+$|_per_s$|^(started|finished)_at$|^hostname$|^host_peak_bytes$|^git_")
+NOT_COMPARED = re.compile(r"^step_time_(p\d+|ci95_low|ci95_high)$|_per_s$|^(started|finished)_at$|^hostname$"
+                          r"|^host_peak_bytes$|^git_")
 
 
 def _run(cmd, timeout=60, **kw):
