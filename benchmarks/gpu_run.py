@@ -20,6 +20,9 @@ time allows). Then the parts, in priority order, each in its own process with it
   smoke      the GPU smoke sweep (config/gpu-smoke.yaml) through Snakemake -> smoke/ (runs, runs.csv, tables)
   llama      LLaMA-7B width, 4 layers, through the training job (bf16 weights, as the job's alpaca task loads them):
              LoRA and its peers, full fine-tuning per optimizer -> llama.csv, llama_runs/
+  full_ft    the full-fine-tuning levers (benchmarks/gpu_full_ft_levers.py, most wanted first: paged AdamW, GaLore
+             layer-wise, torchao's CPU offload and low-bit states, CompAct with and without LowMemoryBP, ...), each
+             row built and stepped alone through the training job -> full_ft.csv, full_ft_runs/
   gpu_check  benchmarks/gpu_check.py: every Triton kernel against its reference, GB/s and % of a device copy
   kernels    ours vs the official LowMemoryBP CUDA ops vs Liger vs PyTorch (benchmarks/gpu_run_kernels.py)
   pytest     ``pytest -m gpu`` over the test files that hold gpu tests -> pytest_gpu.txt, pytest_gpu.xml
@@ -67,7 +70,8 @@ HERE = Path(__file__).resolve().parent
 # budget: a part gets its cap while the budget lasts, each later part keeps FLOOR_S, and the last ones get what
 # is left.
 PARTS = {"fig1": (130, 600), "bound": (70, 300), "profile": (40, 300), "host_time": (60, 300), "smoke": (150, 300),
-         "llama": (120, 300), "gpu_check": (65, 300), "kernels": (80, 300), "pytest": (75, 300)}
+         "llama": (120, 300), "full_ft": (120, 300), "gpu_check": (65, 300), "kernels": (80, 300),
+         "pytest": (75, 300)}
 PREPARE_S = (240, 300)  # the official build and the estimates, before any timed part: the most they may take
 OFFICIAL_PARTS = ("fig1", "host_time", "kernels")  # the parts that use the official ops
 ESTIMATED_PARTS = ("fig1", "bound", "llama")  # the parts whose configurations get a fake-tensor estimate
@@ -154,7 +158,7 @@ def run_part(name: str, ctx: Ctx, deadline: float) -> int:
         sink.rewrite(rows)
         sink.close()
         return 1 if kernel_rows_failing(rows) or stopped else 0
-    if name in ("fig1", "bound", "llama"):
+    if name in ("fig1", "bound", "llama", "full_ft"):
         from gpu_run_steps import STEP_COLUMNS, run_job_part
         sink = CsvSink(ctx.out / f"{name}.csv", STEP_COLUMNS)
         facts = run_job_part(ctx, name, sink, deadline)

@@ -72,7 +72,7 @@ ERROR_COLUMNS = ["config", "method", "optimizer", "estimate_bytes", "measured_by
 FIG1_METHODS = ["lora", "lora+checkpointing", "lora+mesa-gelu-ln", "lora+lowmembp", "lora+liger"]
 CAPTURED_METHODS = ["lora", "lora+checkpointing", "lora+mesa-gelu-ln", "lora+lowmembp"]
 BOUND_METHODS = ["lora", "lora+checkpointing", "lora+mesa-gelu-ln", "lora+lowmembp"]
-JOB_PARTS = ("fig1", "bound", "llama")  # the parts whose cells run through the training job
+JOB_PARTS = ("fig1", "bound", "llama", "full_ft")  # the parts whose cells run through the training job
 # the LoRA configuration: the four rows of the official LLaMA recipe's levers, then the peers
 LLAMA_METHODS = ["lora", "lora+lowmembp", "lora+liger", "lora+checkpointing", "lora+cce", "velora", "lora+tiled-mlp"]
 LLAMA_LORA = {"rank": 64, "alpha": 16, "dropout": 0.1}  # experiments/configs/llama-7b-alpaca-lora.yaml
@@ -154,7 +154,9 @@ def step_configs(smoke: bool) -> list[StepConfig]:
         out.append(StepConfig("llama", "llama7b-4layers-full", "llama-7b", LLAMA_FULL_METHOD, {}, batch_size=1,
                               overrides=dict(LLAMA_SMOKE) if smoke else None, lora_targets="none (full fine-tuning)",
                               optimizer=opt, **llama))
-    return out
+    from gpu_full_ft_levers import full_ft_lever_configs  # (it builds on this module's StepConfig)
+
+    return out + full_ft_lever_configs(smoke)
 
 
 def missing_methods(method: str) -> list[str]:
@@ -270,7 +272,9 @@ def job_refuses(cfg: StepConfig, smoke: bool) -> dict | None:
         parse_args(job_argv(cfg, smoke) + ["--out", os.devnull])
     except ArgError as err:
         skipped = "pip install" in str(err)  # an optional package missing
-        return dict(_base_row(cfg), status="skipped" if skipped else "error", note=f"the training job: {err}")
+        cuda_only = "needs a CUDA device" in str(err)  # a lever with no CPU path (the dry run): its own refusal
+        status = "skipped" if skipped else "refused" if cuda_only else "error"
+        return dict(_base_row(cfg), status=status, note=f"the training job: {err}")
     return None
 
 
