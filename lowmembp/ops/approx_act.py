@@ -652,13 +652,13 @@ def _need_triton():
 _WORKSPACE: dict = {}
 
 
-def _workspace(device: torch.device, index: int) -> torch.Tensor:
-    """The forward kernel's flag workspace on ``device`` for the current stream: two int32 zeros (the OR of the
+def _workspace(like: torch.Tensor, index: int) -> torch.Tensor:
+    """The forward kernel's flag workspace on ``like``'s device for the current stream: two int32 zeros (the OR of the
     programs' flags, the ticket counter), made once per (device, stream); the kernel leaves them at zero."""
     key = (index, cuda_raw_stream(index)) if index >= 0 else (index, 0)
     ws = _WORKSPACE.get(key)
     if ws is None:
-        ws = _WORKSPACE[key] = torch.zeros(2, dtype=torch.int32, device=device)
+        ws = _WORKSPACE[key] = torch.zeros(2, dtype=torch.int32, device=like.device)
     return ws
 
 
@@ -673,7 +673,7 @@ def _fwd_triton(x: torch.Tensor, kind: str, thresholds, with_codes: bool):
     if n:
         dev = xc.get_device()
         t = _device_table(("t", tuple(thresholds)), xc, dev)
-        ws = _workspace(xc.device, dev) if with_codes else t
+        ws = _workspace(xc, dev) if with_codes else t
         block, tiles, warps = _launch_cfg((n + 7) >> 3)
         _FWD(-(-((n + 7) >> 3) // (block * tiles)), (xc, y, packed if with_codes else y, t, ws, n, nbytes),
              (_KIND_ID[kind], bits, len(thresholds), kind in _NEG_ZERO, kind in _UNBOUNDED, with_codes, block, tiles),
