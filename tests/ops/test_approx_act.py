@@ -599,5 +599,8 @@ def test_triton_forward_over_several_tiles_and_programs(kind, special, monkeypat
     y, packed = A.forward_triton(x, kind)
     y_ref, p_ref = A.forward_reference(x, kind)
     assert torch.equal(packed, p_ref)  # codes and the flag byte
-    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6, equal_nan=True)
+    fin = torch.isfinite(x)
+    assert torch.equal(y[~fin], y_ref[~fin]) or torch.equal(y[~fin].isnan(), y_ref[~fin].isnan())
+    # Triton's fp32 erf / exp against the library's: within 0.5·|x|·2⁻²⁰ (+ a rounding), as the other Triton tests
+    assert ((y - y_ref)[fin].abs() <= 0.5 * x[fin].abs() * 2.0 ** -20 + 1e-7).all()
     assert all(int(v) == 0 for v in A._WORKSPACE.values() for v in v)
