@@ -159,7 +159,7 @@ class FusedBackwardAdamW(torch.optim.Optimizer):
     def attach(self) -> None:
         """Register the hooks (done by the constructor)."""
         if not self._handles:
-            self._handles = [p.register_post_accumulate_grad_hook(self._step_param)
+            self._handles = [p.register_post_accumulate_grad_hook(self.step_param)
                              for p in self.param_groups[0]["params"]]
 
     def remove(self) -> None:
@@ -168,7 +168,12 @@ class FusedBackwardAdamW(torch.optim.Optimizer):
             h.remove()
         self._handles = []
 
-    def _step_param(self, p: torch.Tensor) -> None:
+    def optimizer_of(self, p: torch.Tensor) -> torch.optim.Optimizer:
+        """Parameter ``p``'s own optimizer."""
+        return self._inner[p]
+
+    def step_param(self, p: torch.Tensor) -> None:
+        """Step parameter ``p`` now and free its gradient (what its hook does); no-op without a gradient."""
         if p.grad is None:
             return
         inner = self._inner[p]
@@ -188,7 +193,7 @@ class FusedBackwardAdamW(torch.optim.Optimizer):
                 loss = closure()
         for p in self.param_groups[0]["params"]:
             if p.grad is not None:
-                self._step_param(p)
+                self.step_param(p)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -272,7 +272,7 @@ class SharedSteps:
             g = p.grad
             if g is None:
                 return
-            key = (_layout(p), _layout(g), _defaults(opt._inner[p]))
+            key = (_layout(p), _layout(g), _defaults(opt.optimizer_of(p)))
             grads[p] = (t.uid(g), _layout(g))
             if QUIET.get(key):
                 with t.in_optimizer_step():  # as the tracker's hook at an optimizer step's start: the gradient
@@ -281,7 +281,7 @@ class SharedSteps:
                 p.grad = None
                 return
             del g
-            opt._step_param(p)
+            opt.step_param(p)
             a, b, flops = inner[-1]
             if t.flops is not None:  # learnt only where its FLOPs are counted
                 QUIET[key] = flops == 0 and all(e[0] == COUNT and e[2] is None for e in t.log[a:b])

@@ -580,36 +580,6 @@ def test_a_part_past_its_limit_is_killed_and_keeps_its_output(tmp_path):
     assert "started" in (tmp_path / "t.log").read_text()
 
 
-@pytest.mark.parametrize("label", sorted(gpu_run.CARRIED))
-def test_carried_wheels_are_installed_when_missing(label, tmp_path, monkeypatch):
-    """liger-kernel and cut-cross-entropy: installed from third_party/wheels when not importable (here made to look
-    missing, whether or not they are installed)."""
-    import importlib.util
-    import zipfile
-    module = gpu_run.CARRIED[label]
-    hidden, find = {module}, importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in hidden else find(name, *a))
-    wheels = tmp_path / "tp" / "wheels"
-    wheels.mkdir(parents=True)
-    name = f"{module}-0.8.99"
-    with zipfile.ZipFile(wheels / f"{name}-py3-none-any.whl", "w") as z:  # a stand-in wheel: pip installs it offline
-        z.writestr(f"{module}/__init__.py", "STAND_IN = True\n")
-        z.writestr(f"{name}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.8.99\n")
-        z.writestr(f"{name}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                                              "Tag: py3-none-any\n")
-        z.writestr(f"{name}.dist-info/RECORD", "")
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", "")
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    line = gpu_run.ensure_liger(_ctx(tmp_path)) if label == "liger" else gpu_run.ensure_carried(_ctx(tmp_path), label)
-    assert line.startswith(f"{label}: installed") and "0.8.99" in line, line
-    site = tmp_path / f"lowmembp_{label}_site"
-    assert (site / module / "__init__.py").is_file() and str(site) == sys.path[0]
-    assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(site)
-    hidden.clear()
-    assert gpu_run.ensure_carried(_ctx(tmp_path, smoke=True), label) == f"{module} importable as installed"
-
-
 def test_prepare_copies_the_sources_and_the_wheel(tmp_path):
     import zipfile
     src = tmp_path / "LowMemoryBP"
@@ -696,21 +666,6 @@ def test_smoke_part_runs_the_smoke_sweep_through_snakemake(tmp_path):
     assert cmd[1:3] == ["-m", "snakemake"] and str(ROOT / "config" / "gpu-smoke.yaml") in cmd
     assert f"results={tmp_path / 'o' / 'smoke'}" in cmd and "gpu=1" in cmd and "-n" not in cmd
     assert gpu_run.part_command("smoke", _ctx(tmp_path, smoke=True), 0.0)[-1] == "-n"  # the dry run trains nothing
-
-
-def test_machine_json_takes_the_commit_the_tree_was_sent_from(tmp_path, monkeypatch):
-    ctx = _ctx(tmp_path)
-    monkeypatch.delenv("GPU_RUN_COMMIT", raising=False)
-    assert gpu_run.commit_sent(ctx) is None
-    (tmp_path / "tp").mkdir()
-    (tmp_path / "tp" / "COMMIT").write_text("abc123 dirty\n")
-    got = gpu_run.commit_sent(ctx)
-    assert got["commit"] == "abc123" and got["dirty"] is True and "prepare_gpu_run.sh" in got["how"]
-    monkeypatch.setenv("GPU_RUN_COMMIT", "def456")
-    got = gpu_run.commit_sent(ctx)
-    assert got["commit"] == "def456" and got["how"] == "$GPU_RUN_COMMIT"
-    facts = gpu_run.machine_facts(ctx, [])
-    assert facts["git"]["commit"] == "def456"  # not the copied tree's own .git
 
 
 def test_fig1_cells_are_the_jobs_command_lines():
