@@ -1,27 +1,17 @@
-"""A whole training step taken out of the host's hands: captured once in a CUDA graph and replayed
-(``torch.cuda.graphs``), or compiled with ``torch.compile(mode="reduce-overhead")`` (which captures CUDA graphs of
-the compiled parts itself).
+"""A whole training step taken out of the host's hands: captured once in a CUDA graph and replayed, or compiled with
+``torch.compile(mode="reduce-overhead")``.
 
-    def train_step(batch):                    # forward, backward, optimizer step on ``batch``; returns the loss
-        loss = loss_fn(model(batch["x"]), batch["y"])
-        loss.backward()
-        optimizer.step()                       # a capturable optimizer: AdamW(capturable=True) or (fused=True)
+    def train_step(batch):    # forward, backward, a capturable optimizer's step (AdamW(fused=True)); returns the loss
+        loss = loss_fn(model(batch["x"]), batch["y"]); loss.backward(); optimizer.step()
         return loss.detach()
 
-    step = CapturedStep(train_step, example_batch, mode="cuda-graphs",
-                        zero_grad=lambda: optimizer.zero_grad(set_to_none=True))
-    loss = step(batch)                          # copies ``batch`` into the static buffers, replays the graph
+    step = CapturedStep(train_step, mode="cuda-graphs", zero_grad=lambda: optimizer.zero_grad(set_to_none=True))
+    loss = step(batch)    # the first call warms up and captures; later ones copy ``batch`` in and replay the graph
 
-For small, fast steps, where the host's Python (module calls, op dispatch, kernel launches) takes as long as the
-device's work, a replay launches the whole step at once. What a step must be to be captured (static shapes, no host
-synchronisation and no data-dependent host branching inside, a capturable optimizer, gradients not set to None
-between steps) is the caller's; the ops of lowmembp are capture-safe. ``cuda-graphs`` follows PyTorch's recipe for
-whole-network capture: ``warmup`` steps on a side stream (they train: they are real steps on the example batch),
-gradients set to None, then one capture whose backward allocates the gradients in the graph's pool; later calls copy
-the batch into the static input buffers and replay. Every call returns the same static loss tensor, overwritten by
-the next call: read it before calling again.
-
-On a CPU device :func:`check_capture` refuses both modes (CUDA graphs need CUDA; reduce-overhead's graphs too).
+For small, fast steps the host's Python (module calls, op dispatch, kernel launches) takes as long as the device's
+work; a replay launches the whole step at once. CUDA only; the step must be capturable (static shapes, no host
+synchronisation inside), and every call returns the same loss tensor, overwritten by the next. The recipe and what
+a step must be, in full: docs/performance/host-time.md#taking-the-host-out-captured-steps.
 """
 from __future__ import annotations
 
@@ -90,9 +80,10 @@ class _CudaGraphs:
 
 class CapturedStep:
     """``step(batch) -> loss``: ``fn(batch) -> loss tensor`` (forward, backward, optimizer step) run as ``mode``
-    (see the module doc). ``zero_grad`` sets the gradients to None (before each warm-up step and before the capture;
-    never between replays). The first call warms up and captures on ``batch`` (``warmup`` extra steps on it), then
-    replays; ``captures`` counts the captures (1 after the first call)."""
+    (docs/performance/host-time.md#taking-the-host-out-captured-steps). ``zero_grad`` sets the gradients to None
+    (before each warm-up step and before the capture; never between replays). The first call warms up and captures on
+    ``batch`` (``warmup`` extra steps on it), then replays; ``captures`` counts the captures (1 after the first
+    call)."""
 
     def __init__(self, fn: Callable[[dict], torch.Tensor], *, mode: str = "cuda-graphs", warmup: int = 3,
                  zero_grad: Callable[[], None] = lambda: None, graphs=None):

@@ -5,24 +5,13 @@
     rows = gradient_fidelity(ref, got)                        # one row per parameter tensor both trained
     by_depth = summarize_fidelity(rows, depth_labels(list(ref)))   # one row per depth: embed, 0, 1, ..., head
 
-Per tensor, with ``g`` the reference gradient and ``m`` the method's (both flattened, float64):
-
-- ``cosine`` = ⟨m, g⟩ / (‖m‖·‖g‖): 1 when the method's gradient points the same way (1 when both are zero; NaN when
-  exactly one is);
-- ``rel_error`` = ‖m − g‖ / ‖g‖: 0 for an exact method (rounding aside; ``inf`` when ‖g‖ = 0 and m ≠ 0).
-
-A summary over several tensors (a block, the whole model) treats them as one concatenated vector, so it is computed
-from the per-tensor sums each row carries (``dot``, ``ref_sq``, ``got_sq``, ``diff_sq``): a large tensor weighs as
-much as its entries, a tiny one (a bias) little.
-
-Names: :func:`canonical_name` drops what wrappers add to parameter names (``torch.compile``'s ``_orig_mod.``,
-checkpoint wrappers' ``_checkpoint_wrapped_module.``), so a wrapped model's gradients meet the plain model's.
-:func:`depth_labels` puts each name at its depth: the block index found in the name (``layer.3.``, ``layers.3.``,
-``blocks.3.``, ``h.3.``), ``"embed"`` for the parameters registered before the first block and ``"head"`` for those
-after the last.
-
-Pure torch (no pandas): rows are dicts; the reproduction ``grad-fidelity`` (experiments.repro.grad_fidelity) builds
-its table from them.
+A method that approximates the backward (an activation's derivative, 8-bit saved tensors, a subset of the tokens)
+trains on another gradient; comparing it tensor by tensor and depth by depth shows where it departs, one step at a
+time, before a training run shows an accuracy gap. Per tensor, with ``g`` the reference gradient and ``m`` the
+method's (float64): ``cosine`` = ⟨m, g⟩ / (‖m‖·‖g‖) and ``rel_error`` = ‖m − g‖ / ‖g‖ (0 for an exact method). A
+summary treats a group's tensors as one concatenated vector; names are compared without what wrappers add
+(:func:`canonical_name`). Pure torch: rows are dicts. Edge cases, the depth rules and the measured figures of the
+``grad-fidelity`` reproduction: docs/evidence/gradient-fidelity.md.
 """
 from __future__ import annotations
 

@@ -1,28 +1,12 @@
 """Which op kind a saved-for-backward tensor belongs to, decided by the module that is running when it is saved.
 
-Kinds (the paper's slices of activation memory):
-
-- ``act``       activation functions: GELU, SiLU, ReLU, ..., ReGELU2/ReSiLU2, timm and transformers activation classes
-- ``norm``      LayerNorm / RMSNorm / LlamaRMSNorm / MSLayerNorm / MSRMSNorm / GroupNorm / BatchNorm
-- ``attention`` everything saved inside an attention module except by its linears / norms (q, k, v, softmax,
-                SDPA output and log-sum-exp, dropout masks, rotary cos/sin)
-- ``linear``    the input a linear layer saves (nn.Linear, peft LoRA layers, convolutions, transformers Conv1D,
-                quantised linears: any class whose name ends in ``Linear``)
-- ``product``   tensors saved directly by an MLP module's own forward, i.e. not by one of its children: the
-                Hadamard product ``act(gate(x)) * up(x)`` of LLaMA / SwiGLU MLPs
-- ``other``     everything else (embeddings, dropout masks outside attention, residual scalings, the loss)
-
-Rules, applied to the stack of modules running at the moment of the save, innermost first:
-
-1. A module may declare its kind with an attribute ``memory_kind`` (one of the kinds above); that wins. Method
-   modules that do not follow the naming rules below should set it.
-2. Activation, norm and linear modules classify by type or class name (table below); the first such module from
-   the inside decides. So a dropout inside a peft LoRA layer counts as ``linear``, and the qkv projection inside an
-   attention module counts as ``linear``.
-3. An attention module (class name contains ``Attention``) claims whatever its unclassified children save.
-4. An MLP module (class name ends in ``Mlp``/``MLP``/``FeedForward``/``GLU``) claims what it saves *itself* as
-   ``product``; what its unclassified children save (dropout masks) is ``other``.
-5. Otherwise ``other``.
+The kinds (:data:`KINDS`) are the paper's slices of activation memory, so that measured bytes compare with its
+breakdown of a block (docs/design.md#papers): ``act`` (activation functions), ``norm``, ``attention`` (what an
+attention module saves beyond its linears and norms), ``linear`` (a linear layer's input), ``product`` (what an MLP
+module saves itself: the Hadamard product of gated MLPs) and ``other``. A module declares its kind with an attribute
+``memory_kind``, or is classified by its type or class name; the innermost classified module of the running stack
+decides, and attention and MLP modules claim what their unclassified children save. A storage saved under several
+kinds counts under the first of :data:`PRIORITY`. The table of kinds and the rules in full: docs/measuring.md#op-kinds.
 """
 from __future__ import annotations
 

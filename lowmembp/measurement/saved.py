@@ -5,25 +5,12 @@
     acc.report()   # {"total": 123, "by_kind": {"act": .., "norm": .., "attention": .., "linear": .., "product": ..,
                    #   "other": ..}, "param_casts": .., "n_storages": ..}
 
-How it counts:
-
-- Every tensor that autograd saves passes through ``torch.autograd.graph.saved_tensors_hooks``; the accountant
-  looks at its storage (``untyped_storage()``) and counts each storage once, with its full size (a saved view of a
-  bigger buffer holds the whole buffer). Works the same on real and on fake tensors (FakeTensorMode keeps one
-  storage object per storage, so identity-based dedupe holds there too).
-- The kind comes from the module running at the moment of the save (forward pre/post hooks keep a module stack;
-  rules in :mod:`lowmembp.measurement.kinds`). A storage saved by several ops is counted under the first kind in
-  ``memory_kinds.PRIORITY`` (linear input first, like the paper).
-- Excluded: parameters and buffers of the model (frozen ones too), and autocast's low-precision copies of weights
-  (a tensor of 2+ dims with the shape of a parameter of the module that saves it, in any dim order), reported apart as
-  ``param_casts``:
-  they do not grow with the batch and are not activations.
-- Checkpointing: a non-reentrant ``torch.utils.checkpoint`` region keeps its inputs as saved tensors made through
-  the default hooks (``_CheckpointFrame.save_inputs``), so they are counted (kind of the module around the region,
-  usually ``other``); what the region's ops would save is not saved (its own hooks) — the point of checkpointing.
-  Tested in ``tests/measurement/test_memory.py`` (torch 2.14).
-- Not seen: tensors held outside autograd (a method's own caches). Peak memory (:mod:`lowmembp.measurement.peak`) sees
-those.
+Activation memory is what the methods trade against speed and exactness, and a step's peak mixes it with weights,
+gradients and optimizer state: this counts it alone. Every tensor autograd saves passes through
+``saved_tensors_hooks``; each storage counts once, at its full size, under the op kind of the module running when it
+is saved (:mod:`lowmembp.measurement.kinds`). Parameters, buffers and autocast's copies of weights (``param_casts``)
+are left out; tensors held outside autograd are not seen (the peak, :mod:`lowmembp.measurement.peak`, sees them).
+Real and fake tensors are counted alike. The rules in full, checkpointing included: docs/measuring.md#saved-bytes.
 """
 from __future__ import annotations
 
