@@ -1,29 +1,13 @@
 """The data-flow adapter: find where each norm's output goes from one traced forward on a tiny input.
 
 For a model no dedicated adapter claims (Gemma 2/3, OLMo2, GPT-2, DistilBERT, DeBERTa-v2, ModernBERT, HF ViT /
-DINOv2 / CLIP / SigLIP vision towers, timm EVA / BEiT / Swin v2, your own LLaMA-, BERT- or ViT-like variant ...)
-the model runs once in eval mode under ``torch.no_grad()`` on a tiny sample input (``input_ids`` 2×6 /
-``pixel_values`` at the configured size; set ``model.lowmembp_example_inputs = {...}`` to give your own), with
-
-- forward pre-/post-hooks on every module (a module stack, and the tensors each call received), and
-- a ``TorchFunctionMode`` that sees every tensor operation outside linears and norms.
-
-Each norm's output tensor is followed by identity through *views only* — reshape/view/transpose/permute that keep the
-channel dimension last, token indexing, ``roll`` over tokens, ``mean`` over tokens, dropout, dtype casts — all of
-which commute with a per-channel affine map. Its readers are then:
-
-- *consumers*: linear-like modules (``nn.Linear``, GPT-2 ``Conv1D``, peft wrappers) called on it directly — γ/β fold
-  into them;
-- *receivers*: a module that got it as an argument and reads it with anything else (a residual add in a post-norm
-  block: BERT-like ``SelfOutput(hidden, input_tensor)``, DistilBERT's block, ModernBERT's first layer) — γ/β are
-  re-applied to that argument (``lowmembp.models.fold.ResidualAffine``) and the linears called inside the receiver
-  are not folded (they see the re-applied value).
-
-Anything else keeps the norm exact, with the reason: the output leaves the model, feeds another norm (sandwich
-norms, q/k norms), reaches a linear shared with other inputs, or is read by an operation no module received it
-through (a residual add in the block that made it: Gemma 2/3 and OLMo2 post-sublayer norms, Swin v2 post-norm).
-Every activation module of a known kind (:data:`lowmembp.models.detect.ACT_KINDS`) is listed; blocks are the
-homogeneous ``ModuleList`` / ``Sequential`` entries that hold linears.
+DINOv2 / CLIP / SigLIP vision towers, timm EVA / BEiT / Swin v2, your own LLaMA-, BERT- or ViT-like variant ...),
+neither a name nor the module tree says which linears read a norm's output. So the model runs once in eval mode under
+``torch.no_grad()`` on a sample input (``input_ids`` 2×6 / ``pixel_values``, or ``model.lowmembp_example_inputs``),
+with module hooks and a ``TorchFunctionMode`` that follow each norm's output by tensor identity through views only.
+Linears called on it directly (*consumers*) get γ/β folded in; a module that reads it otherwise (*receivers*: a
+post-norm residual add) gets γ/β re-applied to that argument (:class:`lowmembp.models.fold.ResidualAffine`); any other
+reader keeps the norm exact, with the reason. The views followed and the rules in full: docs/models.md#dataflow.
 """
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
 """Folding a norm's affine map (γ, β) into the linear layers that read its output (docs/design.md#ms-norms).
 
 A consumer computed ``W·(γ⊙y + β) + b``; after folding it computes ``W'·y + b'`` with ``W' = W·diag(γ)`` and
-``b' = b + W·β`` — the same function of the normalised ``y``. Arithmetic in float64, cast back to the weight dtype.
-A bias is created (zeros, then ``W·β``) when the linear had none and β is not None.
-
-peft LoRA (``lora.Linear``: ``base_layer(x) + lora_B(lora_A(dropout(x)))·scaling``): the LoRA branch reads the
-same ``x``, so it is folded too: ``lora_A`` gets ``A' = A·diag(γ)`` and a new bias ``A·β`` (``lora_A`` has none),
-so ``lora_A'(y) = A·(γ⊙y + β)`` exactly and ``lora_B``, the scaling and every gradient into B are unchanged. (Folding
-``B·A·β·scaling`` into the base bias instead would be exact only until B moves.) Merged adapters and LoRA variants
-(DoRA, ...) are refused: unmerge first / use plain LoRA. peft ``ModulesToSaveWrapper``: the original module and every
-trainable copy are folded.
-
-After folding, W', b' (and A', A's bias) are independent parameters: the reparametrisation of
-``(W, b, γ, β) -> (W', b')`` keeps the forward; gradients map back by the chain rule
-``dW = dW'·diag(γ) + db'·βᵀ``, ``dγ_j = Σ_i W_ij·dW'_ij``, ``dβ = Wᵀ·db'``
-(tests/methods/test_lowmembp_convert.py checks it).
-
-Works on real, meta and fake tensors: only tensor ops, no ``.item()``, no data-dependent Python. Parameters are
-updated in place (same ``nn.Parameter`` objects; ``requires_grad`` kept); new biases are new parameters whose
-``requires_grad`` follows the weight's. A weight shared with another module (tied embeddings) is untied first.
+``b' = b + W·β``: the same function of the normalised ``y``, so the norm before it can drop its affine map and its
+output can be the very tensor the linear saves. Arithmetic in float64, cast back to the weight dtype. A peft LoRA
+layer's ``lora_A`` reads the same input and is folded too (``A' = A·diag(γ)`` and a new bias ``A·β``), leaving B and
+its gradients unchanged; a post-norm residual gets γ/β re-applied instead (:class:`ResidualAffine`). Parameters are
+updated in place, on real, meta and fake tensors alike. What is refused, tied weights, and how gradients map back by
+the chain rule: docs/design.md#ms-norms.
 """
 from __future__ import annotations
 
