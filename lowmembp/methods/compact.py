@@ -1,24 +1,14 @@
 """``compact``: CompAct (Shamshoum et al., NAACL 2025): each trained linear of the blocks saves a random projection of
 its input for the backward, and forms its weight gradient in the projected space (:mod:`lowmembp.ops.compact_linear`).
 
-The forward is exact; the input gradient and the bias gradient are exact; the weight gradient is an unbiased random
-estimate (a fresh Gaussian projection ``P`` of ``r`` columns every forward: ``E[dW] =`` the exact one, its error
-falling as ``1/√r``). What a linear keeps for the backward falls from its input (``d_in`` per row) to ``r`` per row.
-
-Options: ``ratio`` (``r = ⌈ratio · d_in⌉`` per linear; default 0.25) or ``rank`` (one ``r`` for all; wins over
-``ratio``), ``seed`` (the projections' base seed: each linear and each forward draws its own from it).
-
-Where: the layout's ``projections`` (each block's attention and MLP linears), plain ``nn.Linear`` whose weight is
-trained; the head, the embeddings and frozen linears (LoRA's base) are left alone (a frozen linear saves no input
-anyway). Linears reading the same tensor (q, k, v; gate and up) share one projection: the same ``P``, one ``x·P``
-kept between them. The module keeps its class and parameters: its ``forward`` is replaced on the instance, in
-training with grad enabled only (eval and ``no_grad`` run the plain forward); ``export`` takes it off.
-
-Composes with ``lowmembp``: the MS-norms save their own output ``y`` because the next linear keeps that same tensor; a
-CompAct linear keeps ``y·P`` instead, so at a norm → linear site the pair keeps ``y`` (the norm's) and ``y·P`` (the
-linear's), as CompAct alone keeps the norm's input and ``y·P``: the pair gains over CompAct alone what lowmembp's
-activations save (ReGELU2 / ReSiLU2's 2-bit codes) and loses nothing. ``checkpointing`` and ``tiled-mlp``
-recompute through it; ``mesa`` (its own 8-bit linears) cannot be combined with it.
+A lever for full fine-tuning: what a linear keeps falls from ``d_in`` to ``r`` values per row, at the price of an
+unbiased random estimate of the weight gradient (its error falling as ``1/√r``); the forward, the input gradient and
+the bias gradient stay exact. Options: ``ratio`` (``r = ⌈ratio · d_in⌉``; default 0.25) or ``rank`` (one ``r`` for
+all; wins over ``ratio``), ``seed``. The layout's projections with a trained weight are converted (not the head, the
+embeddings or frozen linears), their ``forward`` replaced on the instance for training with grad enabled; linears of
+one input share one projection. Composes with ``lowmembp`` (the pair gains what lowmembp's activations save and loses
+nothing), ``checkpointing`` and ``tiled-mlp``; not with ``mesa``. In full, with measured figures:
+docs/methods/compact.md.
 
 May import: torch, :mod:`lowmembp.ops.compact_linear`, :mod:`lowmembp.models`.
 """

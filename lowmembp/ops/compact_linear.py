@@ -2,22 +2,12 @@
 
     y = compact_linear(x, weight, bias, rank=r, seed=s)
 
-Forward: ``y = x·Wᵀ + b``, exact. For the backward it keeps ``z = x·P`` (``N × r`` for the ``N`` rows of ``x``)
-instead of ``x`` (``N × d_in``), with ``P`` a ``d_in × r`` Gaussian matrix of entries ``N(0, 1/r)`` drawn from
-``seed`` (not kept: the backward draws it again from the seed), so ``E[P·Pᵀ] = I``. Backward:
-
-- ``dx = dy·W``: exact (it needs the weight, not the input);
-- ``db = Σ dy``: exact;
-- ``dW = (dyᵀ·z)·Pᵀ``: the weight gradient formed in the projected space (``d_out × r``) and mapped back; an unbiased
-  estimate of ``dyᵀ·x`` (its expectation over ``P`` is the exact gradient), whose variance falls as ``1/r``.
-
-Linears reading the same input (q, k, v; gate and up) can share one projection (``z=``: the same ``P``, one
-``z`` kept between them): each one's weight gradient stays unbiased.
-
-Saved: ``z`` in the input's dtype (``r / d_in`` of the input) and the weight (a parameter, no extra memory). A
-frozen weight (no gradient wanted) needs nothing of the input: then nothing is saved but the weight.
-Under autocast the forward computes in the autocast dtype (as ``F.linear``), the backward casts ``dy`` and ``W`` to a
-common dtype and forms ``dW`` in fp32 before casting to the weight's dtype.
+The forward ``y = x·Wᵀ + b`` is exact. For the backward it keeps ``z = x·P`` (``N × r`` for the ``N`` rows of ``x``)
+instead of ``x`` (``N × d_in``), with ``P`` a ``d_in × r`` Gaussian matrix of entries ``N(0, 1/r)``, so
+``E[P·Pᵀ] = I``; ``P`` is not kept but drawn again from ``seed`` in the backward. ``dx = dy·W`` and ``db = Σ dy`` are
+exact; ``dW = (dyᵀ·z)·Pᵀ`` is an unbiased estimate of ``dyᵀ·x`` whose variance falls as ``1/r``. Linears reading the
+same input can share one ``z`` (``z=``), each weight gradient staying unbiased; a frozen weight keeps nothing of the
+input. What is saved, autocast, and the method built on it: docs/methods/compact.md.
 
 May import: torch.
 """
