@@ -37,7 +37,8 @@ class SavedStorage:
 
 
 class SavedTensorAccountant:
-    """Context manager counting the bytes autograd saves for backward inside it, by op kind (see module doc).
+    """Context manager counting the bytes autograd saves for backward inside it, by op kind
+    (docs/measuring.md#saved-bytes).
 
     ``model`` gives the module hooks and the parameters to exclude; pass ``None`` to count everything as ``other``
     (no module attribution) with nothing excluded. Re-entering starts a fresh count.
