@@ -1,31 +1,14 @@
 """``cce``: Cut Cross-Entropy (Wijmans et al., ICLR 2025) for causal LMs, through the ``cut-cross-entropy`` package.
 
-Hooks the causal LM as ``chunked-ce`` does (lowmembp.methods.chunked_ce): with ``labels``, in training mode with grad
-enabled, the decoder runs as usual and the loss is ``cut_cross_entropy.linear_cross_entropy(hidden, lm_head.weight,
-targets)`` — the model's own loss (labels shifted by one, ``-100`` ignored, the mean over the counted tokens, or the
-sum over ``num_items_in_batch`` when given; Gemma-2's ``final_logit_softcapping`` passed as CCE's ``softcap``), the
-output carrying no logits. Without labels, in eval or under ``no_grad`` the model's own forward runs.
-
-The package has two implementations (option ``impl``):
-
-- ``"cce"``: its Triton kernels (CUDA only). The ``B·S × V`` logits are never written to memory: the forward
-  computes each token's log-sum-exp block by block in on-chip memory, the backward recomputes the logit blocks and
-  skips those whose softmax values are below ``filter_eps`` (``"high"``, the package's default: the input dtype's
-  machine epsilon / 32, 2.4e-4 for bf16 and 3.1e-5 for fp16; ``none``: no filtering).
-- ``"torch_compile"``: ``torch.compile`` of ``F.cross_entropy((e @ cᵀ).float())`` — runs on the CPU (and on CUDA);
-  what it keeps is what inductor generates (on the CPU the logits are materialised: exact, without the kernel's
-  saving). The first call compiles (~10 s on a CPU).
-- ``"auto"`` (default): ``"cce"`` on CUDA tensors, ``"torch_compile"`` elsewhere. ``impl="cce"`` on a CPU tensor is
-  refused at the first training step with the reason, and so is the kernel (``"cce"``, or ``"auto"`` on CUDA) for a
-  float32 lm_head input: the package's backward kernel takes bf16 / fp16 only (train in bf16 / fp16 or under autocast,
-  or choose ``impl="torch_compile"``). Its gradients are summed block by block in the input dtype (bf16 rounding at
-  each of the ~V/128 vocabulary blocks), so they differ from the plain bf16 model's by more than one rounding.
-
-Needs ``pip install cut-cross-entropy`` (the ``cce`` extra; it needs triton, which torch on Linux brings). Refused
-for models without a causal-LM head, an lm_head with a bias (CCE's classifier is one matrix) or a LoRA adapter on the
-lm_head, exactly as ``chunked-ce`` (whose message it shares). Excludes ``chunked-ce`` and ``liger`` (the same loss
-computed another way). Composes with ``lora`` / ``velora``, ``lowmembp``, ``checkpointing``, ``tiled-mlp`` and the
-other methods that leave the lm_head a linear.
+With a large vocabulary the ``B·S × V`` logits are among a step's largest tensors; CCE computes the lm_head and the
+loss without materialising them. The causal LM is hooked as ``chunked-ce`` hooks it (lowmembp.methods.chunked_ce):
+with ``labels``, in training with grad enabled, the loss is ``linear_cross_entropy(hidden, lm_head.weight, targets)``,
+the model's own loss (shifted labels, ``-100`` ignored, Gemma-2's soft-capping), and the output carries no logits;
+otherwise the model's own forward runs. Option ``impl``: ``"cce"`` (the package's Triton kernels: CUDA, bf16 / fp16
+lm_head inputs), ``"torch_compile"`` (``torch.compile`` of the plain loss; on the CPU it keeps the logits) or
+``"auto"`` (the kernel on CUDA, else the compiled path); ``filter_eps`` is the kernel's gradient filter. Refused for
+models without a causal-LM head, an lm_head with a bias or a LoRA adapter on it; excludes ``chunked-ce`` and
+``liger``. Needs ``pip install cut-cross-entropy``. In full, with measured figures: docs/methods/cce.md.
 """
 from __future__ import annotations
 
