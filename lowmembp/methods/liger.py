@@ -1,27 +1,13 @@
 """``liger``: Liger-Kernel's own patching of a transformers model (PyPI ``liger-kernel`` 0.8.x; docs/design.md#peers).
 
 Liger replaces, on the model instance, the RMSNorm / LayerNorm, the SwiGLU / GeGLU MLP and the causal LM's lm_head +
-cross-entropy (fused linear cross-entropy: the logits are never materialised) with exact Triton kernels. We call
-Liger's own dispatcher (``liger_kernel.transformers._apply_liger_kernel_to_instance``, which picks
-``apply_liger_kernel_to_llama`` / ``_mistral`` / ``_qwen2`` / ... by ``config.model_type``) with Liger's defaults.
-Those functions also rebind names process-wide (``modeling_llama.LlamaRMSNorm``, ``LlamaMLP``,
-``apply_rotary_pos_emb``; ``torch.nn.functional.cross_entropy`` for some families): we restore every such name after
-the call, so no other model — built before or after — changes (Liger's RoPE, which it patches only at module level,
-is therefore not used: the instance keeps transformers' rotary embedding, exact either way).
-
-Refused, with the reason:
-
-- on a machine without CUDA, and on fake or meta tensors: Liger's kernels run neither in Triton's interpreter
-  (liger-kernel 0.8.5 and 0.6.4 with triton 3.8 fail in RMSNorm and LayerNorm with ``InterpreterError: ... has no
-  attribute 'to'``) nor on fake tensors, so CPU runs and paper-scale estimates cannot include it — the GPU run
-  measures it;
-- for models Liger has no patch for: timm models (ViT, Swin), and transformers model types missing from Liger's
-  table (BERT / RoBERTa among them);
-- when ``liger-kernel`` is not installed: ``pip install 'lowmembp[gpu]'``.
-
-Applied first (order 5: before peft wraps the model). Excludes the methods that rewrite the same layers or the same
-loss: ``lowmembp*``, ``mesa*``, ``chunked-ce`` (Liger's fused linear cross-entropy is the same idea) and
-``tokentune``.
+cross-entropy (fused: the logits are never materialised) with exact Triton kernels. The method runs Liger's own
+dispatcher with Liger's defaults, so what is measured is the package as its users get it; the names that Liger's
+patch functions rebind process-wide are restored after the call, so no other model changes (Liger's RoPE, patched
+only that way, is therefore not used). Refused without CUDA and on fake or meta tensors (its kernels run neither in
+Triton's interpreter nor on fake tensors), for timm models and model types Liger has no patch for, and when
+``liger-kernel`` is missing. Applied first (order 5, before peft wraps the model); excludes ``lowmembp*``, ``mesa*``,
+``chunked-ce`` and ``tokentune``. In full: docs/methods/liger.md.
 """
 from __future__ import annotations
 
