@@ -1,26 +1,14 @@
 """``sac``: selective activation checkpointing per transformer block (docs/design.md#peers).
 
-Each block's forward runs under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False,
-context_fn=partial(create_selective_checkpoint_contexts, policy))``: the policy marks every op the block runs as
-``MUST_SAVE`` (its output is kept for backward, as without checkpointing) or ``PREFER_RECOMPUTE`` (dropped and
-recomputed in the backward). Exact: the recomputation reruns the same ops (RNG state preserved).
-
-Option ``policy``:
-
-- ``"save-matmuls"`` (default; the common policy, e.g. torchtitan's): keep the outputs of matrix products
-  (``mm``, ``addmm``, ``bmm``, ``baddbmm``, convolutions) and of fused attention (every SDPA kernel's output and
-  log-sum-exp); recompute everything else — norms, activations, casts, residual adds, products. The backward then
-  costs the cheap pointwise ops again, not the matmuls.
-- ``"save-attention"``: keep only the fused attention outputs (the most expensive op to recompute per byte);
-  recompute the matmuls too.
-- ``"save-nothing"``: recompute everything (the memory of plain ``checkpointing`` through the SAC machinery).
-
-Like ``checkpointing``, a block keeps its inputs; what it saves inside follows the policy. The wrapper sits on the
-block instance (its class, name and parameters unchanged) and only checkpoints in training mode with grad enabled.
-What SAC keeps goes through the saved-tensor hooks around it (``respect_saved_tensors_hooks=True`` where torch
-has the switch, 2.14): the accountant counts it and ``offload`` moves it. A transformers key/value cache argument is
-dropped in training (recomputing a block would append to it twice). Excludes ``checkpointing`` (both checkpoint the
-same blocks) and ``tokentune`` (it runs its own block loop).
+Plain checkpointing recomputes a whole block; a policy can instead keep the outputs that are expensive to recompute
+(matmuls, attention) and drop the cheap ones. Each block's forward runs under non-reentrant
+``torch.utils.checkpoint.checkpoint`` with ``create_selective_checkpoint_contexts(policy)``: every op is marked
+``MUST_SAVE`` or ``PREFER_RECOMPUTE``. Exact: the recomputation reruns the same ops (RNG state preserved). Option
+``policy``: ``"save-matmuls"`` (default: keep matmul, convolution and fused-attention outputs), ``"save-attention"``
+(keep fused attention only: the policy to stack on frozen weights, LoRA and LoRA-FA) or ``"save-nothing"`` (plain
+checkpointing's memory). The wrapper sits on the block instance and checkpoints only in training with grad
+enabled; what it keeps passes through the saved-tensor hooks around it (the accountant, ``offload``). Excludes
+``checkpointing`` and ``tokentune``. In full: docs/methods/sac.md.
 """
 from __future__ import annotations
 
