@@ -1,30 +1,16 @@
 """``tiled-mlp``: each block's MLP computed over sequence tiles with recomputation (the idea of Liger-Kernel's
 TiledMLP, Snowflake's ALST and Unsloth's tiled MLP), exact.
 
-An MLP acts on every token alone, so splitting its input along the sequence and concatenating the outputs changes
-nothing but the matmuls' blocking. Each tile runs under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``:
-the forward keeps only the tile's input (a view of the MLP input, which the MLP's first linear saves anyway without
-tiling) and no intermediate activation (the up/gate projections, the activation, their product: 2-4 × the MLP width
-per token, usually the largest activations of a block). The backward recomputes one tile at a time, so only one
-tile's intermediates are alive at once. Cost: the MLP's forward runs twice (about a third more MLP compute).
-
-The tiles are taken over the batch's tokens laid end to end (``B·L`` rows of the ``B × L × D`` input, as Liger's
-TiledMLP does; each tile a contiguous ``rows × D`` view), so a tile may span two sequences. Options: ``tiles`` (the
-number of tiles: the ``B·L`` tokens split into that many near-equal parts) or ``tile_len`` (tokens per tile; the last
-tile takes the rest). Default (neither): tiles as long as the MLP's input width (``hidden_size`` tokens;
-``⌈B·L / hidden_size⌉`` tiles), as Liger-Kernel's and ALST's tiled MLPs choose; with one tile the MLP is simply
-recomputed in the backward. Giving both is an error.
-
-Where: the ``mlp`` child of each block (timm ViT / Swin blocks, LLaMA-family decoder layers: ``mlp(x)``), or BERT's
-``feed_forward_chunk`` (``intermediate`` + ``output``: dense, activation, dense, dropout and the residual LayerNorm,
-all per token). The module keeps its class and parameters: its ``forward`` (or ``feed_forward_chunk``) is replaced on
-the instance, in training with grad enabled only (eval and ``no_grad`` run the plain forward). Dropout inside the MLP
-draws its masks per tile: the same distribution as the plain model's, not the same masks.
-
-Composes with everything that keeps the MLP a function of each token: ``lora`` / ``velora`` / ``lora-fa`` (their
-adapters run inside the tiles), ``lowmembp`` (approximate activations and MS-norms inside), ``mesa``, ``tokentune``
-(the selected tokens are tiled), ``checkpointing`` (a checkpoint inside a checkpoint: in the block's recomputation
-the MLP again keeps only its tile inputs).
+An MLP's intermediate activations (the up / gate projections, the activation, their product: 2-4 × the MLP width per
+token) are usually a block's largest, and an MLP acts on every token alone, so splitting its input along the tokens
+changes nothing but the matmuls' blocking. Each tile runs under non-reentrant ``torch.utils.checkpoint``: the forward
+keeps only the tile's input (a view of the MLP input, which the MLP's first linear saves anyway), and the backward
+recomputes one tile at a time, so one tile's intermediates are alive at once; the cost is a second MLP forward.
+Tiles are taken over the ``B·L`` tokens laid end to end (a tile may span two sequences). Options: ``tiles`` (how
+many) or ``tile_len`` (tokens per tile), not both; default tiles of ``hidden_size`` tokens, as Liger-Kernel and ALST
+choose. Where: each block's ``mlp`` child, or BERT's ``feed_forward_chunk``; replaced on the instance for training
+with grad enabled. Composes with the methods that keep the MLP a function of each token. In full, with measured
+figures: docs/methods/tiled-mlp.md.
 """
 from __future__ import annotations
 
