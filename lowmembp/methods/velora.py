@@ -1,25 +1,14 @@
 """``velora``: LoRA whose A projections save a rank-1 compression of their input for the backward (VeLoRA,
 arXiv 2405.17991), through peft's own implementation (``peft.tuners.lora.config.VeloraConfig``).
 
-The adapters are placed exactly as ``lora`` places them (same options ``rank``, ``alpha``, ``targets``; the
-classification head stays trainable; LoRA dropout 0). peft then replaces each adapter's ``lora_A`` matmul in training
-by ``VeloraFunction``: the input ``x`` (``d_in`` values per token) is split into ``num_groups`` groups of
-``⌈d_in / num_groups⌉`` features (zero-padded), each group is projected onto one unit vector ``v`` (the mean of the
-batch's groups, refreshed every training forward with ``init_type="batch_average"``), and only those ``num_groups``
-coefficients per token are saved. The backward rebuilds ``x̃ = (coefficients ⊗ v)·scale`` and computes A's gradient
-``gᵀ·x̃`` from it, an approximation; the input's gradient (``g·A``) and B's gradient are exact. With the base weight
-frozen nothing else saves ``x``, so a LoRA layer keeps ``num_groups + rank`` values per token instead of
-``d_in + rank``.
-
-Options (peft's names and defaults): ``num_groups`` (64), ``scale`` (1.0), ``init_type`` (``"batch_average"``;
-``"batch_average_once"``: the projection fixed after the first batch; ``"random"``: a fixed random unit vector).
-``num_groups`` must be below every adapted linear's input width (else nothing is compressed: refused). In eval or
-under ``no_grad`` the layer is plain LoRA: the forward is LoRA's exactly, only A's gradient differs. On the meta device
-(the fake-tensor estimate) the projection is not updated (its update reads values; a no-grad temporary).
-
-Composes like ``lora`` (``velora+lowmembp``, ``velora+checkpointing``, ``velora+tokentune``, ...); excludes ``lora``
-and ``lora-fa``; no QLoRA (peft's 4-bit LoRA layers do not support VeLoRA). Export: the adapters merge or save as
-LoRA's do (peft's VeLoRA variant merges ``B·A`` like plain LoRA; the projection buffers are saved with the adapter).
+With the base weight frozen, a LoRA layer's largest saved tensor is its input ``x``, kept for A's gradient. The
+adapters are placed exactly as ``lora`` places them; peft then splits ``x`` into ``num_groups`` groups of features,
+projects each onto one unit vector (the batch's mean group, refreshed every training forward with
+``init_type="batch_average"``) and saves only those coefficients, so a layer keeps ``num_groups + rank`` values per
+token instead of ``d_in + rank``. A's gradient is computed from the rebuilt input, an approximation; the forward, the
+input's gradient and B's are exact. Options (peft's names and defaults): ``num_groups`` (64; below every adapted
+input width), ``scale`` (1.0), ``init_type``. Composes like ``lora``; excludes ``lora`` and ``lora-fa``; no QLoRA
+(peft's 4-bit LoRA layers do not support VeLoRA). In full, with measured figures: docs/methods/velora.md.
 """
 from __future__ import annotations
 
