@@ -1,25 +1,13 @@
 """The method registry behind ``lowmembp.apply(model, "a+b+c", **options)``.
 
 Each method lives in its own file under ``lowmembp/methods/`` and registers a transform ``model -> model`` with
-:func:`register`. A method declares the options it takes (with defaults) and its place in the order in which
-composed methods are applied, so ``"lowmembp+lora"`` and ``"lora+lowmembp"`` mean the same thing.
-
-Order (lower first): lora / lora-fa / velora 10 → lowmembp / lowmembp-act / lowmembp-norm 20 → compact 25 → mesa /
-mesa-gelu-ln 30 → tiled-mlp 35 → tokentune 40 → chunked-ce / cce 45 → checkpointing 50 → compile 60 (torch.compile of
-the result).
-``baseline`` changes nothing.
-
-**Deferred steps.** A method may leave part of its work for later in the same ``apply`` with :func:`defer`: the step
-runs before the first method of a higher order, or at the end (``lora``'s ``quantize="nf4"`` quantises at order 25,
-after lowmembp has folded γ into the full-precision weights: lowmembp.methods.qlora). Outside ``apply`` (a method's
-function called directly) :func:`defer` runs the step at once.
-
-**Options in the spec.** A method name may carry its options: ``name@opt=value[,opt=value...]``, e.g.
-``"tokentune@k=4"`` or ``"lora@rank=8+tokentune@k=0.3"`` — the same as ``apply(model, "lora+tokentune", rank=8,
-k=0.3)``, but the spec alone names the variant (the pipeline keys its cells and record paths by it). Option names
-are lower-case words, values one word of ``A-Z a-z 0-9 . _ -`` (path-safe; no lists); each option must be taken by
-the method it follows. Values are read as the method declares (:func:`read_option`: ``kinds`` if the method gives
-them, else the type of the default) and checked by the method's ``check``.
+:func:`register`, declaring the options it takes (with defaults), the methods it excludes and its place in the order
+in which composed methods are applied, so ``"lowmembp+lora"`` and ``"lora+lowmembp"`` mean the same thing
+(``baseline`` changes nothing). A method may :func:`defer` part of its work to later in the same ``apply``:
+``lora``'s NF4 quantisation waits until ``lowmembp`` has folded γ into the full-precision weights. A method name may
+carry its options, ``name@opt=value[,opt=value...]`` (``"lora@rank=8+tokentune@k=0.3"``), so that the spec alone
+names the variant; values are read as the method declares (:func:`read_option`) and checked by its ``check``. The
+order of every method, deferred steps and the spec's rules: docs/methods/index.md.
 """
 from __future__ import annotations
 
