@@ -1,30 +1,14 @@
 """QLoRA's frozen base: the targeted ``nn.Linear`` weights stored as bitsandbytes NF4 (``lora`` option
 ``quantize="nf4"``; see :mod:`lowmembp.methods.lora`).
 
-Each targeted linear becomes a ``bitsandbytes.nn.Linear4bit`` holding its weight quantised (4-bit NormalFloat, block
-size 64, optionally double-quantised absmax) and its bias as a frozen parameter; forward and backward dequantise
-the weight per matmul into the original dtype. The linears are found by peft's name rule, also where peft has
-already wrapped them (``<name>.base_layer`` of a LoRA layer): the base layer is replaced in place and the LoRA layer
-keeps its adapters.
-
-When quantisation happens. ``lora`` places its adapters on the full-precision model and leaves the NF4 step to the
-registry (:func:`lowmembp.methods.registry.defer`, order :data:`QUANTIZE_ORDER`): after the methods that rewrite
-full-precision weights (``lowmembp`` / ``lowmembp-norm`` fold γ into the base weights and into LoRA's A, order 20),
-before those that wrap layers (``mesa`` 30 and later). So ``lora+lowmembp`` with NF4 stores
-``NF4(W·diag(γ))`` — the official LowMemoryBP setting: github yyyyychen/LowMemoryBP
-``experiments/llama_exp/README.md`` ("merge LayerNorm before fine-tuning"), ``scripts/merge_llama_7b.sh:1-3`` and
-``src/merge_utils/merge_ln.py:66-87`` fold the RMSNorm weights into q/k/v/gate/up of the fp16 checkpoint (and the
-final norm into ``lm_head``, :59-63), then ``scripts/finetune_llama_7b_mergeln.sh:3-5,34-37`` loads that merged
-checkpoint in NF4 (``qlora.py:348-363``). It is *not* the QLoRA-baseline model with γ moved: ``NF4(W·diag(γ)) ≠
-NF4(W)·diag(γ)`` (the blocks' absmax and rounding see the scaled weights), so the converted and the baseline QLoRA
-model differ by the order of NF4's own error (tests/methods/test_qlora.py measures it). Two official details we do
-not copy: merge_ln.py stores the merged weights transposed (``:75,86``, read back by
-``src/utils/matmul_4bit.py:Linear4bit_forward``), so its NF4 blocks of 64 run along the output dimension where ours
-(bitsandbytes' layout) run along the input dimension; and their LoRA A is a fresh init on the merged model where
-ours is the baseline's A with γ folded in (``A·diag(γ)``; the same function at init, B = 0).
-
-Merging adapters into an NF4 base (peft ``merge_adapter`` / ``merge_and_unload``) is refused with a clear error: the
-vanilla peft LoRA layer would add the delta to the packed 4-bit bytes.
+QLoRA keeps the frozen base weights in 4 bits instead of 16. Each targeted linear (found by peft's name rule, also
+under a LoRA layer's ``base_layer``) becomes a ``bitsandbytes.nn.Linear4bit`` (NF4, blocks of 64, the absmax
+optionally double-quantised; the bias a frozen parameter) that dequantises its weight per matmul. The quantisation
+is deferred in the registry to order :data:`QUANTIZE_ORDER`: after ``lowmembp`` has folded γ into the full-precision
+weights, before the methods that wrap layers, so ``lora+lowmembp`` stores ``NF4(W·diag(γ))``, as the official
+LowMemoryBP LLaMA run does (not the baseline QLoRA model with γ moved). Merging adapters into an NF4 base is refused:
+peft would add the delta to the packed 4-bit bytes. In full: docs/methods/lora.md#qlora; the official sources and
+where ours differs: docs/reproductions/paper-settings.md.
 """
 from __future__ import annotations
 
