@@ -1,30 +1,16 @@
-"""The optimizer's memory levers, chosen beside the methods: AdamW with fp32 states, with 8-bit states, or stepped
+"""The optimizer's memory levers, chosen beside the methods: AdamW with its usual states, with 8-bit states, or stepped
 inside the backward.
 
-    from lowmembp.methods.optimizers import make_optimizer
     opt = make_optimizer(model.parameters(), "adamw-fused-backward", lr=1e-4, weight_decay=0.01)
     loss.backward()      # each parameter is stepped, and its gradient freed, as soon as the gradient is accumulated
     opt.step()           # the usual loop still works: step() and zero_grad() find nothing left to do
-    opt.zero_grad(set_to_none=True)
 
-Names (:data:`OPTIMIZERS`):
-
-- ``adamw``: ``torch.optim.AdamW``; two fp32 states per trained element (8 bytes) and the fp32 gradients, all of
-  them alive from the end of the backward to the step.
-- ``adamw8bit``: bitsandbytes' ``AdamW8bit`` (block-wise 8-bit states, the CPU and CUDA alike): per tensor of at
-  least ``min_8bit_size`` (4096) elements, two uint8 states (2 bytes an element) and one fp32 absmax per 256-element
-  block of each (:func:`adamw8bit_state_bytes`); smaller tensors keep fp32 states; two 256-entry fp32 quantisation
-  maps shared by all. Not exact: the states are quantised each step.
-- ``adamw-fused-backward``: :class:`FusedBackwardAdamW`, one ``torch.optim.AdamW`` per parameter stepped from that
-  parameter's ``register_post_accumulate_grad_hook`` (the recipe of torch's tutorial "How to save memory by fusing
-  the optimizer step into the backward pass"), which then frees the gradient: the gradients never all live at
-  once. Exact: the same update as ``adamw`` (bit for bit against ``AdamW(foreach=False)``). Cannot accumulate
-  gradients over micro-batches, clip by the global norm, or unscale a ``GradScaler``'s gradients before the step
-  (every backward steps at once).
-
-The full-fine-tuning levers of other packages (GaLore, APOLLO, Adafactor, torchao's CPU offload and low-bit AdamW,
-bitsandbytes' paged AdamW) are built by :mod:`lowmembp.methods.optim_levers` and listed here too; GaLore's and
-APOLLO's options are written into the name (``"galore-adamw@rank=64"``).
+In full fine-tuning the gradients and AdamW's two states often outweigh the activations. :data:`OPTIMIZERS`:
+``adamw``, ``adamw8bit`` (bitsandbytes' block-wise 8-bit states; not exact), ``adamw-fused-backward``
+(:class:`FusedBackwardAdamW`: each parameter stepped from its post-accumulate-grad hook and its gradient freed, so
+the gradients never all live at once; exact, but no accumulation, global-norm clipping or ``GradScaler``), and the
+other packages' levers built by :mod:`lowmembp.methods.optim_levers` (GaLore, APOLLO, Adafactor, torchao, paged
+AdamW). In full, with measured figures: docs/methods/optimizers.md, docs/methods/optim-levers.md.
 
 May import: torch; bitsandbytes (``adamw8bit`` only, on first use); :mod:`lowmembp.methods.optim_levers`.
 """
