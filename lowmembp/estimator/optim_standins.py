@@ -2,26 +2,12 @@
 
     opt = standin(params, "apollo-adamw@rank=256")   # None for an optimizer whose own step runs on fake tensors
 
-APOLLO's norm-growth limiter and ``torch.optim.Adafactor``'s relative step read a value back (``.item()``); torchao's
-low-bit states are tensor subclasses updated by a ``torch.compile``'d step; torchao's CPU offload needs a CUDA device.
-A fake tensor has no value and is no CUDA tensor, so their own steps cannot run in the estimator. The stand-in holds
-the states each package makes, with the package's layout, shapes and dtypes (:mod:`lowmembp.methods.optim_levers`
-has the byte formulas; the tests check them against the packages' own states), and its step allocates, one parameter
-at a time, the temporaries the package's step allocates at its largest (the parameter left as it is):
-
-- ``apollo-adamw``: a projected matrix keeps two AdamW states of the projection (``m × r`` or ``r × n``), the random
-  projection (``r ×`` the shorter side) and a 0-d norm; its step makes the projected gradient, the normalised
-  update and its denominator (projected size) and the scaled full gradient; other tensors: AdamW's states, its step
-  two full-size temporaries (the denominator and the normalised update).
-- ``adafactor`` (single-tensor, ``foreach=False``: the form :mod:`lowmembp.methods.optim_levers` builds): a row and
-  a column vector per matrix (a full variance for a vector) and a 0-d step; its step one full-size estimate.
-- ``adamw8bit-torchao`` / ``adamw4bit-torchao`` / ``adamw-fp8-torchao``: codes, fp32 block scales and code maps
-  (:func:`lowmembp.methods.optim_levers.torchao_state_bytes`); the compiled step updates them in place (no
-  full-size temporary on CUDA; on the CPU the compiled kernel may keep more).
-- ``adamw-cpu-offload``: no state on the device for tensors of at least 4096 elements (the host holds their states
-  and fp32 copies: not device memory), AdamW's two states on the device for smaller ones; the host's step copies
-  the parameters back in place. The gradients stay on the device until ``zero_grad`` (``offload_gradients=False``,
-  torchao's default).
+APOLLO's limiter and Adafactor's relative step read a value back, torchao's low-bit step is compiled over tensor
+subclasses, torchao's CPU offload needs a CUDA device: a fake tensor has no value and is no CUDA tensor. A stand-in
+(:data:`STANDINS`) holds the states each package makes, with its layout, shapes and dtypes
+(:mod:`lowmembp.methods.optim_levers` has the byte formulas; the tests check them against the packages' own states),
+and its step allocates, one parameter at a time, the temporaries the package's step allocates at its largest, the
+parameters left as they are. What each one holds and allocates: docs/methods/optim-levers.md#stand-ins.
 
 May import: torch, :mod:`lowmembp.methods.optim_levers`.
 """
@@ -40,7 +26,8 @@ STANDINS = ("apollo-adamw", "adafactor", "adamw8bit-torchao", "adamw4bit-torchao
 
 
 class StandIn(torch.optim.Optimizer):
-    """An optimizer that makes the states and temporaries of ``name`` (module doc) and leaves the parameters."""
+    """An optimizer that makes the states and temporaries of ``name`` (docs/methods/optim-levers.md#stand-ins) and
+    leaves the parameters."""
 
     def __init__(self, params, spec: str, targets=None, lr: float = 1e-4, weight_decay: float = 0.0):
         super().__init__(list(params), dict(lr=lr, weight_decay=weight_decay))
