@@ -6,22 +6,12 @@
     lowmembp.export(model).save_pretrained(out)      # an ordinary model again (γ/β restored, LoRA kept or merged)
     lowmembp.make_plan("llama-7b", gpu_memory="24GiB", batch_size=4, seq_len=2048)   # what fits my GPU?
 
-The package's rooms, each a subpackage whose ``__init__`` says what it holds and what it may import:
-
-- :mod:`lowmembp.ops`: the ops (PyTorch reference, Triton kernel, custom op, autograd, module) and their backend;
-- :mod:`lowmembp.models`: the model adapters (where blocks, norms, activations and linears sit);
-- :mod:`lowmembp.methods`: the methods (``model -> model`` transforms composed with ``+``), their registry and the
-  export that undoes them;
-- :mod:`lowmembp.measurement`: saved-for-backward bytes, a step's peak, step time, FLOPs;
-- :mod:`lowmembp.estimator`: a whole training step on fake tensors at paper scale;
-- :mod:`lowmembp.plan`: the planner (every combination of methods for one model and GPU).
-
-Loose modules at the bottom, which every room may use: ``atomic`` (crash-safe file writes, used by the planner and
-the training job alike), ``cache`` (where what is made once per machine is kept), ``_compat`` (the one place where
-private torch names are used) and ``_deprecation`` (deprecated spellings kept working for one release).
-
-``import lowmembp`` imports torch and the method registry only; everything else (the methods themselves,
-transformers, peft, timm, the estimator and the planner) loads on first use.
+The rooms, each a subpackage whose ``__init__`` says what it holds and may import: :mod:`lowmembp.ops` (the ops and
+their backend), :mod:`lowmembp.models` (the model adapters), :mod:`lowmembp.methods` (the methods, their registry and
+the export that undoes them), :mod:`lowmembp.measurement` (saved bytes, a step's peak, step time, FLOPs),
+:mod:`lowmembp.estimator` (a training step on fake tensors at paper scale) and :mod:`lowmembp.plan` (the planner).
+``import lowmembp`` loads torch and the method registry only; the rest loads on first use. The rooms, the loose
+modules every room may use and the layering: docs/architecture.md.
 """
 from __future__ import annotations
 
