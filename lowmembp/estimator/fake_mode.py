@@ -4,38 +4,13 @@
     with StepFakeMode(allow_non_fake_inputs=True):   # what FakeTensorMode(...) does, the same outputs
         ...
 
-Why: a fake training step is nearly all ``FakeTensorMode`` bookkeeping. Three things are cut here, none of them
-changing what an op returns:
-
-- **The cache key** (``_prep_args_for_hash``): torch turns every fake argument into a ``TensorMetadata`` dataclass
-  and flattens it field by field, its shape and stride walked element by element. Here a fake argument becomes one
-  tuple of the same facts (dtype, shape, stride, device, storage offset, storage bytes, ``requires_grad``, conj /
-  neg / inference bits); ``memory_format``, the one field left out, is a function of shape and stride. The key thus
-  tells apart every pair of calls torch's tells apart. Keys in this form start with a private marker, so they never
-  meet torch's own in the shared cache.
-- **Cache hits** (:meth:`StepFakeMode.__torch_dispatch__`): once torch has made a cache entry for a call, the
-  entry is copied into :data:`RECIPES` under this mode's key (the same facts plus the global state torch's key holds:
-  default dtype and device, inference mode), and the next such call builds its outputs from the recipe exactly as
-  torch's ``_get_output_tensor_from_cache_entry`` does (an ``empty_strided`` meta tensor, for a view op set onto its
-  argument's storage, wrapped as a ``FakeTensor`` with the attributes ``FakeTensor.__new__`` gives it), past torch's
-  layers of dispatch (logging guards, ``_disable_dynamo`` frames, the key's dataclass, context managers): ~2.5x
-  less time a hit. Only what torch itself would serve from its cache is served (no recipe without torch's entry),
-  and only without a shape environment, proxy tracing, debug mode or the cache's cross-check.
-- **Two kinds of calls torch never caches**, given recipes from their own first output: ``aten._unsafe_view``
-  (torch bypasses it because it aliases its input without being a view op; its output is ``view``'s, on the
-  input's storage — ~300 µs a call through torch's full dispatch, 70 calls in a 3-block LLaMA LoRA step) and this
-  library's own functional ``torch.library`` ops (``lowmembp::*``, no mutated arguments: their fake
-  implementations allocate fresh outputs from the arguments' shapes). A first output that does not fit a recipe
-  (aliasing where none was expected, a storage larger than its shape needs, an offset) gets none.
-
-``prim.device`` (two thirds of a fake step's dispatches, the autograd engine asking) is answered at once by the
-handler ``FakeTensorMode.dispatch`` itself calls for it. Anything else (symbolic shapes, constants, non-strided or
-quantized tensors, real tensors, another mode's fakes, callables, SymInts) goes to torch's own code, whole.
-
-All of this is an optimisation over torch's private internals (gathered and checked by
-:func:`lowmembp._compat.fast_fake_internals`). Where they differ from what it expects, or with the environment
-variable ``LOWMEMBP_FAST_FAKE=0``, a ``StepFakeMode`` is torch's ``FakeTensorMode`` unchanged: the same outputs,
-the same estimates to the byte, slower.
+Why: a fake training step is nearly all ``FakeTensorMode`` bookkeeping. :class:`StepFakeMode` keys torch's cache in
+one pass over each argument, builds the outputs of a cache hit from a recipe (:data:`RECIPES`) past torch's layers of
+dispatch, gives recipes to two kinds of calls torch never caches (``aten._unsafe_view``, this library's functional
+``lowmembp::*`` ops) and answers ``prim.device`` at once; none of this changes what an op returns. It rests on torch's
+private internals (:func:`lowmembp._compat.fast_fake_internals`): where they differ from what it expects, or with
+``LOWMEMBP_FAST_FAKE=0``, it is torch's ``FakeTensorMode`` unchanged, the same estimates to the byte, slower. The
+design: docs/architecture.md, "The fake mode's fast path".
 """
 from __future__ import annotations
 
@@ -73,8 +48,8 @@ class _TorchKey(Exception):
 
 class StepFakeMode(FakeTensorMode):
     """``FakeTensorMode`` with the one-pass cache key, cache hits served from :data:`RECIPES` and ``prim.device``
-    answered directly (module doc); everything else is torch's. ``fast=False`` (or ``LOWMEMBP_FAST_FAKE=0``, or
-    torch internals other than those expected): torch's ``FakeTensorMode`` unchanged."""
+    answered directly (docs/architecture.md); everything else is torch's. ``fast=False`` (or
+    ``LOWMEMBP_FAST_FAKE=0``, or torch internals other than those expected): torch's ``FakeTensorMode`` unchanged."""
 
     def __init__(self, *args, fast: bool | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -103,7 +78,7 @@ class StepFakeMode(FakeTensorMode):
 
     # -- recipes ---------------------------------------------------------------------------------------------
     def _recipe_key(self, func, args, kwargs):
-        """This mode's key for ``func(*args, **kwargs)``, or None where recipes are not used (module doc)."""
+        """This mode's key for ``func(*args, **kwargs)``, or None where recipes are not used (docs/architecture.md)."""
         if (self.shape_env is not None or not self.cache_enabled or self.cache_crosscheck_enabled
                 or _I.FakeTensorConfig.debug or _I.get_dispatch_mode(_I.PROXY) is not None
                 or _I.get_dispatch_mode_pre_dispatch(_I.PROXY) is not None):
@@ -201,7 +176,7 @@ class StepFakeMode(FakeTensorMode):
         result.append(encoded)
 
     def _encode(self, x):
-        """A hashable value that is equal for two arguments only when torch's key would be (module doc)."""
+        """A hashable value that is equal for two arguments only when torch's key would be (docs/architecture.md)."""
         kind = type(x)
         if kind in _PLAIN:
             return kind, x  # the type too: 1, 1.0 and True are equal but give different dtypes

@@ -7,16 +7,11 @@
 How: the model of :mod:`lowmembp.estimator.zoo` is built on the meta device (timm reads values at construction,
 which fake tensors cannot give), the peft methods wrap it there, :func:`to_fake_cpu` moves it into a
 :class:`lowmembp.estimator.fake_mode.StepFakeMode` (shapes, dtypes and storages, no data), the other methods are
-applied there, and one training step (forward, loss, backward, the optimizer's step) runs on the fake tensors under
-the saved-tensor accountant (forward) and the peak tracker (whole step), after the optimizer state was made (a
-steady step). Nothing large is allocated. ``device="cpu"`` runs the same procedure on real tensors (the tests
-compare the two).
-
-The numbers are exact storage bytes of the CPU kernels' choices under CPU autocast (flash attention saves q, k, v,
-o and the log-sum-exp, as on a GPU). Not included: allocator rounding and caching, cuBLAS / cuDNN workspaces, the
-CUDA context, the data loader, what the GPU autocast casts differently. Why the tensors are fake *CPU* tensors:
-autograd refuses the backward of fake CUDA tensors without a GPU. ``offload``'s copies are fake host tensors, counted
-as host memory (``peak["host"]``); ``liger`` refuses fake tensors (its Triton kernels need a GPU).
+applied there, and one steady training step (forward, loss, backward, the optimizer's step, its state already made)
+runs under the saved-tensor accountant and the peak tracker. Nothing large is allocated; ``device="cpu"`` runs the
+same procedure on real tensors (the tests compare the two). The numbers are exact storage bytes of the CPU kernels'
+choices under CPU autocast; what they leave out, and why the fake tensors are CPU tensors: docs/measuring.md,
+"Limits of the estimates".
 """
 from __future__ import annotations
 

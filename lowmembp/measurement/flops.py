@@ -50,7 +50,7 @@ class _NotFlat(Exception):
 def _shapes(x):
     """What ``shape_wrapper``'s ``tree_map(get_shape, x)`` gives (tensors replaced by their shapes), for arguments
     of tensors, plain values and lists / tuples of them: the same in a fraction of the time (a pytree map per
-    matmul was ~5 % of a fake step)."""
+    matmul costs ~5 % of a fake step)."""
     if isinstance(x, torch.Tensor):
         return x.shape
     kind = type(x)

@@ -4,36 +4,13 @@
     peak -> {"bytes": int, "how": str, "by_category": {"parameters", "gradients", "optimizer_state",
              "activations", "temporaries", "other"}}
 
-- CUDA: the allocator's ``torch.cuda.max_memory_allocated`` over the step (after ``reset_peak_memory_stats``); the
-  categories are parameters / gradients / optimizer state sized from the model and optimizer, and
-  ``activations_and_temporaries`` the rest of the peak (the allocator does not know what a block holds).
-- CPU, a compiled model (``torch.compile``, the ``compile`` method): the CPU allocator's own events
-  (``torch.profiler`` with ``profile_memory``, as :func:`profiler_peak`), split like the CUDA peak. The dispatch-mode
-  tracker below would be wrong there: under a dispatch mode Dynamo runs the eager code instead of the compiled graphs.
-- CPU (eager), fake tensors: :class:`StorageTracker`, a dispatch mode that follows every tensor storage created inside
-  it (and the model's, the optimizer's and the batch's, registered up front) until it dies, keeping the running
-  total, its peak and the split by category at the peak. Sizes are exact storage bytes (no allocator rounding). A
-  kernel's private scratch is not a tensor the dispatcher sees and is not counted (the CPU convolution backward's
-  im2col buffer; on a GPU the cuBLAS/cuDNN workspaces); apart from that the CPU allocator's own event log agrees
-  with it to the byte (:func:`profiler_peak`, the tests).
-
-Categories: parameters (and buffers), gradients (``.grad`` of trainable parameters, tagged when accumulated),
-optimizer state, activations (created in the forward: saved tensors and forward temporaries alike), temporaries
-(created in the backward or the optimizer step and not kept), other (inputs, anything registered from outside).
-
-Host memory (activation offloading, the ``offload`` method): storages the method reports to its listeners
-(:data:`lowmembp.methods.offload.HOST_LISTENERS`, which a running tracker joins) are host bytes — taken out of the
-device total (and its categories) and followed apart; the result then has ``"host": {"bytes": peak host bytes,
-"by_category": {"activations": the same}, "at_device_peak": host bytes when the device peak fell, "how"}``. On CUDA
-the host bytes come from the method's ledger (``model._lowmembp_host_ledger``), the device bytes from the allocator.
-
-Why not torch's ``MemTracker``: it serves (same categories; it raises on frozen parameters, easy to subclass around),
-but its per-op bookkeeping (a deep copy per active module whenever the peak grows) made a ViT-B step on fake tensors
-take ~35 s of overhead on this machine against ~1 s here. The numbers were identical on the configurations tried.
-
-One warm-up step runs first, untracked, so that the measured step is a steady one: optimizer state exists, as it
-does from the second step of any run on. Gradients should be freed by ``zero_grad(set_to_none=True)`` at the end of
-each step (do that in ``step``).
+On CUDA the allocator's ``max_memory_allocated`` over the step; for a compiled model on the CPU the allocator's own
+events (:func:`profiler_peak`); otherwise, on the CPU and on fake tensors, :class:`StorageTracker`: a dispatch mode
+that follows every tensor storage until it dies and keeps the running total, its peak and the split by category at
+the peak, in exact storage bytes (the CPU allocator's event log agrees with it to the byte). Host memory that
+``offload`` reports is taken out of the device total and returned as ``"host"``. One untracked warm-up step runs
+first, so that the measured step is a steady one. What each category holds, and what the tracker cannot see:
+docs/measuring.md; why not torch's ``MemTracker``: docs/design.md#fake-tensors.
 """
 from __future__ import annotations
 
@@ -63,7 +40,7 @@ HOST = "host"  # not a category: host storages are kept out of the device total
 
 
 class StorageTracker(TorchDispatchMode):
-    """Live tensor storages, their running total and its peak, by category (see the module doc)."""
+    """Live tensor storages, their running total and its peak, by category (docs/measuring.md)."""
 
     def __init__(self):
         super().__init__()
@@ -319,7 +296,7 @@ def _storage(t: torch.Tensor):
 
 def measure_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: Callable[[], object], *,
                       warmup: int = 1, external: tuple = ()) -> dict:
-    """Peak memory of ``step()`` (one training step) after ``warmup`` untracked steps; see the module doc.
+    """Peak memory of ``step()`` (one training step) after ``warmup`` untracked steps (docs/measuring.md).
 
     ``external``: other tensors alive during the step that should count (the input batch, made outside
     ``step``). Returns the record's ``peak_memory`` object.

@@ -4,37 +4,11 @@
     compile_info(model)      # {"memory_budget": 0.5, "backend": "inductor", "graphs": 2, "fn": <the backend>}
 
 Applied last (order 60, after ``checkpointing``), so it compiles whatever the other methods built. The model is
-compiled in place with ``nn.Module.compile`` (``dynamic=False``): the object, its class, ``forward`` (and so
-``inspect.signature(model.forward)``, which the HF Trainer reads), its parameters and ``state_dict`` keys stay the
-same; calling the model runs the compiled forward (and AOT-autograd's compiled backward). Graph breaks fall back to
-eager for the rest of the frame, as ``torch.compile`` does.
-
-Options:
-
-- ``memory_budget`` (float in [0, 1] or None; default None = torch's own setting, 1 unless changed):
-  ``torch._functorch.config.activation_memory_budget`` for this model's compiled graphs. 1 is the default min-cut
-  partitioner (it already recomputes cheap pointwise ops rather than saving them); 0 recomputes everything in the
-  compiled region that it can; in between, the partitioner keeps the saved bytes under that fraction of the
-  budget-1 graph's. The value is set (``torch._functorch.config.patch``) inside this model's own compile backend,
-  around the call that traces the joint graph and partitions it into forward and backward, so it is in force
-  exactly when the backward graph is partitioned and nowhere else; because the backend function is this model's,
-  Dynamo's cache never hands this model a graph compiled for another budget.
-- ``compile_backend`` (default ``"inductor"``): any ``torch.compile`` backend name. ``"aot_eager_decomp_partition"``
-  runs the same AOT-autograd decompositions and min-cut partitioner (so the same budget and saved tensors) without
-  generating code — the tests use it to keep compile time small.
-
-Exact up to floating-point reassociation (inductor fuses and reorders pointwise work). Randomness: compiled graphs
-draw dropout masks with inductor's own RNG (philox), not the eager RNG stream, so with dropout > 0 a compiled and an
-eager step differ in their masks (the tests use dropout 0; Mesa's seeds and TokenTune's positions come from the
-ordinary torch RNG outside the compiled graphs).
-
-Measuring a compiled step: :func:`lowmembp.measurement.peak.measure_step_peak` sees that the model is compiled
-(:func:`is_compiled`) and reads the allocator (CUDA: ``max_memory_allocated``; CPU: the allocator's events through
-``torch.profiler``) instead of its dispatch-mode tracker, which only sees eager ops. Saved-for-backward bytes of a
-compiled forward are counted by :class:`lowmembp.measurement.saved.SavedTensorAccountant` as for an eager one: the
-compiled
-autograd function saves its tensors through ``ctx.save_for_backward``, which the saved-tensor hooks see (module hooks
-do not run inside a compiled graph, so everything is counted under the kind ``other``).
+compiled in place (``nn.Module.compile``, ``dynamic=False``): the object, its ``forward`` signature (which the HF
+Trainer reads) and its ``state_dict`` keys stay the same. Options: ``memory_budget`` (in [0, 1]; default None, torch's
+own setting), in force only while this model's own backend partitions its graphs, and ``compile_backend`` (default
+``"inductor"``). Exact up to floating-point reassociation. See docs/methods/compile.md for what the budget means, the
+dropout RNG of compiled graphs and how a compiled step is measured.
 """
 from __future__ import annotations
 

@@ -4,39 +4,14 @@
     lowmembp.export(model).save_pretrained(out)                    # peft adapter: PeftModel.from_pretrained(fresh, out)
     plain = lowmembp.export(model, merge_lora=True)                # LoRA merged: loads strictly into a fresh model
 
-What is undone (the converted model is left as it is unless ``inplace=True``; the default works on a deep copy):
-
-- ``lowmembp`` / ``lowmembp-norm`` (docs/design.md#ms-norms): each MS norm becomes its original module (class, eps…)
-  and every consumer is un-folded, ``W = W'·diag(1/γ)``, ``b = b' − W·β``. Which (γ, β)? Any nonzero γ is an exact
-  decomposition of a pre-norm site, so the values folded at conversion are put back (recorded by
-  :func:`record_fold`); a zero entry becomes 1. Post-norm sites (BERT / RoBERTa) re-apply γ/β on the residual path
-  (``ResidualAffine``), whose trained values are the only exact choice: they are used and the residual affine is
-  removed. A consumer that had no bias before folding gets none back: where its folded bias has moved in training,
-  β is solved for (least squares, pre-norm only: ``W'·(β/γ) = b'``) and the export is refused when no β fits.
-- NF4 (QLoRA) base layers a norm was folded into (``lora`` ``quantize="nf4"`` quantises after the fold) come back
-  as ``nn.Linear`` with the dequantised weight, un-folded: exact, in full precision (4 bits cannot hold the
-  un-folded weight). The other NF4 layers stay ``Linear4bit``.
-- peft LoRA layers that read a folded norm: ``A = A'·diag(1/γ)``, A's bias is removed. A stock LoRA has no A bias,
-  so ``B·(A_bias − A·β)`` (zero at conversion, not after training) moves: into the base layer's bias when merging
-  (``merge_lora=True``; refused when that linear has no bias), else into a ``lora_B`` bias (peft's
-  ``LoraConfig.lora_bias=True``, set on the exported config, so ``PeftModel.from_pretrained`` rebuilds it). When that
-  term is zero (to rounding) the config is left as it was. ``share_lora_inputs`` is undone.
-- Tied embeddings untied by folding are tied again (and the config flag restored) when the head still equals the
-  embedding; otherwise the export stays untied with ``tie_word_embeddings=False`` and warns (``save_pretrained`` /
-  ``from_pretrained`` then round-trip exactly; a strict ``load_state_dict`` into a fresh *tied* model cannot).
-- ``lowmembp-act``: ReGELU2 / ReSiLU2 become the original activation modules. ``checkpointing``, ``tiled-mlp`` and
-  ``tokentune`` (wrappers, switches, patched forwards) are removed; a compiled model comes back eager.
-- ``mesa`` / ``mesa-gelu-ln``: Mesa linears become ``nn.Linear``, Mesa norms and activations the recorded originals
-  (same parameters), patched attention modules lose their Mesa matmuls / softmax and get their attention
-  implementation back (timm ``fused_attn``, the transformers config's ``_attn_implementation``).
-
-The result, in eval, computes the same function (fp32: to rounding); its ``state_dict`` loads strictly into a
-fresh unconverted model of the same architecture; for transformers models ``save_pretrained`` → ``from_pretrained``
-round-trips. Converted models get ``save_pretrained`` replaced by one that saves ``export(model)`` (a deep copy:
-for a large model call ``export(model, inplace=True).save_pretrained(dir)`` at the end instead).
-
-What cannot be read back from the live model is recorded by the conversions (:mod:`lowmembp.methods.export_record`).
-"Zero to rounding": within max(1e-5, 2·eps of the parameter dtype) of the magnitudes it is computed from.
+A converted model's parameters are not the stock ones (γ / β folded into the consumers, norms without weights), so
+its ``state_dict`` does not load into an unconverted model. The export undoes every conversion (on a deep copy unless
+``inplace=True``): the result, in eval, computes the same function (fp32: to rounding), its ``state_dict`` loads
+strictly into a fresh unconverted model, and ``save_pretrained`` → ``from_pretrained`` round-trips. Where the stock
+form cannot hold the trained state exactly it says so: :class:`ExportError`, or a warning for an untied head.
+Converted models get ``save_pretrained`` replaced by one that saves ``export(model)``. What the live model cannot
+tell is recorded by the conversions (:mod:`lowmembp.methods.export_record`). Method by method, and the exact-form
+rules: docs/save-and-reload.md.
 """
 from __future__ import annotations
 
@@ -86,7 +61,7 @@ def guard_save(*models: nn.Module) -> None:
 
 # ---------------------------------------------------------------------------------------------------------- export
 def export(model: nn.Module, merge_lora: bool = False, inplace: bool = False) -> nn.Module:
-    """An ordinary model computing what the converted ``model`` computes (see the module docstring).
+    """An ordinary model computing what the converted ``model`` computes (docs/save-and-reload.md).
 
     ``merge_lora``: merge peft LoRA adapters into the weights and return the unwrapped timm / transformers model;
     otherwise a peft model keeps its adapters (save them with ``save_pretrained``). ``inplace``: change ``model``

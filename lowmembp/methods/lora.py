@@ -1,39 +1,13 @@
 """``lora``: low-rank adapters through peft (docs/design.md#lora). Returns the ``PeftModel``; use the return value.
 
-Options: ``rank`` (default 4), ``alpha`` (default None: α = rank, i.e. no α/r scaling — the LowMemoryBP ViT
-setting), ``targets`` (default None: per family, below; or a list of module names / a comma-separated string / a
-regular expression, passed to peft's ``target_modules``).
-
-Default targets: the layout's ``projections`` (``ModelLayout.lora_targets()``) — every attention and MLP linear of
-every block, fused or not, as the architecture adapter (or the data-flow adapter) found them:
-
-- ViT / Swin (timm): ``qkv``, ``proj``, ``fc1``, ``fc2``. timm fuses q, k and v into one ``qkv`` linear, so "q, k, v"
-  is one adapter of rank ``rank`` on ``qkv`` (not three). The patch embedding and Swin's patch merging are outside
-  the blocks and not targeted.
-- BERT / RoBERTa: ``query``, ``key``, ``value`` and every ``dense`` of the encoder layers; the pooler is not targeted.
-- LLaMA-like: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``; Phi-3's fused
-  ``qkv_proj`` / ``gate_up_proj``; GPT-2's ``Conv1D`` ``c_attn``, ``c_proj``, ``c_fc``.
-
-``targets`` given as a single string without commas is one module name (peft: a name suffix), e.g. ``"qkv"``.
-
-QLoRA: ``quantize="nf4"`` stores the frozen weight of every targeted linear as bitsandbytes 4-bit NormalFloat
-(``bitsandbytes.nn.Linear4bit``, block size 64; ``double_quant=True``, the default, also quantises the absmax
-statistics, as QLoRA's ``--double_quant``); compute runs in the weight's original dtype (bf16 for a bf16 model),
-dequantising per matmul. The adapters go on the full-precision model and the base layers are quantised later in the
-same ``apply`` (order 25, :mod:`lowmembp.methods.qlora`): with ``lowmembp`` / ``lowmembp-norm`` γ is folded into the
-full-precision weights first, then quantised — the official LowMemoryBP QLoRA setting, which is *not* the baseline
-QLoRA model exactly (``NF4(W·diag γ) ≠ NF4(W)·diag γ``; see qlora's docstring). Without lowmembp the model is the
-one quantising first gives, bit for bit (tests/methods/test_qlora.py). Merging adapters into the NF4 base is
-refused. Needs real weights on the CPU or a GPU (not the meta device: the fake-tensor estimate models NF4 storage
-with :func:`lowmembp.estimator.step.nf4_weight_bytes`) and the ``qlora`` extra (``pip install bitsandbytes``).
-``quantize=None`` (default): plain LoRA.
-
-The classification head stays fully trainable (peft ``modules_to_save``): timm ``head``, transformers ``classifier``
-(BERT/RoBERTa) or ``score`` (LLaMA sequence classification). A causal LM's ``lm_head`` stays frozen.
-
-``dropout`` (default 0.0): peft's ``lora_dropout``, on the adapter's input only (the official LowMemoryBP QLoRA
-recipe uses 0.1). With ``dropout > 0`` each adapter saves its own dropped-out copy of the input and a mask, so an
-MS-norm output cannot be shared with it (lowmembp.ops.shared_linear).
+Options: ``rank`` (default 4), ``alpha`` (default None: α = rank, no α/r scaling — the LowMemoryBP ViT setting),
+``targets`` (default None: the layout's attention and MLP projections, ``ModelLayout.lora_targets()``; or module
+names, a list or a comma-separated string), ``dropout`` (peft's ``lora_dropout``, default 0), ``quantize`` (None, or
+``"nf4"`` for QLoRA, with ``double_quant``). The classification head stays fully trainable, a causal LM's
+``lm_head`` frozen. QLoRA quantises the targeted frozen weights later in the same ``apply`` (order 25,
+:mod:`lowmembp.methods.qlora`), after ``lowmembp`` has folded γ into the full-precision weights: the official
+LowMemoryBP order. The targets per family, NF4 storage and what dropout does to MS-norm sharing:
+docs/methods/lora.md.
 """
 from __future__ import annotations
 

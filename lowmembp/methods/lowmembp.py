@@ -2,35 +2,15 @@
 
     model = lowmembp.apply(model, "lowmembp")          # or "lora+lowmembp", "lowmembp-act", "lowmembp-norm"
 
-- ``lowmembp-act`` (the paper's "activation" variant): erf-GELU → ``ReGELU2``, SiLU → ``ReSiLU2``, tanh-GELU /
-  QuickGELU / ReLU / squared ReLU → ``approx_act.make_approx(kind)`` where that exists (else kept, listed in
-  ``lowmembp_report["skipped_acts"]``): exact forward, 2-bit codes saved instead of the input.
-- ``lowmembp-norm`` (the paper's "mergeln" variant): every LayerNorm / RMSNorm the adapter can fold → ``MSLayerNorm``
-  / ``MSRMSNorm`` (no affine), γ and β folded into every linear that reads the norm (lowmembp.models.fold, in float64;
-  LoRA branches too), the final norm into the head (tied embeddings untied), and for post-norm BERT / RoBERTa the
-  affine re-applied on the residual path (``ResidualAffine``). The effective γ comes from the layout
-  (``NormSite.affine()``: Gemma's ``1 + w``).
-- ``lowmembp``: both. Every converted site is then checked against a copy of the original on random inputs
-  (lowmembp.methods._verify: ``ConversionCheckError`` names a mismatch); ``lowmembp_report["sites"]`` lists each site,
-  converted or kept, and why.
-- Option ``norm_dtype`` (spec ``"lowmembp@norm_dtype=fp32"``): the dtype the MS norms emit and save. ``"auto"``: the
-  autocast dtype, so the next linear's cast is a no-op and one 16-bit tensor is saved for both; ``"fp32"`` /
-  ``"input"``: as the official lomem kernel (4 bytes an element, which the LoRA and trainable linear readers then
-  save too: lowmembp.ops.shared_linear), for reproducing the official numbers.
-
-Exact in the forward (fp32: to rounding), with these exceptions, kept or reported, never silent:
-
-- Norms whose output leaves the model or meets non-linear pooling keep their module (BERT's last LayerNorm, a bare
-  backbone's final norm, ViT attention / max pooling, Swin blocks padded to the window): ``lowmembp_report["kept"]``.
-- Dropout with p > 0 between a norm and its readers drops the normalised value before β is added back: equal in
-  expectation, not sample by sample.
-- Intermediate hidden states that are norm outputs (``output_hidden_states``) exclude γ/β; logits are unchanged.
-- The folded W', b' (and LoRA A', its new bias) are free parameters: build the optimizer after converting.
-
-Refuses: a model no adapter recognises, a model that already holds MS norms (norm half) or ReGELU2 / ReSiLU2 (act
-half), merged or DoRA LoRA layers, quantised weights. QLoRA (``"lora+lowmembp"`` with ``quantize="nf4"``) folds γ into
-the full-precision weights, verifies, then quantises to NF4 (lowmembp.methods.qlora, the official order): NF4(W·diag
-γ), not QLoRA's NF4(W). Works on real, meta and fake tensors (no data-dependent Python).
+``lowmembp-act`` replaces activations by their approximate-backward forms (erf-GELU → ``ReGELU2``, SiLU →
+``ReSiLU2``, others through ``approx_act.make_approx``): exact forward, 2-bit codes saved instead of the input.
+``lowmembp-norm`` replaces every foldable LayerNorm / RMSNorm by an MS norm without affine and folds γ and β into
+every linear that reads it (:mod:`lowmembp.models.fold`, in float64; LoRA branches too), so the norm and the next
+linear save one tensor between them. ``lowmembp`` does both, then checks every converted site against the original
+(:mod:`lowmembp.methods._verify`); ``lowmembp_report`` lists each site, converted or kept, and why. Option
+``norm_dtype``: the dtype the MS norms emit and save. Exact in the forward (fp32: to rounding) except where the report
+says otherwise. The math: docs/design.md#approx-act and #ms-norms; the exceptions, the refusals and ``norm_dtype``:
+docs/methods/lowmembp.md.
 """
 from __future__ import annotations
 
@@ -98,11 +78,11 @@ def _approx_for(kind: str):
 
 def convert(model: nn.Module, *, acts: bool = True, norms: bool = True, share_lora_inputs: bool = True,
             verify: bool = True, norm_dtype: str = "auto") -> nn.Module:
-    """Convert ``model`` in place (see the module docstring); returns it, with ``lowmembp_report`` on the base.
+    """Convert ``model`` in place (docs/methods/lowmembp.md); returns it, with ``lowmembp_report`` on the base.
 
     ``verify`` (default True): every converted site is checked against a copy of the original on random inputs
     (lowmembp.methods._verify); a mismatch raises naming the site. ``norm_dtype``: the MS norms' output dtype
-    (module doc)."""
+    (``"auto"``, ``"fp32"`` or ``"input"``)."""
     from lowmembp.methods._verify import check_act, check_norm, snapshot_norm
     from lowmembp.ops.ms_norm import check_out_dtype
 

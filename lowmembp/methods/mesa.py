@@ -1,35 +1,15 @@
 """``mesa`` and ``mesa-gelu-ln``: Mesa-style 8-bit activation compression (Pan et al., 2021; docs/design.md#mesa).
 
-- ``mesa``: every ``nn.Linear`` (the head and LoRA's A/B included; with ``chunked-ce`` that op computes the head from
-  its weight, keeping its input itself), every GELU/SiLU activation and every
-  LayerNorm/RMSNorm of the model become Mesa layers (:mod:`lowmembp.ops.mesa_layers`), and — where attention runs the
-  eager path — the attention's two matmuls and its softmax. ``mesa_attention`` says where:
-  ``"auto"`` (default) converts attention that is already eager (timm ``Attention`` with ``fused_attn=False``,
-  transformers with ``attn_implementation="eager"``) and leaves fused / SDPA attention alone (it saves q, k, v, o
-  only; turning it into eager attention would add 2 bytes per score); ``"eager"`` switches every ViT / BERT / LLaMA
-  attention to the eager path first (Mesa's own setting: DeiT computes attention eagerly); ``"keep"`` never touches
-  attention. Which attention can be reached is the layout's ``attention_style`` (``"timm"``, ``"hf"`` or None), and
-  timm's Swin ``WindowAttention`` (``timm.models.swin_transformer``): its two matmuls and softmax become Mesa layers
-  grouped per head, the relative position bias and the shifted-window mask added between them exactly, as Mesa's Swin
-  demo does (github HubHop/swin-mesa@3127a98 ``models/swin_transformer.py:110-114``: ``ms.MatMul`` / ``ms.Softmax``
-  with ``quant_groups=num_heads``); ``mesa_attention="keep"`` keeps it exact. Swin V2's cosine attention and
-  attention with soft-capping or its own eager path (Gemma 2/3, GPT-2, ...) are left as they are. Norms in Gemma's
-  ``1 + w`` form are kept.
-- ``mesa-gelu-ln``: only the activations and norms (GELU/SiLU, LayerNorm/RMSNorm) — the variant of the LowMemoryBP
-  paper's Figure 1.
+- ``mesa``: every ``nn.Linear``, GELU / SiLU activation and LayerNorm / RMSNorm of the model becomes a Mesa layer
+  (:mod:`lowmembp.ops.mesa_layers`), and so do attention's two matmuls and its softmax where ``mesa_attention``
+  says (``"auto"``: only attention that already runs eagerly; ``"eager"``: switch it to eager first, Mesa's own
+  setting; ``"keep"``: never).
+- ``mesa-gelu-ln``: only the activations and norms, the comparison of the LowMemoryBP paper's Figure 1.
 
-LLaMA has no GELU or LayerNorm: its SiLU and RMSNorm take their place (same rule: 8-bit input, plus rstd for the norm).
-Options: ``mesa_groups`` (channel groups per tensor, default 8, reduced to a divisor of the channel count); attention
-tensors are grouped per head. ``mesa_momentum`` (λ of the EMA ranges, default 0.9 as in Mesa; 0 quantises every batch
-with its own min/max). The EMA lags when activations grow fast — a model trained from scratch at a high learning rate:
-on llama-tiny (tweets-lm, lr 3e-3) the residual stream grows ~15x in the first 10 steps, the EMA ranges of the
-RMSNorm inputs fall 5x behind, values clamp, and the gradient's cosine to the exact one drops to −0.98 (whole-gradient
-relative error 2.4); with ``mesa_momentum 0`` that error stays ≤ 0.4 % over 60 steps.
-``tests/methods/test_mesa_method.py`` shows the mechanism on one norm. Fine-tuning a pretrained model (Mesa's and the
-paper's setting) keeps ranges steady.
-Under peft LoRA the frozen base linear saves nothing (it needs only its weight for the input gradient), LoRA's A and
-B linears save 8-bit inputs. Range state lives in non-persistent buffers: checkpoints of a converted model load into
-an unconverted one and back.
+Each Mesa layer saves an 8-bit copy of what its backward needs, with per-group ranges tracked as an EMA
+(``mesa_groups``, ``mesa_momentum``). Range state lives in non-persistent buffers, so checkpoints of a converted model
+load into an unconverted one and back. Which layers and attention forms are converted, and how the EMA behaves when
+activations grow fast: docs/methods/mesa.md.
 """
 from __future__ import annotations
 
@@ -177,7 +157,7 @@ def _add_attention_modules(attn: nn.Module, heads: int) -> None:
 def _convert_attention(attn: nn.Module, layout, mode: str) -> int:
     if hasattr(attn, "mesa_qk"):
         return 0
-    if _is_timm_window_attention(attn):  # Swin, as Mesa's Swin demo (see the module doc)
+    if _is_timm_window_attention(attn):  # Swin, as Mesa's Swin demo (docs/methods/mesa.md)
         if mode == "auto" and getattr(attn, "fused_attn", False):
             return 0
         attn.fused_attn = False

@@ -1,36 +1,14 @@
 """``offload``: activation offloading — saved tensors go to host memory in the forward, come back in the backward.
 
-Exact (the same values come back). docs/design.md#peers; torchtune's ``OffloadActivations`` and
-``torch.autograd.graph.save_on_cpu`` are the references.
-
-Where: the forward of the module that runs the block loop (the parent of the layout's block container: the timm
-model, a transformers ``*Model`` backbone or ``*Encoder``) runs under ``saved_tensors_hooks``; the layout's head
-linears run under no-op hooks (torchtune keeps the LM head's output on the device), and whatever the task model
-does after the backbone (a transformers causal LM's loss) is outside. Every saved tensor of at least ``min_bytes``
-(default 1024) that is not a parameter or buffer (nor a view of one) is offloaded; each distinct view of a live
-storage is copied once (a tensor that the allocator puts where a freed one was gets its own copy).
-
-How, by device:
-
-- CUDA: the copy goes to a pinned host buffer on a side stream that waits for the compute stream, so the
-  device-to-host copies overlap the forward's compute (``record_stream`` keeps the device storage from being reused
-  before its copy is done); in the backward the tensor is copied back on the side stream and the compute stream
-  waits for it (no prefetch: torchtune also prefetches the next layer's tensors).
-- fake tensors (paper-scale estimates, :mod:`lowmembp.estimator.step`): the copy is made (a fake host tensor, no data),
-so
-  the device storage dies as it would on a GPU; the copy is reported to the peak tracker as host memory.
-- CPU: the saved tensors are already in host memory — nothing is moved (``save_on_cpu`` would copy them, CPU to
-  CPU) — but they are still accounted: the peak tracker counts them as host bytes, not device bytes, from the
-  moment they are saved, so a CPU run shows the split a GPU run would have.
-
-Accounting: a :class:`HostLedger` on the returned model (``model._lowmembp_host_ledger``) follows the live host
-bytes and their peak; :func:`lowmembp.measurement.peak.measure_step_peak` reports them as ``peak["host"]`` (CUDA: from
-the
-ledger; CPU / fake: from its tracker, which also takes them out of the device total). The saved-tensor accountant
-(:mod:`lowmembp.measurement.saved`) still sees every saved tensor: the offload hooks call whatever hooks were active
-around
-them first. Composes with ``checkpointing`` (then a checkpointed block's inputs are offloaded and its own hooks keep
-the rest unsaved) and with ``sac`` (the block inputs are offloaded; the outputs SAC keeps stay on the device).
+Exact (the same values come back); device memory falls and host memory rises by the same bytes, and both are
+reported. torchtune's ``OffloadActivations`` and ``torch.autograd.graph.save_on_cpu`` are the references
+(docs/design.md#peers). The forward of the module that runs the block loop runs under ``saved_tensors_hooks`` that
+move every saved tensor of at least ``min_bytes`` (default 1024), parameters and buffers excepted, to the host: on
+CUDA into pinned memory on a side stream, on fake tensors as a fake host copy, on the CPU not at all but counted as
+host bytes, so every device shows the split a GPU run has. A :class:`HostLedger` on the model follows the host bytes;
+:func:`lowmembp.measurement.peak.measure_step_peak` reports them as ``peak["host"]`` (its tracker joins
+:data:`HOST_LISTENERS`). Where, what, the streams and how it composes with ``checkpointing`` and ``sac``:
+docs/methods/offload.md.
 """
 from __future__ import annotations
 

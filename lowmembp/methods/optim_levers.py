@@ -4,36 +4,12 @@
     from lowmembp.methods.optimizers import make_optimizer
     opt = make_optimizer(model.parameters(), "galore-adamw-layerwise@rank=64", lr=1e-5, model=model)
 
-Names (:data:`LEVERS`), each the package's own optimizer class:
-
-- ``galore-adamw``: galore-torch's ``GaLoreAdamW`` (Zhao et al., ICML 2024; transformers ``optim="galore_adamw"``):
-  the gradient of each projected matrix (the blocks' attention and MLP linears, the layout's ``projections``, as
-  transformers' ``optim_target_modules=["attn", "mlp"]``) is projected to ``rank`` rows or columns by the top singular
-  vectors of the gradient, refreshed every ``update_proj_gap`` steps (an SVD of the full gradient); AdamW's two states
-  are kept for the projected gradient (``rank × width``); the update is projected back and scaled by ``scale``.
-  Stepped after the backward, so every full gradient is alive at the step: not GaLore's memory claim.
-- ``galore-adamw-layerwise``: the same optimizer per parameter, stepped inside the backward from the parameter's
-  post-accumulate-grad hook and the gradient freed (GaLore's layer-wise recipe, ``--optim_per_layer`` /
-  transformers' ``galore_adamw_layerwise``): the one that gives GaLore's memory figure. It has
-  ``adamw-fused-backward``'s limits (no accumulation, no global clipping, no fp16 scaler).
-- ``apollo-adamw``: apollo-torch's ``APOLLOAdamW`` (Zhu et al., MLSys 2025; transformers ``optim="apollo_adamw"``):
-  AdamW's states of a random projection of the gradient (rank ``rank``, a seeded Gaussian, renewed every
-  ``update_proj_gap`` steps: no SVD), from which a channel-wise scaling of the raw gradient is read.
-- ``adafactor``: ``torch.optim.Adafactor`` (Shazeer & Stern 2018): factored second moment (a row and a column vector
-  per matrix), no first moment; the learning rate is a cap on its relative step.
-- ``adamw-cpu-offload``: torchao's ``CPUOffloadOptimizer`` around ``torch.optim.AdamW``: the states and an fp32
-  copy of the parameters on the host, the step run by the CPU; CUDA (or XPU) only.
-- ``adamw8bit-torchao`` / ``adamw4bit-torchao`` / ``adamw-fp8-torchao``: torchao's ``AdamW8bit`` / ``AdamW4bit``
-  / ``AdamWFp8`` (block-wise quantised states, the step compiled by ``torch.compile``); tensors of at least 4096
-  elements and a multiple of the block (256; 128 for 4-bit) quantised, the rest fp32 (:func:`torchao_state_bytes`).
-  They run on the CPU here too (inductor compiles the step; the fp8 one emulates fp8).
-- ``paged-adamw`` / ``paged-adamw8bit``: bitsandbytes' ``PagedAdamW`` (32-bit states) / ``PagedAdamW8bit``, the
-  optimizer of the official LowMemoryBP QLoRA recipe (``qlora.py``: ``paged_adamw_32bit``). On CUDA the states of
-  tensors of at least 1e5 elements live in CUDA unified memory (``cudaMallocManaged``), outside PyTorch's allocator,
-  paged to the host under memory pressure; on the CPU bitsandbytes keeps them as ordinary tensors.
-
-Options, written into the name (``galore-adamw@rank=64,update_proj_gap=500``; :data:`OPTIONS`): ``rank``,
-``update_proj_gap``, ``scale`` for GaLore and APOLLO, their defaults transformers' (``optim_args``).
+Each name of :data:`LEVERS` is the package's own optimizer class, most of them one flag away in the Hugging Face
+``Trainer``: GaLore (plain and layer-wise), APOLLO, ``torch.optim.Adafactor``, torchao's CPU-offload and low-bit
+AdamWs, bitsandbytes' paged AdamWs. Options are written into the name (``galore-adamw@rank=64,update_proj_gap=500``;
+:data:`OPTIONS`), their defaults transformers'. GaLore and APOLLO project the blocks' attention and MLP linears (the
+layout's projections). The ``*_state_bytes`` functions give the bytes each package's states take, for the estimates.
+What each one keeps and how it behaves: docs/methods/optim-levers.md.
 
 May import: torch; on first use galore-torch, apollo-torch, torchao, bitsandbytes; lowmembp.models (the layout's
 projections).

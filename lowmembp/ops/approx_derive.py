@@ -3,36 +3,11 @@
 For an activation h and ``bits`` bits, find ``n = 2**bits − 1`` breakpoints c and weights a of
 ``h̃(x) = Σ a_i·max(x − c_i, 0)`` minimising ``∫_{−b}^{b} (h(x) − h̃(x))² dx``, with ``Σ a_i = 1`` and
 ``Σ a_i·c_i = 0`` (h̃ is 0 far left and x far right, like h) for every kind that tends to ReLU. The backward then
-uses the slope of h̃: ``s_j = Σ_{i<=j} a_i`` for code j.
-
-How: for fixed c the objective is quadratic in a, so a (and the constraints' multipliers μ) come from one linear
-(KKT) system, solved by normal equations plus one step of iterative refinement (a to ~1e-15); the value is the
-integral of the squared residual. The outer problem over c is minimised with BFGS on the exact gradient (envelope
-theorem: ``dV/dc_k = 2·a_k·∫_{c_k}^{b} (h − h̃) dx + μ₂·a_k``) from several starts, then polished by Newton steps on
-that gradient (Hessian by central differences) until the gradient stops shrinking (~1e-14). For the four ReLU-like
-kinds h − ReLU is even, so the objective is symmetric under x → −x, and its minimum is symmetric (the full Hessian
-there is positive definite): the polish works in the positive half of the breakpoints, c = (−p reversed, 0, p).
-Integrals: the interval is cut at the breakpoints and at 0 (relu2's kink); every segment gets the same number of
-pieces, ⌈2b/2⌉, so none is wider than 2, and 24 Gauss–Legendre nodes per piece. h is smooth on each segment and h̃
-linear, so this is exact to rounding (value and gradient agree with pieces 0.1 wide to ~1e-13), and the nodes move
-affinely with c, so the objective is smooth in c and the polished point the same to ~1e-11 whatever the CPU's
-rounding; ``tests/ops/test_derive.py`` holds the shipped table to it at 1e-8.
-
-The published ReGELU2 / ReSiLU2 constants are NOT the exact minimum of this objective: they came from a simulated
-annealing run (the authors' script) and are asymmetric (c = −3.18588, −0.00118, 3.19083 for GELU). The minimum is
-symmetric: GELU c = ±3.171310, 0 (a = −0.0495752, 1.0991504, −0.0495752); SiLU c = ±6.319933, 0. The published
-points lie 0.02 (GELU) / 0.015 (SiLU) from it in c and 1.2e-3 / 2e-4 in a, with an objective 0.025 % / 0.006 %
-above the minimum (checked with scipy's adaptive quad too). So no deterministic minimisation reproduces them to 1e-6;
-``tests/ops/test_derive.py`` checks instead that the derived point is a stationary minimum, beats the published one, and
-is within those distances of it. The shipped table keeps the published numbers for ``("gelu", 2)`` and
-``("silu", 2)`` (ReGELU2 / ReSiLU2 give the paper's results) and the derived ones for every other entry.
-
-The integration interval [−b, b] (:func:`interval`) follows the authors' search script (truncated error ε = 1e-8):
-b is where a closed-form bound of one side's tail ``∫_b^∞ |h − ReLU| dx`` equals ε/2 — GELU e^{−b²/2} = ε (b =
-6.0697), SiLU e^{−b/2} = ε/2 (b = 38.207), ``quick_gelu`` (silu(k·x)/k, k = 1.702) b = 21.22, ``gelu_tanh`` (the
-same form with k = 2√(2/π)) b = 22.79; beyond the outermost breakpoints h̃ equals ReLU, so the interval moves no
-constant. ``relu`` is exact (c = 0, a = 1). ``relu2`` does not tend to ReLU: the two constraints are dropped and its
-interval is GELU's (``half_width=`` for another scale).
+uses the slope of h̃: ``s_j = Σ_{i<=j} a_i`` for code j. a comes from a linear (KKT) solve for each c; c from BFGS on
+the exact gradient, polished by Newton steps; the integrals are exact to rounding, so the result does not depend on
+the CPU. The published ReGELU2 / ReSiLU2 constants are not this exact minimum (a simulated-annealing result close to
+it), so the shipped table keeps them for ``("gelu", 2)`` and ``("silu", 2)`` and the derived ones elsewhere. The
+solver, the integration and the interval rule (:func:`interval`): docs/design.md#derive.
 
 Run ``python -m lowmembp.ops.approx_derive --table`` to print the table lowmembp/ops/approx_table.py ships.
 Needs numpy and scipy (not imported by the ops themselves).
@@ -56,7 +31,7 @@ def _silu_type_bound(k: float, eps: float) -> float:
 
 
 def interval(kind: str, eps: float = EPS) -> float:
-    """The half-width b of the integration interval [−b, b] for ``kind`` (see the module docstring)."""
+    """The half-width b of the integration interval [−b, b] for ``kind`` (docs/design.md#derive)."""
     if kind in ("gelu", "relu2"):
         return math.sqrt(-2.0 * math.log(eps))
     if kind == "silu":

@@ -1,39 +1,12 @@
 """Linear layers that save their input *as given*, so that an MS-norm's output is stored once (docs/design.md#ms-norms).
 
-Saves for backward: nothing of its own beyond what ``F.linear`` saves: the input tensor itself (same storage as the
-norm output: 0 extra bytes per element) and the weight cast to the input dtype (a parameter-sized copy, none when
-the dtypes already match).
-
-When is this needed? An MS-norm followed by a linear saves one tensor for both only if the linear saves the very
-storage the norm returned. Measured with torch 2.14 / peft 0.21 (tests/ops/test_ms_norm.py checks each case):
-
-* ``nn.Linear`` (2-D or 3-D input; fp32; bf16 or fp16 autocast): shares. Under autocast the norm emits the autocast
-  dtype, so autocast's input cast is a no-op. Nothing to do.
-* peft LoRA ``Linear`` in fp32: shares (the LoRA A layer saves the norm output; the frozen base layer saves none).
-* peft LoRA ``Linear`` under bf16/fp16 autocast: does NOT share by default. peft casts the input to the adapter
-  weight dtype (fp32), then autocast casts that copy back to bf16 for ``lora_A``, which saves a second full-size
-  bf16 copy. ``peft.helpers.disable_input_dtype_casting(model)`` fixes this one case, but the same model run
-  without autocast then fails on mismatched dtypes.
-* peft LoRA ``Linear`` on a bf16/fp16 base model with fp32 adapters (peft's default ``autocast_adapter_dtype=True``),
-  without autocast: does NOT share: peft saves an fp32 copy of the input (twice the norm output's bytes).
-
-Use ``share_lora_inputs(model)`` after ``get_peft_model`` (and after replacing norms with MS-norms) for the two peft
-cases: it turns off peft's input cast on every vanilla LoRA Linear layer and makes its ``lora_A``/``lora_B`` cast
-their *weights* to the input dtype instead (``CastWeightLinear``). Effect: the LoRA path runs in the input dtype
-(bf16/fp16 matmuls instead of fp32 for the rank-r path; gradients still reach the fp32 adapter weights in fp32);
-outputs match peft's within the input dtype's rounding. DoRA and other LoRA variants are left unchanged.
-``lora_dropout > 0`` defeats sharing whatever you do: the dropout output is a new tensor.
-
-* An input wider than the autocast dtype (an MS-norm with ``out_dtype="fp32"`` / ``"input"`` emitting fp32 under
-  fp16/bf16 autocast, as the official lomem kernel does): autocast would cast it for the matmul and save that 16-bit
-  copy beside the norm's fp32 output. With ``save_wide_input=True`` (``linear_sharing_input``'s argument, a
-  ``CastWeightLinear``'s attribute, ``share_lora_inputs(model, save_wide_inputs=True)``, which lowmembp's
-  ``norm_dtype="fp32"`` / ``"input"`` uses) the matmul runs in the autocast dtype through an autograd function that
-  saves the input as given (the norm's fp32 storage, 4 bytes per element, counted once) and casts it again in
-  backward (a temporary). Only when the weight needs a gradient: a frozen weight's ``F.linear`` saves no input
-  anyway, and then the plain path (autocast's) runs. Outputs and gradients equal autocast's ``F.linear`` (the same
-  casts and matmuls; the bias gradient is summed in fp32). Off by default: for a wide input nothing else saves
-  (e.g. a kept ``nn.LayerNorm``'s fp32 output) saving it as given costs 4 bytes per element instead of 2.
+An MS norm and the linear after it save one tensor between them only if the linear saves the very storage the norm
+returned. ``nn.Linear`` does; peft's LoRA layers under autocast, or with fp32 adapters on a 16-bit base, save a cast
+copy instead. :func:`share_lora_inputs` makes every vanilla LoRA layer cast its *weights* to the input's dtype
+(:class:`CastWeightLinear`), so it saves the norm's output itself (0 extra bytes an element) and the weight's cast
+(a parameter-sized copy). ``save_wide_input`` also keeps an fp32 norm output under 16-bit autocast from being saved
+a second time as its 16-bit copy. Which layers share, which do not and why, and what ``save_wide_input`` costs:
+docs/methods/lowmembp.md, "When a norm's output is shared".
 """
 from __future__ import annotations
 
@@ -78,7 +51,7 @@ def linear_sharing_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """``F.linear`` that casts the weight (and bias) to x's dtype instead of x to the weight's: saves x itself.
 
     ``save_wide_input``: under autocast with an input wider than the autocast dtype (an fp32 norm output) and a
-    weight that needs a gradient, the matmul in the autocast dtype saving x as given (module doc)."""
+    weight that needs a gradient, the matmul in the autocast dtype saving x as given (docs/methods/lowmembp.md)."""
     if save_wide_input:
         low = autocast_dtype(x)
         if (low is not None and x.is_floating_point() and x.dtype != low and torch.is_grad_enabled()
@@ -115,7 +88,7 @@ class CastWeightLinear(nn.Linear):
 def share_lora_inputs(model: nn.Module, save_wide_inputs: bool = False) -> int:
     """Make every vanilla peft LoRA ``Linear`` in ``model`` save its input as given; returns how many it changed.
 
-    ``save_wide_inputs``: also an input wider than the autocast dtype (fp32 MS-norm outputs; module doc).
+    ``save_wide_inputs``: also an input wider than the autocast dtype (fp32 MS-norm outputs; docs/methods/lowmembp.md).
     Idempotent. Raises ImportError with advice if peft is not installed."""
     try:
         from peft.tuners.lora.layer import Linear as LoraLinear

@@ -6,27 +6,11 @@
     python -m lowmembp.plan --model llama-7b --gpu-memory 24GiB --batch-size 4 --seq-len 2048
 
 Each row is one valid combination of the registry's methods (:mod:`lowmembp.plan.combos`), estimated on fake tensors
-as :func:`lowmembp.estimator.step.estimate_by_depth` does (2- and 3-block builds extended to the full depth; the full
-model when its depth is per stage or too shallow), each depth's model built once and stepped at every batch asked
-about (:mod:`lowmembp.plan.combination`, :mod:`lowmembp.plan.steps`: the same procedure as ``estimate``, to the byte):
-
-- ``peak_bytes``: the step's exact tensor bytes at the requested batch (what ``estimate`` says for that
-  combination); ``need_bytes`` adds the margin (:func:`lowmembp.plan.sources.margin`, its source stated); ``fits``:
-  ``need_bytes`` within the GPU's memory.
-- ``largest_batch``: 0 at once when the parameters and optimizer state alone do not fit; else, when the steps at
-  the requested batch and the next create the same storages (``batch_line``), every batch's peak comes from that
-  line without more steps (:class:`lowmembp.plan.steps.BatchLine`), otherwise the search steps each batch it tries
-  (:mod:`lowmembp.plan.search`); either way the answer ``B`` is stepped: ``B`` fits and ``B + 1`` does not (also
-  for each ``more_gpus`` size). ``estimates``: the fake steps the row's answers rest on.
-
-The rows of one combination that differ only in the optimizer, or in weights stored alike (``nf4`` on the ``bf16``
-step), are one job (:func:`evaluate_group`) on the same builds: the forward and backward run once for all of them,
-each optimizer's step read off that run's timeline (:mod:`lowmembp.plan.shared`, equal to the byte to the
-optimizer's own step). A plan of one optimizer and one storage precision steps each row on its own.
-- ``flops_ratio``: FLOPs of the step (forward, backward, recomputation; torch's formulas,
-:mod:`lowmembp.measurement.flops`)
-  over the baseline's, counted on the same fake step; ``measured_ratio``: step time over the baseline's where the
-  pipeline's records have that method (CPU today), with the runs it comes from.
+as :func:`lowmembp.estimator.step.estimate_by_depth` does, to the byte: its peak (``peak_bytes``), the peak with
+the margin (``need_bytes``, :func:`lowmembp.plan.sources.margin`) and whether it ``fits``, the largest batch that
+fits (``largest_batch``, checked by steps: it fits and the next does not), and its cost against the baseline
+(``flops_ratio``; ``measured_ratio`` where the pipeline's records have one). What each field means and how the rows
+are stepped (the batch line, shared steps): docs/planner.md, "What each column means" and "How a row is stepped".
 
 May import every other room of lowmembp (it is the top of the library); never the experiments or the pipeline.
 """
@@ -108,7 +92,7 @@ def make_plan(model: str | ModelSpec, *, batch_size: int, gpu_memory: str | int 
          more_gpus: list[str | int] | None = None, weights: str | list[str] = AUTO_WEIGHTS, progress=None,
          start_method: str | None = None, optimizer: str | list[str] = DEFAULT_OPTIMIZER,
          find: str | list[str] = "batch", max_seq_len: int = 1 << 20) -> Plan:
-    """Plan every valid method combination (see the module doc). ``methods``/``exclude``/``max_methods`` choose the
+    """Plan every valid method combination (docs/planner.md). ``methods``/``exclude``/``max_methods`` choose the
     combinations: by default those of at most :data:`lowmembp.plan.combos.DEFAULT_MAX_METHODS` methods, without the
     variants of :func:`lowmembp.plan.combos.variants` (the parts of a composite, paper-figure variants); with
     ``methods`` every combination of those; ``max_methods``: at most that many methods (``"all"``: no limit);
@@ -235,7 +219,7 @@ def evaluate_group(job: dict) -> dict | list[dict]:
 
 
 def evaluate(job: dict, source: StepSource | None = None) -> dict:
-    """One row: one combination's peak at the requested batch, its largest batch, its FLOPs (module doc).
+    """One row: one combination's peak at the requested batch, its largest batch, its FLOPs (docs/planner.md).
     ``source``: fake steps shared with other rows of the same combination (:func:`evaluate_group`)."""
     t0, c0 = time.perf_counter(), time.process_time()
     method, opts, spec = job["method"], job["options"], job["spec"]

@@ -5,29 +5,14 @@ from that one run's timeline.
                         optimizers=("adamw", "adamw8bit", "adamw-fused-backward"))
     runs = steps.run(4, flops=True)    # {optimizer: StepRun}, each what Steps(..., optimizer=...).run(4) gives
 
-What the optimizer changes in a step, and how each is read off the shared run:
-
-- **its state** (alive through the whole step, no op touches it until the step): every optimizer's state is made
-  (``prime_optimizer``) and registered at the start, each apart; an optimizer's timeline keeps its own and leaves the
-  others' out.
-- **its step** (after the backward): run for real on the fake tensors, each optimizer in turn, and written down as
-  its own part of the timeline (what it creates and frees); an optimizer's timeline ends with its own part. The part
-  depends only on the parameters, gradients and state (not on the batch): it is recorded once per model and
-  reused at every batch.
-- **adamw-fused-backward's per-parameter steps and freed gradients**: when that optimizer is one of those planned,
-  the shared run *is* its direct step (its hooks step each parameter inside the backward and release the gradient);
-  the others' timelines are the same with those inner steps left out (they create nothing that outlives them) and
-  every gradient kept alive to the end of the step, as ``p.grad`` keeps it there; their own steps then run on
-  fresh gradients of the same layout. Without it the gradients simply stay, as in the others' direct steps.
-
-The timeline (:class:`TimelineTracker`) is every change the storage tracker makes to its live storages, in order
-(a storage counted under a category or re-tagged, a storage freed, marked as saved for backward, moved to the
-host), each with the step's phase then; an optimizer's timeline is replayed through a
-:class:`lowmembp.plan.steps.EventTracker` (:func:`replay`), which so gives that optimizer's peak, split, phase,
-saved bytes and creation events exactly as a direct step's tracker would. ``tests/plan/test_shared_steps.py``
-checks every optimizer and weights value against direct steps, to the byte. Where a step cannot be read off this
-way (an inner step that leaves a storage behind, an optimizer's step that re-tags a storage it did not make),
-:class:`NotShared` is raised and the planner steps each optimizer directly.
+Why: the optimizer changes only its own state (made and registered apart at the start), its step after the backward
+(run for real on the fake tensors, recorded once per model: it does not depend on the batch) and, for
+``adamw-fused-backward``, the per-parameter steps inside the backward and the gradients they free. The run records
+every change the tracker makes to its live storages (:class:`TimelineTracker`); each optimizer's timeline is
+replayed through a :class:`lowmembp.plan.steps.EventTracker` (:func:`replay`), giving its peak, split, phase and
+saved bytes to the byte as a direct step would (``tests/plan/test_shared_steps.py``). A step that cannot be read off
+this way raises :class:`NotShared`, and the planner steps each optimizer directly. The details:
+docs/architecture.md, "How the planner's rows share their fake steps".
 """
 from __future__ import annotations
 
@@ -57,12 +42,13 @@ QUIET: dict[tuple, bool] = {}
 
 
 class NotShared(Exception):
-    """A step that cannot be read off the shared run (module doc): step each optimizer directly."""
+    """A step that cannot be read off the shared run (docs/architecture.md): step each optimizer directly."""
 
 
 class TimelineTracker(EventTracker):
-    """An :class:`EventTracker` that also writes down, in :attr:`log`, every change to its live storages (module doc);
-    storages are named by a number of their own (``uid``), not their address, which a later storage can reuse.
+    """An :class:`EventTracker` that also writes down, in :attr:`log`, every change to its live storages
+    (docs/architecture.md); storages are named by a number of their own (``uid``), not their address, which a later
+    storage can reuse.
     Between :meth:`part` calls the entries go to that named part instead of the main timeline."""
 
     def __init__(self, flops=None):
@@ -169,8 +155,9 @@ def replay(entries) -> EventTracker:
 
 
 class SharedSteps:
-    """One combination at one depth, built once, its steps shared by ``optimizers`` (module doc): :meth:`run` gives
-    each optimizer's :class:`lowmembp.plan.steps.StepRun`. The arguments are :class:`lowmembp.plan.steps.Steps`'s."""
+    """One combination at one depth, built once, its steps shared by ``optimizers`` (docs/architecture.md):
+    :meth:`run` gives each optimizer's :class:`lowmembp.plan.steps.StepRun`. The arguments are
+    :class:`lowmembp.plan.steps.Steps`'s."""
 
     def __init__(self, spec: ModelSpec, method: str, *, layers: int | None, seq_len: int | None, dtype: str,
                  optimizers, overrides: dict | None = None, world_size: int = 1, seed: int = 0,
@@ -290,9 +277,8 @@ class SharedSteps:
 
     def _record_steps(self, t: TimelineTracker, params, grads, optimizers) -> dict:
         """``{optimizer: (its step's part of the timeline, the step's FLOPs)}`` of ``optimizers`` after this
-        backward, each part's new storages numbered from 0 (the part is the same at any batch: module doc). Where
-        fused-backward released the gradients, the others step on fresh ones of the same layout, standing for
-        them."""
+        backward, each part's new storages numbered from 0 (the part is the same at any batch). Where fused-backward
+        released the gradients, the others step on fresh ones of the same layout, standing for them."""
         from lowmembp.measurement.flops import step_flop_counter
 
         cats = {uid: t.category_of(key) for key, uid in t._uids.items()}

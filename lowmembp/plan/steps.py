@@ -6,28 +6,12 @@ batches.
     line = BatchLine(run, steps.run(5))
     line.peak(37)                      # the peak at batch 37 from those two steps (see BatchLine), or None
 
-Why not :func:`estimate` itself: it builds and converts the model for every call, and also counts the saved tensors
-(an accountant with module hooks) that the planner does not read. Here the model is built once per combination and
-depth (:func:`lowmembp.estimator.step.prepare_model`, the optimizer state made by
-:func:`lowmembp.measurement.peak.prime_optimizer`),
-and every step is :func:`lowmembp.estimator.step.train_step` under a :class:`lowmembp.measurement.peak.StorageTracker`
-with the same
-registrations as :func:`lowmembp.measurement.peak.measure_step_peak` (riding in the fake mode,
-:class:`RecordingFakeMode`, rather
-than stacked above it as a second dispatch mode: the same ops, less dispatch), so the peak is ``estimate()``'s to the
-byte (its first step is exactly estimate's procedure; a later step on the same model starts from the same state:
-optimizer state made, gradients ``None``). ``tests/plan/test_plan_fast.py`` checks both against ``estimate()`` for every
-method.
-
-:class:`BatchLine`: a step's live bytes are a running sum of storages; when two steps at batches ``b`` and ``b + 1``
-create the same number of storages (the op sequence does not depend on the batch), every creation event ``i`` has a
-total ``t_i(b) = t_i(b₁) + (t_i(b₂) - t_i(b₁))·(b - b₁)`` (storages of a fixed sequence are sized by shape products
-with the batch in at most one dimension), and the peak at any batch is the largest of those lines, the tracker's
-split by category taken at the first event reaching it (as the tracker keeps the first). A different number of
-creations (chunked loops over the tokens, e.g. ``chunked-ce``) gives no line: the planner then runs a step at every
-batch it asks about. Batch 1 is never taken from a line, nor used for one: size-1 dimensions change which copies the
-ops make (a tiny LLaMA's step at batch 1 creates one storage fewer than at 2, 3 or 4, and its peak is 128 bytes off
-the line through 3 and 4), so the line holds from batch 2 on and batch 1 is stepped.
+Why not :func:`estimate` itself: it builds and converts the model for every call and counts saved tensors the planner
+does not read. Here the model is built once per combination and depth and every step runs under an
+:class:`EventTracker` riding in the fake mode (:class:`RecordingFakeMode`, less dispatch than a second mode), so the
+peak is ``estimate()``'s to the byte (``tests/plan/test_plan_fast.py``). :class:`BatchLine` reads the peak at any
+batch off two steps whose op sequences match, the creation events' totals being linear in the batch; batch 1 is
+always stepped. The argument for both: docs/planner.md, "How a row is stepped".
 """
 from __future__ import annotations
 
@@ -44,7 +28,7 @@ from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
 
 __all__ = ["Steps", "StepRun", "BatchLine", "EventTracker", "RecordingFakeMode", "MIN_BATCH"]
 
-MIN_BATCH = 2  # the smallest batch a line is fitted on or gives (module doc: batch 1 is stepped)
+MIN_BATCH = 2  # the smallest batch a line is fitted on or gives (batch 1 is stepped: docs/planner.md)
 
 
 class RecordingFakeMode(StepFakeMode):
@@ -186,7 +170,8 @@ class Steps:
 
 
 class BatchLine:
-    """The peak at any batch from two steps at batches ``b₁ < b₂`` with the same creation events (module doc)."""
+    """The peak at any batch from two steps at batches ``b₁ < b₂`` with the same creation events
+    (docs/planner.md, "How a row is stepped")."""
 
     def __init__(self, a: StepRun, b: StepRun):
         self.ok = len(a.events) == len(b.events) and a.batch_size != b.batch_size and min(a.batch_size,

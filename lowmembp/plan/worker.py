@@ -16,9 +16,9 @@ def init() -> None:
     runs after that). ``gc.freeze()``: what the worker starts with (torch, transformers, peft: ~580 000 objects) is
     left out of the collector's full passes, which otherwise walk it all again every few dozen rows (~0.4 s each;
     0.7-0.8 s of full passes in 32 LLaMA-7B rows, 0.1 s frozen). The collector then runs every 50 000 allocations
-    instead of 700: a row allocates ~100 000 objects (fake tensors, modules, weak references), and collecting that
-    often was ~10 % of the rows' CPU time (the full LLaMA-7B plan: 83 CPU s in the rows instead of 92, the rows
-    identical). Reference cycles (the models of finished rows) are still collected, a little later."""
+    instead of 700: a row allocates ~100 000 objects (fake tensors, modules, weak references), and collecting every
+    700 costs ~10 % of the rows' CPU time (the full LLaMA-7B plan: 92 CPU s in the rows at 700, 83 at 50 000, the
+    rows identical). Reference cycles (the models of finished rows) are still collected, a little later."""
     import gc
 
     import torch
