@@ -1,8 +1,10 @@
-"""One run's record (docs/design.md#record) as typed dataclasses: the one description of the layout.
+"""One run's record (docs/design.md#record): its layout as typed dataclasses, read and checked through the JSON schema
+it ships (``record.schema.json``), and written atomically.
 
     rec = Record(run=RunIdentity(...), status="ok", ...)
-    write(rec, path)                  # validated, written atomically (lowmembp.atomic)
+    write(rec, path)                  # checked against the schema, written atomically (lowmembp.atomic)
     rec = load(path)                  # a Record; RecordError with the reason if the file is damaged
+    rec = Record.from_dict(d)         # the same from a dict (version 1 converted first)
     d = error_record(identity, message, started)   # the crash guard's record (a dict, valid)
 
 Sections: ``run`` (identity: task, model, method, optimizer, batch size, seq len, dtype, seed, steps),
@@ -15,11 +17,12 @@ Sections: ``run`` (identity: task, model, method, optimizer, batch size, seq len
 with ``--eval-every N``; null otherwise),
 ``environment`` and ``notes`` (warnings of the run, e.g. a failed measurement).
 
-``record.schema.json`` is generated from these dataclasses (:func:`json_schema`; ``python -m experiments.record``
-rewrites it, and a test fails when the two differ). Schema version 2; :meth:`Record.from_dict` also reads version 1
-(the flat layout with a mixed ``options`` object: ``experiments.record_migration``), so old records still aggregate.
-The other jobs around the record: ``experiments.record_columns`` (the flattening into a runs.csv row),
-``experiments.provenance`` (what the run ran on: machine, versions, git commit).
+The dataclasses are the one description of the layout: ``record.schema.json`` is generated from them
+(``python -m experiments.record_schema``; a test fails when the two differ), and a record is checked against that
+file (``jsonschema``) before the dataclasses are built from it. Schema version 2; :meth:`Record.from_dict` also reads
+version 1 (``experiments.record_migration``), so old records still aggregate. The other jobs around the record:
+``experiments.record_columns`` (the flattening into a runs.csv row), ``experiments.provenance`` (what the run ran
+on: machine, versions, git commit).
 """
 from __future__ import annotations
 
@@ -28,7 +31,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -40,7 +42,6 @@ SCHEMA_VERSION = 2
 SCHEMA_PATH = Path(__file__).with_name("record.schema.json")
 Status = Literal["ok", "oom", "error"]
 Dtype = Literal["fp32", "bf16", "fp16"]
-Scalar = Union[int, float, str, bool, None]
 # A field added after records existed, written only when it has a value: the records without it keep their bytes and
 # the schema does not require it.
 OMITTED_WHEN_NONE = "omitted_when_none"
@@ -249,7 +250,7 @@ class Record:
             d = from_v1(d)
         elif version != SCHEMA_VERSION:
             raise RecordError(f"schema_version {version!r}: this code reads versions 1 and {SCHEMA_VERSION}")
-        return _build(cls, d, "")
+        return _build(cls, validate(d))
 
 
 def _omit_unset(obj, d: dict) -> dict:
@@ -263,131 +264,81 @@ def _omit_unset(obj, d: dict) -> dict:
     return d
 
 
-# ------------------------------------------------------------------------------- typed reading, and the JSON schema
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls, globalns=vars(sys.modules[__name__]))
-
-
-def _is_union(tp) -> bool:
-    return typing.get_origin(tp) in (Union, types.UnionType)
-
-
-def _name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _build(tp, value, where: str):
-    """``value`` (parsed JSON) as type ``tp``; RecordError naming the place and the problem otherwise."""
-    here = where or "(top)"
-    if tp is Any:
-        return value
-    if _is_union(tp):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _build(arg, value, where)
-            except RecordError as err:
-                errors.append(str(err))
-        raise RecordError(errors[0] if len(errors) == 1 else f"{here}: {value!r} is none of "
-                                                               f"{', '.join(_name(a) for a in args)}")
-    if typing.get_origin(tp) is Literal:
-        if value not in typing.get_args(tp):
-            raise RecordError(f"{here}: {value!r} is not one of {', '.join(map(repr, typing.get_args(tp)))}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise RecordError(f"{here}: expected an object ({tp.__name__}), got {type(value).__name__}")
-        hints = _hints(tp)
-        unknown = sorted(set(value) - set(hints))
-        if unknown:
-            raise RecordError(f"{here}: unknown field(s) {', '.join(unknown)} in {tp.__name__}")
-        kwargs = {}
-        for f in dataclasses.fields(tp):
-            if f.name in value:
-                kwargs[f.name] = _build(hints[f.name], value[f.name], f"{where}/{f.name}" if where else f.name)
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise RecordError(f"{here}: missing field {f.name!r} of {tp.__name__}")
-        return tp(**kwargs)
-    origin = typing.get_origin(tp)
-    if origin is dict:
-        _, vt = typing.get_args(tp)
-        if not isinstance(value, dict):
-            raise RecordError(f"{here}: expected an object, got {type(value).__name__}")
-        return {str(k): _build(vt, v, f"{where}/{k}") for k, v in value.items()}
-    if origin is list:
-        (it,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise RecordError(f"{here}: expected a list, got {type(value).__name__}")
-        return [_build(it, v, f"{where}/{i}") for i, v in enumerate(value)]
-    if tp is bool:
-        ok = isinstance(value, bool)
-    elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif tp is str:
-        ok = isinstance(value, str)
-    else:  # pragma: no cover - a type this reader does not know: a layout mistake
-        raise TypeError(f"record layout: unsupported type {tp!r} at {here}")
-    if not ok:
-        raise RecordError(f"{here}: expected {_name(tp)}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _schema_of(tp) -> dict:
-    if tp is Any:
-        return {}
-    if _is_union(tp):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        nullable = len(args) < len(typing.get_args(tp))
-        simple = [_schema_of(a) for a in args]
-        if all(set(s) == {"type"} and isinstance(s["type"], str) for s in simple):
-            kinds = [s["type"] for s in simple] + (["null"] if nullable else [])
-            return {"type": kinds if len(kinds) > 1 else kinds[0]}
-        return {"anyOf": simple + ([{"type": "null"}] if nullable else [])}
-    if typing.get_origin(tp) is Literal:
-        return {"enum": list(typing.get_args(tp))}
-    if dataclasses.is_dataclass(tp):
-        hints = _hints(tp)
-        fields = dataclasses.fields(tp)
-        out = {"type": "object", "additionalProperties": False,
-               "properties": {f.name: _schema_of(hints[f.name]) for f in fields},
-               "required": [f.name for f in fields if not f.metadata.get(OMITTED_WHEN_NONE)]}
-        if tp.__doc__ and not tp.__doc__.startswith(tp.__name__ + "("):
-            out["description"] = " ".join(tp.__doc__.split())
-        return out
-    if typing.get_origin(tp) is dict:
-        return {"type": "object", "additionalProperties": _schema_of(typing.get_args(tp)[1])}
-    if typing.get_origin(tp) is list:
-        return {"type": "array", "items": _schema_of(typing.get_args(tp)[0])}
-    return {"type": {bool: "boolean", int: "integer", float: "number", str: "string"}[tp]}
-
-
-def json_schema() -> dict:
-    """The JSON schema of a written (version 2) record, generated from :class:`Record`."""
-    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "lowmembp/record.schema.json",
-              "title": "One training run (one cell of the sweep), schema version 2",
-              "description": "Generated from experiments/record.py (python -m experiments.record); "
-                             "written atomically by `python -m experiments.train`; see docs/design.md#record."}
-    schema.update(_schema_of(Record))
-    schema["properties"]["schema_version"] = {"const": SCHEMA_VERSION}
-    return schema
-
-
+# -------------------------------------------------------------------------------- reading: the schema, then the types
 @lru_cache(maxsize=1)
 def schema() -> dict:
+    """``record.schema.json``: the JSON schema of a (version 2) record."""
     return json.loads(SCHEMA_PATH.read_text())
 
 
-def validate(record: dict) -> Record:
-    """The Record of ``record`` (a dict), or RecordError saying what is wrong."""
-    return Record.from_dict(record)
+@lru_cache(maxsize=1)
+def _validator():
+    import jsonschema  # the `experiments` extra
+
+    return jsonschema.Draft202012Validator(schema())
+
+
+# JSON schema types as the messages name them (Python's names, as a record's writer knows them)
+_KINDS = {"integer": "int", "number": "float", "string": "str", "boolean": "bool", "object": "an object",
+          "array": "a list", "null": "null"}
+
+
+def _expected(sub: dict) -> str:
+    """What a (sub)schema takes, in words: ``int or null``, ``an object (BaseWeights)``, ``one of 'ok', 'oom'``."""
+    if "title" in sub:
+        return f"an object ({sub['title']})"
+    if "enum" in sub:
+        return f"one of {', '.join(map(repr, sub['enum']))}"
+    if "anyOf" in sub:
+        return " or ".join(_expected(s) for s in sub["anyOf"])
+    kinds = sub.get("type", [])
+    return " or ".join(_KINDS[k] for k in ([kinds] if isinstance(kinds, str) else kinds)) or "anything"
+
+
+def _reason(err) -> str:
+    """A jsonschema error as the reader says it: the field's path (``run/batch_size``), then what is wrong."""
+    where = "/".join(map(str, err.absolute_path)) or "(top)"
+    value, sub = err.instance, err.schema
+    if err.validator == "required":
+        missing = [k for k in err.validator_value if k not in value]
+        return f"{where}: missing field {missing[0]!r} of {sub.get('title', 'the section')}"
+    if err.validator == "additionalProperties":
+        unknown = sorted(set(value) - set(sub.get("properties", {})))
+        return f"{where}: unknown field(s) {', '.join(unknown)} in {sub.get('title', 'the section')}"
+    if err.validator == "enum":
+        return f"{where}: {value!r} is not {_expected(sub)}"
+    if err.validator in ("type", "anyOf"):
+        return f"{where}: expected {_expected(sub)}, got {type(value).__name__} {value!r}"
+    return f"{where}: {err.message}"  # pragma: no cover - a keyword the generated schema does not use
+
+
+def validate(d: dict) -> dict:
+    """``d`` (a version-2 record as a dict) checked against ``record.schema.json``; RecordError naming the field and
+    what is wrong otherwise (the most relevant error, as ``jsonschema.exceptions.best_match`` picks it)."""
+    from jsonschema.exceptions import best_match
+
+    err = best_match(_validator().iter_errors(d))
+    if err is not None:
+        raise RecordError(_reason(err))
+    return d
+
+
+def _build(tp, value):
+    """``value`` (checked against the schema) as type ``tp``: the nested dataclasses built, the numbers of float
+    fields made floats and those of int fields ints (JSON schema's integer takes ``4.0``). The layout's unions are all
+    ``X | None``."""
+    if value is None or tp is Any:
+        return value
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        return tp(**{k: _build(hints[k], v) for k, v in value.items()})
+    if typing.get_origin(tp) is list:
+        return [_build(typing.get_args(tp)[0], v) for v in value]
+    if typing.get_origin(tp) is dict:
+        return {k: _build(typing.get_args(tp)[1], v) for k, v in value.items()}
+    return float(value) if tp is float else int(value) if tp is int else value
 
 
 # ---------------------------------------------------------------------------------------------- reading and writing
@@ -437,10 +388,3 @@ def error_record(identity: RunIdentity | dict, message: str, started: str, *, en
     d = {"schema_version": SCHEMA_VERSION, "run": ident, "status": status, "message": message,
          "started_at": started, "finished_at": now(), "environment": env, **sections}
     return Record.from_dict(d).to_dict()
-
-
-if __name__ == "__main__":  # regenerate record.schema.json from the dataclasses
-    from lowmembp.atomic import atomic_write
-
-    atomic_write(SCHEMA_PATH, json.dumps(json_schema(), indent=2) + "\n")
-    print(f"wrote {SCHEMA_PATH}")
