@@ -2,8 +2,10 @@
 # Fill the git-ignored third_party/ with what benchmarks/gpu_run.py needs on a GPU machine that has no network:
 #   third_party/lomem/        the official LowMemoryBP package (github yyyyychen/LowMemoryBP: lomem/, setup.py, LICENSE)
 #   third_party/wheels/       the liger-kernel 0.8.x and cut-cross-entropy wheels (pure Python; the GPU image lacks them)
-#   third_party/pywheels/     the pinned peft, timm, bitsandbytes, galore-torch, apollo-torch and torchao wheels for the
-#                             GPU machine's Python (GPU_PYTHON_VERSION, default 3.12; manylinux x86_64): install them
+#   third_party/pywheels/     the pinned peft, timm, bitsandbytes, galore-torch, apollo-torch and torchao wheels, and
+#                             jsonschema with its dependencies (the training job checks each record it writes against
+#                             experiments/record.schema.json), for the GPU machine's Python (GPU_PYTHON_VERSION,
+#                             default 3.12; manylinux x86_64): install them
 #                             there with `pip install --no-index --no-deps --target /tmp/site third_party/pywheels/*.whl`
 #                             and PYTHONPATH=/tmp/site (the versions of .ci/requirements-cpu.txt)
 #   third_party/PREPARED.txt  where each came from
@@ -92,7 +94,8 @@ echo "cce: $(basename "$whl")"
 # --- the pinned library wheels for the GPU machine's Python (no network there; torch is the image's own) ----------
 rm -rf "$DEST/pywheels" && mkdir -p "$DEST/pywheels"
 pins=()
-for pkg in peft timm bitsandbytes galore-torch apollo-torch torchao; do
+for pkg in peft timm bitsandbytes galore-torch apollo-torch torchao \
+           jsonschema jsonschema-specifications referencing rpds-py attrs; do
   pin="$(grep -i "^${pkg}==" "$ROOT/.ci/requirements-cpu.txt" || true)"
   [ -n "$pin" ] || { echo "prepare_gpu_run: no pin for $pkg in .ci/requirements-cpu.txt" >&2; exit 2; }
   pins+=("$pin")

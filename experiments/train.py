@@ -402,14 +402,15 @@ def new_sections(cfg) -> dict:
 def finish(cfg, sections: dict, status: str, message: str | None, started: str) -> dict:
     """The record of this run as a dict, checked against the layout; if the sections do not fit it (a bug), an
     error record that says so, with the identity — a run that started always ends with a record."""
-    from experiments.record import SCHEMA_VERSION, Record, environment, error_record, now
+    from experiments.provenance import capture_environment
+    from experiments.record import SCHEMA_VERSION, Record, error_record, now
 
     try:
         device = resolve_device(cfg)
     except Exception:  # pragma: no cover - torch itself broken
         device = None
     try:
-        env = dataclasses.asdict(environment(device))
+        env = dataclasses.asdict(capture_environment(device))
     except Exception as err:  # what the run measured matters more than the device's name
         env = {"device": f"unknown (the environment capture failed: {type(err).__name__}: {err})"}
     d = {**sections, "schema_version": SCHEMA_VERSION, "status": status, "message": message, "started_at": started,

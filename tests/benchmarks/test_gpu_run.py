@@ -590,8 +590,9 @@ def test_prepare_copies_the_sources_and_the_wheel(tmp_path):
     index.mkdir()
     pins = dict(line.strip().lower().split("==") for line in (ROOT / ".ci" / "requirements-cpu.txt").read_text().split()
                 if line.split("==")[0].lower() in ("peft", "timm", "bitsandbytes", "galore-torch", "apollo-torch",
-                                                   "torchao"))
-    assert len(pins) == 6  # the library wheels the GPU machine gets, at the CPU pins
+                                                   "torchao", "jsonschema", "jsonschema-specifications",
+                                                   "referencing", "rpds-py", "attrs"))
+    assert len(pins) == 11  # the library wheels the GPU machine gets, at the CPU pins (jsonschema: the records)
     for dist, version in (("liger-kernel", "0.8.7"), ("cut-cross-entropy", "25.1.1"), *pins.items()):
         name = f"{dist.replace('-', '_')}-{version}"
         with zipfile.ZipFile(index / f"{name}-py3-none-any.whl", "w") as z:  # pip "downloads" it from a local folder

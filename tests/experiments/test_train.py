@@ -372,7 +372,7 @@ def test_each_optimizer_trains_and_is_recorded(optimizer, tmp_path, capsys):
     rec = record(out)
     assert rec["status"] == "ok", rec["message"]
     assert rec["run"]["optimizer"] == optimizer and rec["final_loss"] > 0
-    from experiments.record import flatten
+    from experiments.record_columns import flatten
     assert flatten(rec)["optimizer"] == optimizer
     assert (f"optimizer={optimizer}" in capsys.readouterr().out) == (optimizer != "adamw")
     if optimizer == "adamw-fused-backward":

@@ -114,11 +114,11 @@ def test_same_file_for_record_and_weights_is_refused(tmp_path, capsys):
 
 
 def test_a_failing_environment_capture_still_leaves_a_record(tmp_path, monkeypatch):
-    from experiments import record
+    from experiments import provenance
 
     def broken(device=None):
         raise RuntimeError("no device name today")
-    monkeypatch.setattr(record, "environment", broken)
+    monkeypatch.setattr(provenance, "capture_environment", broken)
     out = tmp_path / "r.json"
     assert train.main([*RUN, "--out", str(out)]) == 0
     rec = json.loads(out.read_text())

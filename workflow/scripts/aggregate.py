@@ -1,13 +1,13 @@
 """JSON records (one per cell) -> results/runs.csv, one row per cell.
 
-Each record is read with ``experiments.record.load`` (the record layout's one reader) and flattened with
-``experiments.record.flatten`` (its one flattening). A record that does not read back — truncated, empty, not JSON, a
-JSON list, fields missing or of the wrong type — becomes a row with status ``invalid``, the reason in ``message``, its
-path in ``record`` and its cell (task, model, method, batch size, seed) read from the path, so a broken cell is
-visible instead of crashing the tables or being dropped (the path's optimizer segment, absent for the default
-optimizer: workflow/sweep_config.py CELL). (The pipeline sets such records aside and remakes their
-cells before it aggregates, see workflow/rules/common.smk; an ``invalid`` row means a record was damaged after that or
-aggregated by hand.) The CSV is written atomically (``lowmembp.atomic``).
+Each record is read with ``experiments.record.load`` (the record layout's one reader: checked against
+experiments/record.schema.json) and flattened with ``experiments.record_columns.flatten`` (its one flattening). A record
+that does not read back — truncated, empty, not JSON, a JSON list, fields missing or of the wrong type — becomes a row
+with status ``invalid``, the reason in ``message``, its path in ``record`` and its cell (task, model, method, batch
+size, seed) read from the path, so a broken cell is visible instead of crashing the tables or being dropped (the path's
+optimizer segment, absent for the default optimizer: workflow/sweep_config.py CELL). (The pipeline sets such records
+aside and remakes their cells before it aggregates, see workflow/rules/common.smk; an ``invalid`` row means a record was
+damaged after that or aggregated by hand.) The CSV is written atomically (``lowmembp.atomic``).
 
 Run by Snakemake (rule aggregate), or by hand: ``python aggregate.py OUT.csv RECORD.json ...`` (exit 1 when a record
 could not be read, the CSV written all the same; 2 without an output and at least one record).
@@ -22,7 +22,8 @@ import pandas as pd
 HERE = (Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).parent).resolve()  # noqa: F821
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE.parent))
-from experiments.record import COLUMNS, RecordError, flatten, load  # noqa: E402
+from experiments.record import RecordError, load  # noqa: E402
+from experiments.record_columns import COLUMNS, flatten  # noqa: E402
 from lowmembp.atomic import atomic_open  # noqa: E402
 from sweep_config import CELL_PATH, optimizer_of  # noqa: E402
 

@@ -85,7 +85,8 @@ def verdict(low: float, high: float, margin: float, higher_is_better: bool = Tru
 def read_records(paths) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(one row per record as runs.csv has it, the learning curves: one row per task, model, method, batch size,
     seed and step, with the base's metric as step 0 where the run started from one). Accuracy in %."""
-    from experiments.record import flatten, load
+    from experiments.record import load
+    from experiments.record_columns import flatten
 
     rows, curves = [], []
     for path in paths:
