@@ -2,7 +2,8 @@
 # The one command of a GPU run, from the repository root on the GPU machine, with third_party/ (filled by
 # benchmarks/prepare_gpu_run.sh) beside the checkout; the parts share --budget-s (default 480 s). The pinned library
 # wheels of third_party/pywheels/ (peft, timm, bitsandbytes, galore-torch, apollo-torch, torchao; jsonschema and its
-# dependencies, for the records), where present, are installed first into a folder put on PYTHONPATH (no network needed; torch stays the machine's own).
+# dependencies, for the records), where present, are installed first into a folder put on PYTHONPATH (no network
+# needed; torch stays the machine's own).
 # Writes results/gpu/ (every CSV, machine.json, summary.md, the logs) and, where $OUT names a folder, packs
 # it into $OUT/gpu_results.tgz (one file to carry back) and copies summary.md beside it.
 # Unpack elsewhere with: tar -xzf gpu_results.tgz -C results/   (docs/gpu-run.md describes every file).
