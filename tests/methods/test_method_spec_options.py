@@ -145,12 +145,13 @@ def runs(tmp_path):
 
 
 def test_runs_and_tables_keep_one_row_per_k(runs):
-    import tables
+    import paper_claims
+    import table_maths
 
     assert sorted(runs["method"]) == sorted(ACCURACY)
     k = runs.set_index("method")["opt_k"]
     assert k["tokentune@k=4"] == 4 and k["tokentune@k=17"] == 17 and pd.isna(k["baseline"])
-    acc = tables.accuracy_table(runs, tables.load_claims()).set_index("method")
+    acc = table_maths.accuracy_table(runs, paper_claims.load_claims()).set_index("method")
     assert sorted(acc.index) == sorted(ACCURACY)
     for m, v in ACCURACY.items():
         assert acc.loc[m, "metric_mean"] == pytest.approx(100 * v)
@@ -187,13 +188,13 @@ def test_figures_order_the_variants_by_value(runs):
 
 
 def test_a_lora_variant_is_compared_with_its_own_lora():
-    import tables
+    import table_maths
 
-    assert tables.reference_method("lora+lowmembp") == "lora"
-    assert tables.reference_method("lora@rank=8+lowmembp") == "lora@rank=8"
-    assert tables.reference_method("lora@rank=8") == "baseline"
-    assert tables.reference_method("tokentune@k=4") == "baseline"
-    assert tables.reference_method("baseline") is None
+    assert table_maths.reference_method("lora+lowmembp") == "lora"
+    assert table_maths.reference_method("lora@rank=8+lowmembp") == "lora@rank=8"
+    assert table_maths.reference_method("lora@rank=8") == "baseline"
+    assert table_maths.reference_method("tokentune@k=4") == "baseline"
+    assert table_maths.reference_method("baseline") is None
 
 
 def test_estimate_reads_options_written_into_the_spec():

@@ -52,6 +52,7 @@ def test_a_damaged_record_becomes_an_invalid_row_with_its_cell_path_and_reason(t
 def test_tables_and_figures_leave_invalid_rows_out_and_count_them(tmp_path):
     import aggregate
     import plots
+    import table_maths
     import tables
 
     paths = [_record(_cell(tmp_path, m, s), m, s, v) for m, s, v in
@@ -60,12 +61,12 @@ def test_tables_and_figures_leave_invalid_rows_out_and_count_them(tmp_path):
     runs_csv = tmp_path / "runs.csv"
     aggregate.main(str(runs_csv), [str(p) for p in paths])
     out = {name: {ext: str(tmp_path / "t" / f"{name}.{ext}") for ext in ("md", "csv", "html")}
-           for name in tables.RUN_TABLES}
-    tables.run_tables(runs_csv, out)
+           for name in table_maths.RUN_TABLES}
+    tables.write_run_tables(runs_csv, out)
     acc = pd.read_csv(out["accuracy"]["csv"]).set_index("method")
     assert acc.loc["baseline", "seeds"] == 1 and acc.loc["baseline", "metric_mean"] == pytest.approx(50)
     assert acc.loc["baseline", "status"] == "ok"  # the damaged seed is not a status of the cell
-    for name in tables.RUN_TABLES:
+    for name in table_maths.RUN_TABLES:
         md = Path(out[name]["md"]).read_text()
         assert "Left out: 1 damaged record(s)" in md and str(paths[1]) in md
         assert "Left out: 1 damaged record(s)" in Path(out[name]["html"]).read_text()

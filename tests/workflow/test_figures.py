@@ -18,9 +18,10 @@ REFERENCE = ROOT / "results" / "reference"
 sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
 sys.path.insert(0, str(ROOT / "workflow"))
 
+import paper_claims  # noqa: E402
 import plots  # noqa: E402
 import plots_repro  # noqa: E402
-import tables  # noqa: E402
+import table_maths  # noqa: E402
 
 COLUMN_NAMES = ("paper_MiB", "ours_MiB", "paper_MB", "_ratio_ours", "peak_bytes", "metric_value", "1 seeds")
 
@@ -41,7 +42,7 @@ def texts(fig: plt.Figure) -> str:
 
 @pytest.fixture(scope="module")
 def runs():
-    return tables.read_runs(REFERENCE / "runs.csv")[0]
+    return table_maths.read_runs(REFERENCE / "runs.csv")[0]
 
 
 @pytest.fixture(autouse=True)
@@ -95,7 +96,7 @@ def test_accuracy_in_percent_from_zero_with_seeds_and_markers_explained(runs):
 
 
 def test_headline_figure_ours_beside_paper(runs):
-    table = tables.headline_table(runs, tables.load_claims())
+    table = table_maths.headline_table(runs, paper_claims.load_claims())
     fig = plots.headline_figure(runs, table)
     t = texts(fig)
     assert "peak memory saved (%)" in t and "step time change (%" in t and "points of %" in t
@@ -172,7 +173,7 @@ def test_headline_figure_when_no_seed_of_a_compared_method_finished(runs):
     for col in ("metric_value", "final_loss", "peak_bytes", "activation_bytes", "step_time_p50_s"):
         if col in sub:
             sub.loc[failed, col] = float("nan")
-    table = tables.headline_table(sub, tables.load_claims())
+    table = table_maths.headline_table(sub, paper_claims.load_claims())
     t = texts(plots.headline_figure(sub, table))
     assert "no seed finished" in t
 

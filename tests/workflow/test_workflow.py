@@ -232,6 +232,9 @@ def test_tiny_pipeline_end_to_end(tmp_path):
 
 def test_tables_put_paper_ours_and_ratio_side_by_side(tmp_path):
     """Synthetic rows (a test input, not a result): ratios use the right reference and the paper's claim."""
+    import paper_claims
+    import sweep_layouts
+    import table_maths
     import tables
 
     rows = []
@@ -243,8 +246,8 @@ def test_tables_put_paper_ours_and_ratio_side_by_side(tmp_path):
                              samples_per_s=8 / t, metric_name="accuracy", metric_value=acc, device="cpu"))
     rows.append(dict(rows[0], seed=2, status="oom", peak_bytes=None, metric_value=None))
     runs = pd.DataFrame(rows)
-    claims = tables.load_claims()
-    mem = tables.memory_table(runs, claims).set_index("method")
+    claims = paper_claims.load_claims()
+    mem = table_maths.memory_table(runs, claims).set_index("method")
     assert mem.loc["lowmembp", "peak_ratio_ours"] == pytest.approx(0.8)
     assert mem.loc["lowmembp", "peak_ratio_paper"] == pytest.approx(0.73)
     assert mem.loc["lowmembp", "peak_ratio_ours/paper"] == pytest.approx(0.8 / 0.73)
@@ -252,13 +255,13 @@ def test_tables_put_paper_ours_and_ratio_side_by_side(tmp_path):
     assert mem.loc["lora+lowmembp", "act_ratio_ours"] == pytest.approx(0.5)
     assert mem.loc["baseline", "status"] == "ok/oom" and mem.loc["baseline", "peak_MiB"] == pytest.approx(100)
     assert pd.isna(mem.loc["tokentune", "peak_ratio_paper"])
-    acc = tables.accuracy_table(runs, claims).set_index("method")
+    acc = table_maths.accuracy_table(runs, claims).set_index("method")
     assert acc.loc["lowmembp", "metric_std"] == pytest.approx(7.07, abs=0.1)  # accuracy in %
     assert acc.loc["lowmembp", "metric_ratio_ours"] == pytest.approx(1.0) and acc.loc["lowmembp", "seeds"] == 2
-    spd = tables.speed_table(runs, claims).set_index("method")
+    spd = table_maths.speed_table(runs, claims).set_index("method")
     assert spd.loc["lowmembp", "time_ratio_ours"] == pytest.approx(1.05)
-    mem_df = tables.memory_table(runs, claims)
-    tables.write(mem_df, tmp_path / "m.md", tmp_path / "m.csv", tables.run_layout("memory", mem_df, runs))
+    mem_df = table_maths.memory_table(runs, claims)
+    tables.write(mem_df, tmp_path / "m.md", tmp_path / "m.csv", sweep_layouts.run_layout("memory", mem_df, runs))
     md = (tmp_path / "m.md").read_text()
     assert "| lowmembp" in md and "LowMemoryBP, the paper's stated summary" in md  # the paper's source: a footnote
     assert "peak_ratio_ours/paper" in (tmp_path / "m.csv").read_text()  # the CSV keeps every column
@@ -303,11 +306,11 @@ def test_the_catalogue_is_what_the_library_and_the_scripts_make():
     import catalogue
     import plots
     import plots_repro
-    import tables
+    import table_maths
     from experiments.repro import REPROS
 
     assert [r.name for r in catalogue.REPRODUCTIONS] == list(REPROS)
-    assert [t.name for t in catalogue.RUN_TABLES] == list(tables.RUN_TABLES)
+    assert [t.name for t in catalogue.RUN_TABLES] == list(table_maths.RUN_TABLES)
     assert [f.name for f in catalogue.RUN_FIGURES if f.script == "plots.py"] == list(plots.FIGURES)
     assert set(plots_repro.TITLES) == set(catalogue.REPRO_BY_STEM)
     assert set(catalogue.NOTEBOOKS) == {p.stem for p in (ROOT / "notebooks").glob("*.ipynb")}

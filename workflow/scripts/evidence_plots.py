@@ -21,7 +21,7 @@ sys.path.insert(0, str(HERE))
 import catalogue  # noqa: E402,F401  (the scripts folder's parent is put on the path by evidence_table)
 from evidence_table import read_records  # noqa: E402
 from plots import _colors, _methods, measured_on  # noqa: E402
-from tables import PERCENT_METRICS  # noqa: E402
+from table_maths import PERCENT_METRICS  # noqa: E402
 
 
 def curves_figure(runs: pd.DataFrame, curves: pd.DataFrame, label: str = "") -> plt.Figure:

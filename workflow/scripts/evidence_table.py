@@ -6,7 +6,7 @@ Pairing: cells of the same task, model, batch size and seed share the data order
 training job seeds every generator from ``--seed``), so per seed the difference method − compared method removes
 what the two runs share; over the seeds the mean difference gets a paired t interval (:func:`t_interval`):
 mean ± t(0.975, n − 1) · sd / √n. The compared method is the one every table of the pipeline uses
-(``tables.reference_method``: lora+X against lora, every other method against baseline).
+(``table_maths.reference_method``: lora+X against lora, every other method against baseline).
 
 Differences, per seed: accuracy in points of % (method − compared; + = better); perplexity in % of the compared
 method's (method / compared − 1; + = worse). Verdict (:func:`verdict`) against the equivalence margin m of the
@@ -39,7 +39,10 @@ for _p in (HERE, HERE.parent, HERE.parents[1]):  # scripts, the catalogue, the l
 import catalogue  # noqa: E402
 from make_reference import cpu_name  # noqa: E402
 from table_layout import Layout, Part  # noqa: E402
-from tables import DEFAULT_OPTIMIZER, PERCENT_METRICS, machine, machine_note, reference_method, write  # noqa: E402
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER  # noqa: E402
+from sweep_layouts import machine, machine_note  # noqa: E402
+from table_maths import PERCENT_METRICS, reference_method  # noqa: E402
+from tables import write  # noqa: E402
 
 LEVEL = 0.95
 UNITS = {"accuracy": "pt", "perplexity": "%"}  # the unit of a difference: points of %, or % of the compared value

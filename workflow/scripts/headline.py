@@ -1,4 +1,4 @@
-"""runs.csv -> the headline the report opens with: tables/headline.{md,csv,html} (tables.headline_table) and
+"""runs.csv -> the headline the report opens with: tables/headline.{md,csv,html} (table_maths.headline_table) and
 figures/headline.png (plots.headline_figure) — per method, the memory it saves, the step time it costs and the
 metric it changes against the method it is compared with, ours beside the papers'.
 
@@ -13,12 +13,13 @@ import matplotlib.pyplot as plt
 HERE = (Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).parent).resolve()  # noqa: F821
 sys.path.insert(0, str(HERE))
 import plots  # noqa: E402
+import table_maths  # noqa: E402
 import tables  # noqa: E402
 
 
 def main(runs_csv, table_out: dict[str, str], figure_out: str) -> None:
-    df = tables.headline(runs_csv, table_out)
-    runs, _ = tables.read_runs(runs_csv)
+    df = tables.write_headline(runs_csv, table_out)
+    runs, _ = table_maths.read_runs(runs_csv)
     plots.save(plots.headline_figure(runs, df), figure_out)
 
 

@@ -7,7 +7,7 @@ and seeds, axes with units, a legend in words.
   of memory or failed.
 - step_time_ratio: step time (p50) / the compared method's (lora+X against lora, others against baseline) at the
   largest batch where both ran; error bars the ratio's p20/p80 … p80/p20 spread; the paper's ratio as a black tick.
-- accuracy: the metric of the cells long enough to learn (tables.accuracy_batch_size), accuracy in %: every seed a
+- accuracy: the metric of the cells long enough to learn (table_maths.accuracy_batch_size), accuracy in %: every seed a
   dot, the mean (± std over seeds where there are two or more) a black square.
 - accuracy_vs_option (made when a cell's method spec carries options, e.g. config/tokentune-k.yaml's
   ``tokentune@k=2`` … ``tokentune@k=17``): per task and method the metric against the option's value (the metric's
@@ -31,9 +31,9 @@ from matplotlib.lines import Line2D
 
 HERE = (Path(snakemake.scriptdir) if "snakemake" in globals() else Path(__file__).parent).resolve()  # noqa: F821
 sys.path.insert(0, str(HERE))
-from tables import (COMPARED, KEYS, _complete, MiB, PERCENT_METRICS, accuracy_batch_size, claim,  # noqa: E402,F401
-                    headline_table, is_learning_cell, load_claims, per_cell, read_runs, reference_method,
-                    speed_table, with_reference)
+from paper_claims import load_claims  # noqa: E402
+from table_maths import (COMPARED, KEYS, _complete, MiB, PERCENT_METRICS, accuracy_batch_size,  # noqa: E402
+                         headline_table, is_learning_cell, per_cell, read_runs, reference_method, speed_table)
 from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS  # noqa: E402
 
 METHOD_ORDER = ["baseline", "checkpointing", "mesa-gelu-ln", "mesa", "lowmembp", "tokentune", "lora",

@@ -7,7 +7,7 @@ line; a method off it is slower *and* bigger than one on it. Offloading methods 
 marker above the point shows device + host bytes. Only ``ok`` cells with both numbers are drawn; a method whose
 cells of that task did not finish (oom, error: e.g. a kernel refused on this device) is named under the panel with
 its status (:func:`not_drawn`), so a missing point is never silent. On a CPU the x axis says what the time is: CPU
-step time of the ops the records ran (the CPU fast path or the PyTorch reference: ``tables.cpu_ops``), not a GPU
+step time of the ops the records ran (the CPU fast path or the PyTorch reference: ``sweep_layouts.cpu_ops``), not a GPU
 throughput.
 
 Run by Snakemake (rule pareto_figure, workflow/rules/pareto.smk) or by hand: ``python plots_pareto.py RUNS.csv
@@ -26,7 +26,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tables import cpu_ops, devices, on_cpu  # noqa: E402
+from sweep_layouts import cpu_ops  # noqa: E402
+from table_maths import devices, on_cpu  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -65,7 +66,7 @@ def not_drawn(runs: pd.DataFrame, drawn: pd.DataFrame) -> dict[tuple[str, str], 
 
 
 def time_label(runs: pd.DataFrame) -> str:
-    """The x axis: a CPU's step time says which ops ran (``tables.cpu_ops``); a GPU's is named."""
+    """The x axis: a CPU's step time says which ops ran (``sweep_layouts.cpu_ops``); a GPU's is named."""
     if on_cpu(runs):
         return f"CPU step time p50 (ms), {cpu_ops(runs)}"
     return f"step time p50 (ms) on {', '.join(devices(runs))}"

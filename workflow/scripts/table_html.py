@@ -36,11 +36,10 @@ def main(csv: str, out: str) -> None:
     sys.path.insert(0, str(here))
     sys.path.insert(0, str(here.parents[1]))
     from lowmembp.atomic import atomic_write
-    from table_layout import Layout, Part
-    from tables import _fmt
+    from table_layout import Layout, Part, format_table
 
     atomic_write(out, page(Layout(Path(csv).stem, "not stated (a CSV shown as it is)", "",
-                                  [Part("", _fmt(pd.read_csv(csv)))])))
+                                  [Part("", format_table(pd.read_csv(csv)))])))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """How a pipeline table reads alone: a title that says what and on which machine, a machine line, a short caption,
 one or more parts of at most :data:`MAX_COLUMNS` columns (units in the headers), and long notes as numbered footnotes
-under the table. tables.py builds a :class:`Layout` per table (the CSV keeps every column, for tools); this module
-writes it as Markdown (:func:`markdown`); table_html.py as HTML.
+under the table, numbers rounded as their column's name says (:func:`format_table`). sweep_layouts.py and
+repro_layouts.py build a :class:`Layout` per table and tables.py writes it (the CSV keeps every column, for tools); this
+module writes it as Markdown (:func:`markdown`); table_html.py as HTML.
 
     notes = Footnotes()
     shown = pd.DataFrame({"method": ["lora" + notes.mark("a long note")], "peak (MiB)": ["12.0"]})
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 
 MAX_COLUMNS = 10  # a table a person reads: at most this many columns per part (tests/workflow/test_tables.py)
@@ -118,6 +120,39 @@ def header(col: str, unit: str = "") -> str:
     words = " ".join(p for p in parts if p not in UNITS)
     u = UNITS[found[0]] if found else unit
     return f"{words} ({u})" if u else words
+
+
+def format_value(col: str, v) -> str:
+    """A number as its column's name says: metrics 2 decimals, MiB / MB / % 1, ms 2 (1 from 100), else 3 (1 from
+    100); a change of a metric or in % signed; '-' for none."""
+    if pd.isna(v):
+        return "-"
+    if (col.startswith("metric_") and not col.startswith("metric_ratio")) or col == "change_vs_compared":
+        return f"{v:+.2f}" if "change" in col else f"{v:.2f}"  # accuracy in % and perplexity alike
+    if "%" in col or "MiB" in col.split("_") or col.endswith("MB") or col.endswith("_pct"):
+        return f"{v:+.1f}" if "change" in col else f"{v:.1f}"
+    if "_ms_" in col or col.endswith("_ms"):
+        return f"{v:.2f}" if abs(v) < 100 else f"{v:.1f}"
+    return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+
+
+def format_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Every cell of ``df`` as a string (:func:`format_value`; counts as integers), '-' where nothing."""
+    out = df.copy()
+    for c in out.columns:
+        if pd.api.types.is_float_dtype(out[c]):
+            if c in ("seeds", "steps", "memory_batch", "accuracy_batch"):
+                out[c] = out[c].map(lambda v: "-" if pd.isna(v) else str(int(v)))
+            else:
+                out[c] = out[c].map(lambda v, c=c: format_value(c, v))
+        else:
+            out[c] = out[c].map(lambda v: "-" if v is None or (isinstance(v, float) and np.isnan(v)) else v)
+    return out
+
+
+def format_number(v, fmt: str = ".3f", unit: str = "") -> str:
+    """``v`` in format ``fmt`` with ``unit`` after it, '-' for none."""
+    return "-" if v is None or pd.isna(v) else f"{v:{fmt}}{unit}"
 
 
 def split_columns(shown: pd.DataFrame, keys: list[str], max_columns: int = MAX_COLUMNS) -> list[Part]:
