@@ -16,6 +16,7 @@ import torch
 from lowmembp.ops import approx_act as A
 from lowmembp.ops import cpu_kernels as K
 from lowmembp.ops import mesa_quant as Q
+from lowmembp.ops.cpu_kernels import build as KB
 
 from bitwise import assert_same
 
@@ -29,12 +30,12 @@ SIZES = [(1,), (3,), (5,), (4 * 1001 + 1,), (7, 1), (2 * K.MIN_PER_THREAD + 4 * 
 @pytest.fixture
 def fresh(tmp_path, monkeypatch):
     """An empty cache folder and a library not loaded yet; the process's own library state comes back after."""
-    saved = dict(K._state)
+    saved = dict(KB._state)
     monkeypatch.setenv("LOWMEMBP_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(K, "_OFF", False)
-    K._reset()
+    monkeypatch.setattr(KB, "_OFF", False)
+    KB._reset()
     yield tmp_path / "cpu_kernels"
-    K._state.update(saved)
+    KB._state.update(saved)
 
 
 def specials(dtype: torch.dtype, thresholds) -> torch.Tensor:
@@ -132,10 +133,10 @@ def test_every_half_value_equals_reference(dtype, path, monkeypatch):
     if path == "kernels":
         if not HAVE_CC:
             pytest.skip("no C compiler ($CC, cc, gcc or clang) on this machine")
-        monkeypatch.setattr(K, "_OFF", False)
+        monkeypatch.setattr(KB, "_OFF", False)
         assert K.library() is not None, K.build_info()["reason"]
     else:
-        monkeypatch.setattr(K, "_OFF", True)
+        monkeypatch.setattr(KB, "_OFF", True)
     x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     x = x[torch.isfinite(x)]
     for kind in A.KINDS:
@@ -260,7 +261,7 @@ def test_mesa_nan_equals_reference(dtype, kernels, gen):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_eager_fallback_equals_reference(dtype, threads, gen, monkeypatch):
     """With the C kernels off, the eager ATen ops (small blocks: many block boundaries) give the same bits."""
-    monkeypatch.setattr(K, "_OFF", True)
+    monkeypatch.setattr(KB, "_OFF", True)
     monkeypatch.setattr(A, "_CPU_BLOCK", 64)
     monkeypatch.setattr(Q, "_CPU_BLOCK", 80)
     for kind in A.KINDS:
@@ -287,7 +288,7 @@ def test_eager_fallback_equals_reference(dtype, threads, gen, monkeypatch):
 @needs_cc
 def test_built_once_and_reused_from_the_cache(fresh, monkeypatch):
     # a first flag set the compiler refuses: the next one builds, and a later load finds it without a new attempt
-    monkeypatch.setattr(K, "_FLAG_SETS", (K.FLAGS + ("-fno-such-flag-lowmembp",), K.FLAGS))
+    monkeypatch.setattr(KB, "_FLAG_SETS", (K.FLAGS + ("-fno-such-flag-lowmembp",), K.FLAGS))
     compiles = K.build_info()["compiles"]
     lib = K.library()
     assert lib is not None, K.build_info()["reason"]
@@ -295,7 +296,7 @@ def test_built_once_and_reused_from_the_cache(fresh, monkeypatch):
     assert info["compiles"] == compiles + 1 and info["path"].parent == fresh
     assert info["seconds"] < 30  # a small C file; the docs state the measured time
     mtime = info["path"].stat().st_mtime_ns
-    K._reset()  # as a new process would: find the file, do not compile
+    KB._reset()  # as a new process would: find the file, do not compile
     assert K.library() is not None
     again = K.build_info()
     assert again["compiles"] == info["compiles"] and again["path"] == info["path"]
@@ -318,7 +319,7 @@ def test_concurrent_first_use_by_two_processes(fresh):
 
 
 def test_switched_off_runs_the_eager_ops(fresh, monkeypatch, gen):
-    monkeypatch.setattr(K, "_OFF", True)
+    monkeypatch.setattr(KB, "_OFF", True)
     assert K.library() is None
     x = (torch.randn(3, 1001, generator=gen) * 3).to(torch.bfloat16)
     assert K.codes2(x.reshape(-1), A._consts32("gelu", 2)[0], torch.empty(800, dtype=torch.uint8)) is None
