@@ -14,6 +14,7 @@ import torch
 
 from lowmembp.ops.backend import backend_for
 from lowmembp.ops import approx_act as A
+from lowmembp.ops import approx_act_cpu as AC
 from lowmembp.ops import mesa_quant as Q
 from lowmembp.ops import ms_norm as M
 
@@ -26,7 +27,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.fixture(params=["small-blocks", "default-blocks"])
 def blocks(request, monkeypatch):
     if request.param == "small-blocks":
-        monkeypatch.setattr(A, "_CPU_BLOCK", 64)
+        monkeypatch.setattr(AC, "_CPU_BLOCK", 64)
         monkeypatch.setattr(M, "_CPU_BLOCK", 96)
         monkeypatch.setattr(Q, "_CPU_BLOCK", 80)
     return request.param

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from lowmembp.ops import approx_act as A
+from lowmembp.ops import approx_act_cpu as AC
 from lowmembp.ops import cpu_kernels as K
 from lowmembp.ops import mesa_quant as Q
+from lowmembp.ops.approx_act_reference import _exact_fp32
 from lowmembp.ops.cpu_kernels import build as KB
 
 from bitwise import assert_same
@@ -153,10 +155,10 @@ def test_native_kernel_probe_and_its_fallback(dtype, gen, monkeypatch):
     """The probe's answer is what the native kernel does on random values, and with the probe saying no for every
     kind (the fp32 formula, cast back) the fast path still gives the reference's bits."""
     x = (torch.randn(4099, generator=gen) * 4).to(dtype)
-    for kind in sorted(A._LOW_PRECISION_NATIVE):
-        if A.native_act_exact(kind, dtype):  # a yes must hold on fresh values too
-            assert_same(A._native_kernel(x, kind), A._exact_fp32(x.float(), kind).to(dtype), f"native {kind}")
-    monkeypatch.setattr(A, "native_act_exact", lambda kind, dt: False)
+    for kind in sorted(AC._LOW_PRECISION_NATIVE):
+        if AC.native_act_exact(kind, dtype):  # a yes must hold on fresh values too
+            assert_same(AC._native_kernel(x, kind), _exact_fp32(x.float(), kind).to(dtype), f"native {kind}")
+    monkeypatch.setattr(AC, "native_act_exact", lambda kind, dt: False)
     for kind in A.KINDS:
         y0, p0 = A.forward_reference(x, kind)
         y1, p1 = A.forward_cpu(x, kind)
@@ -262,7 +264,7 @@ def test_mesa_nan_equals_reference(dtype, kernels, gen):
 def test_eager_fallback_equals_reference(dtype, threads, gen, monkeypatch):
     """With the C kernels off, the eager ATen ops (small blocks: many block boundaries) give the same bits."""
     monkeypatch.setattr(KB, "_OFF", True)
-    monkeypatch.setattr(A, "_CPU_BLOCK", 64)
+    monkeypatch.setattr(AC, "_CPU_BLOCK", 64)
     monkeypatch.setattr(Q, "_CPU_BLOCK", 80)
     for kind in A.KINDS:
         for shape in SIZES[:-1] + [(3, 1001)]:
