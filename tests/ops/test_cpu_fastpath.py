@@ -17,6 +17,7 @@ from lowmembp.ops import approx_act as A
 from lowmembp.ops import approx_act_cpu as AC
 from lowmembp.ops import mesa_quant as Q
 from lowmembp.ops import ms_norm as M
+from lowmembp.ops import ms_norm_cpu as MC
 
 from bitwise import assert_same
 from backends import force_backend
@@ -28,7 +29,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 def blocks(request, monkeypatch):
     if request.param == "small-blocks":
         monkeypatch.setattr(AC, "_CPU_BLOCK", 64)
-        monkeypatch.setattr(M, "_CPU_BLOCK", 96)
+        monkeypatch.setattr(MC, "_CPU_BLOCK", 96)
         monkeypatch.setattr(Q, "_CPU_BLOCK", 80)
     return request.param
 

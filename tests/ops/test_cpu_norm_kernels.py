@@ -21,6 +21,7 @@ import torch
 
 from lowmembp.ops import cpu_kernels as K
 from lowmembp.ops import ms_norm as M
+from lowmembp.ops import ms_norm_cpu as MC
 from lowmembp.ops.cpu_kernels import build as KB
 from lowmembp.ops.cpu_kernels import ms_norm as KN
 
@@ -76,7 +77,7 @@ def check_bwd(g, y, rstd, kind, dx_dtype, what, expect_kernel=True):
     reference is not called)."""
     want = M.ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
     if expect_kernel:
-        with mock.patch.object(M, "ms_norm_bwd_ref", side_effect=AssertionError("the reference ran")):
+        with mock.patch.object(MC, "ms_norm_bwd_ref", side_effect=AssertionError("the reference ran")):
             got = M.ms_norm_bwd_cpu(g, y, rstd, kind, dx_dtype)
     else:
         got = M.ms_norm_bwd_cpu(g, y, rstd, kind, dx_dtype)
@@ -117,7 +118,7 @@ def test_bwd_equals_reference(kind, g_dtype, y_dtype, threads, bwd_path, gen, mo
 @pytest.mark.parametrize("kind", M.KINDS)
 def test_bwd_small_blocks_and_portable_build_equal_reference(kind, kernels, threads, bwd_path, gen, monkeypatch):
     """Many block boundaries (blocks of 64 elements) and the portable build (no vector instructions)."""
-    monkeypatch.setattr(M, "_KERNEL_BLOCK", 64)
+    monkeypatch.setattr(MC, "_KERNEL_BLOCK", 64)
     for (rows, n), (g_dtype, y_dtype, dx_dtype) in itertools.product(
             [(3, 7), (50, 13), (5, 768), (2, 5000)], [(torch.float32,) * 3, (torch.bfloat16,) * 3,
                                                       (torch.float16,) * 3, (torch.bfloat16, torch.float32,
@@ -247,7 +248,7 @@ def test_fwd_equals_reference(kind, x_dtype, out_dtype, threads, fwd_path, gen, 
             with_specials(x, gen)
         y0, r0 = M.ms_norm_fwd_ref(x, kind, 1e-5, out_dtype)
         if own and not special:
-            with mock.patch.object(M, "ms_norm_fwd_ref", side_effect=AssertionError("the reference ran")):
+            with mock.patch.object(MC, "ms_norm_fwd_ref", side_effect=AssertionError("the reference ran")):
                 y1, r1 = M.ms_norm_fwd_cpu(x, kind, 1e-5, out_dtype)
         else:
             y1, r1 = M.ms_norm_fwd_cpu(x, kind, 1e-5, out_dtype)
@@ -258,7 +259,7 @@ def test_fwd_equals_reference(kind, x_dtype, out_dtype, threads, fwd_path, gen, 
 @needs_cc
 @pytest.mark.parametrize("kind", M.KINDS)
 def test_fwd_small_blocks_and_portable_build_equal_reference(kind, kernels, threads, fwd_path, gen, monkeypatch):
-    monkeypatch.setattr(M, "_KERNEL_BLOCK_FWD", 64)
+    monkeypatch.setattr(MC, "_KERNEL_BLOCK_FWD", 64)
     for (rows, n), (x_dtype, out_dtype) in itertools.product(
             [(3, 7), (50, 13), (5, 768), (2, 5000)],
             [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.bfloat16),
@@ -408,7 +409,7 @@ def test_layer_norm_one_long_row_is_not_split(threads, gen, monkeypatch):
         _check_ln(torch.randn(1, n, generator=gen) * 5 + 3, 1e-5, f"one row of {n}")
     x = (torch.randn(1, 32768, generator=gen) * 2 - 1).to(torch.bfloat16)
     y0, r0 = M.ms_norm_fwd_ref(x, "layernorm", 1e-5)
-    with mock.patch.object(M, "ms_norm_fwd_ref", side_effect=AssertionError("the reference ran")):
+    with mock.patch.object(MC, "ms_norm_fwd_ref", side_effect=AssertionError("the reference ran")):
         y1, r1 = M.ms_norm_fwd_cpu(x, "layernorm", 1e-5)
     assert_same(y1, y0, "one bf16 row of 32768 y")
     assert_same(r1, r0, "one bf16 row of 32768 rstd")
