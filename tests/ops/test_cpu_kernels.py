@@ -17,6 +17,7 @@ from lowmembp.ops import approx_act as A
 from lowmembp.ops import approx_act_cpu as AC
 from lowmembp.ops import cpu_kernels as K
 from lowmembp.ops import mesa_quant as Q
+from lowmembp.ops import mesa_quant_cpu as QC
 from lowmembp.ops.approx_act_reference import _exact_fp32
 from lowmembp.ops.cpu_kernels import build as KB
 
@@ -265,7 +266,7 @@ def test_eager_fallback_equals_reference(dtype, threads, gen, monkeypatch):
     """With the C kernels off, the eager ATen ops (small blocks: many block boundaries) give the same bits."""
     monkeypatch.setattr(KB, "_OFF", True)
     monkeypatch.setattr(AC, "_CPU_BLOCK", 64)
-    monkeypatch.setattr(Q, "_CPU_BLOCK", 80)
+    monkeypatch.setattr(QC, "_CPU_BLOCK", 80)
     for kind in A.KINDS:
         for shape in SIZES[:-1] + [(3, 1001)]:
             x = act_input(shape, dtype, gen, A._consts32(kind, 2)[0])
