@@ -2,7 +2,7 @@
 from pathlib import Path
 
 from lowmembp import cache
-from lowmembp.ops import cpu_kernels
+from lowmembp.ops.cpu_kernels import build
 
 
 def test_cache_dir_precedence(monkeypatch, tmp_path):
@@ -22,6 +22,6 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
 def test_users_read_the_one_definition():
     from experiments.tasks import mnist5k
 
-    assert cpu_kernels.cache_dir is cache.cache_dir
+    assert build.cache_dir is cache.cache_dir
     assert mnist5k.cache_dir is cache.cache_dir
     assert isinstance(cache.cache_dir(), Path)

@@ -1,4 +1,9 @@
-"""Ops: each file holds one op family's Triton kernel(s), PyTorch reference, custom op, autograd and nn.Module.
+"""Ops: each file holds one op family's custom op, autograd, functions and nn.Modules.
+
+The families with Triton kernels (``approx_act``, ``ms_norm``, ``mesa_quant``) split the rest by job, one file each,
+named after the op: ``<op>_reference`` (the op's definition and PyTorch reference, the oracle the others equal),
+``<op>_triton`` (the Triton kernels and their launches) and ``<op>_cpu`` (the CPU fast path, on the C kernels of
+:mod:`~lowmembp.ops.cpu_kernels`); ``<op>`` dispatches between them and re-exports their public functions.
 
 The public names are importable from here (``from lowmembp.ops import regelu2, ms_layer_norm, make_approx``); the
 submodules (and triton with them) are imported on first use of a name, not when ``lowmembp.ops`` is imported.
@@ -14,7 +19,7 @@ other room builds on the ops.
 - :mod:`~lowmembp.ops.mesa_quant` / :mod:`~lowmembp.ops.mesa_layers`: ``EMAQuantizer``, ``quantize``,
   ``dequantize`` and the Mesa layers
 - :mod:`~lowmembp.ops.shared_linear`: ``linear_sharing_input``, ``CastWeightLinear``, ``share_lora_inputs``
-- :mod:`~lowmembp.ops.cpu_kernels`: the CPU fast path's C kernels (compiled on first use, loaded with ctypes)
+- :mod:`~lowmembp.ops.cpu_kernels`: the CPU fast paths' C kernels (compiled on first use, loaded with ctypes)
 """
 from __future__ import annotations
 

@@ -25,48 +25,40 @@ specialises on it nor synchronises.
 Routes: the ``torch.library`` custom ops ``lowmembp::mesa_quantize`` / ``lowmembp::mesa_dequantize`` (fake
 implementations: FakeTensorMode and meta tensors only allocate; ``torch.compile`` keeps them opaque) for traced and
 fake calls; eager calls call the backend directly (:func:`lowmembp.ops.backend.eager_backend`). Backends: Triton on
-CUDA tensors (launched from :mod:`lowmembp.ops.launch`'s cache), the CPU fast path on CPU tensors (one pass of the C
-kernels of :mod:`lowmembp.ops.cpu_kernels`, or eager ATen ops over cache-sized blocks of whole group rows, the
-reference's bits either way), the PyTorch reference elsewhere (in chunks of :func:`get_chunk_size` elements so that
-its temporaries stay small). Kernels load, cast to fp32, compute, cast back; fp32, fp16 and bf16 inputs.
+CUDA tensors (:mod:`~lowmembp.ops.mesa_quant_triton`), the CPU fast path on CPU tensors
+(:mod:`~lowmembp.ops.mesa_quant_cpu`: the reference's bits), the PyTorch reference elsewhere
+(:mod:`~lowmembp.ops.mesa_quant_reference`). Kernels load, cast to fp32, compute, cast back; fp32, fp16 and bf16 inputs.
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from lowmembp.ops import cpu_kernels
 from lowmembp.ops.backend import (
-    CPU_BLOCK,
     SUPPORTED_FLOAT_DTYPES,
     backend_for,
     check_float_input,
-    cpu_block,
-    cpu_parallel,
     eager_backend,
     is_shape_only,
     stream_capturing,
 )
-from lowmembp.ops import cpu_kernels
-from lowmembp.ops.launch import Launcher
+from lowmembp.ops.mesa_quant_cpu import dequantize_cpu, quantize_cpu
+from lowmembp.ops.mesa_quant_reference import (DEFAULT_CHUNK, chunk_size, dequantize_ref, get_chunk_size, hash_uniform,
+                                               quantize_ref, set_chunk_size)
+from lowmembp.ops.mesa_quant_triton import _dequantize_triton, _quantize_triton
+
+__all__ = ["MOMENTUM", "QTensor", "EMAQuantizer", "quantize", "dequantize", "draw_seed_tensor", "group_layout",
+           "channel_groups", "group_min_max", "reduce_over_ranks", "ema_update", "hash_uniform", "DEFAULT_CHUNK",
+           "get_chunk_size", "set_chunk_size", "chunk_size", "quantize_ref", "dequantize_ref", "quantize_cpu",
+           "dequantize_cpu"]
 
 _WARN_EVERY_CUDA = 64  # a CUDA quantiser checks its skipped-update counter (a device sync) every this many calls
 
-try:  # pragma: no cover - triton is optional on CPU machines
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover
-    triton = None
-    tl = None
-
 MOMENTUM = 0.9
-_MASK32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B9
-_H1 = 0x7FEB352D
-_H2 = 0x846CA68B
 _MIN_RANGE = 1e-12  # a constant group (α = 0) quantises to β exactly
 
 
@@ -225,316 +217,6 @@ def _check_groups(x, inner, groups, alpha, beta):
     if alpha.numel() != groups or beta.numel() != groups:
         raise ValueError(f"mesa quantize: alpha/beta need {groups} entries, got {alpha.numel()}/{beta.numel()}")
 
-
-# ------------------------------------------------------------------------------------------- PyTorch reference
-def hash_uniform(n: int, seed: int, device=None, start: int = 0) -> torch.Tensor:
-    """The counter-based uniforms in [0, 1) for element indices ``start .. start+n-1`` (fp32, exact multiples of
-    2⁻²⁴)."""
-    i = torch.arange(start, start + n, device=device, dtype=torch.int64) & _MASK32
-    h = (i * _GOLDEN + (int(seed) & _MASK32)) & _MASK32
-    h = h ^ (h >> 16)
-    h = (h * _H1) & _MASK32
-    h = h ^ (h >> 15)
-    h = (h * _H2) & _MASK32
-    h = h ^ (h >> 16)
-    return (h >> 8).to(torch.float32) * (2.0 ** -24)
-
-
-DEFAULT_CHUNK = 1 << 13  # the references work in chunks so that their int64 / fp32 temporaries stay small
-_chunk = DEFAULT_CHUNK
-
-
-def get_chunk_size() -> int:
-    """Elements per chunk of the CPU references (:func:`quantize_ref`, :func:`dequantize_ref`)."""
-    return _chunk
-
-
-def set_chunk_size(elements: int | None) -> int:
-    """Set the elements per chunk of the CPU references (``None``: the default, 8192); returns the previous value.
-
-    Larger chunks mean fewer Python-level ops and larger temporaries (about 40 bytes per element of a chunk). The
-    codes do not depend on it: the random numbers are indexed by element, not by chunk."""
-    global _chunk
-    if elements is None:
-        elements = DEFAULT_CHUNK
-    if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
-        raise ValueError(f"mesa chunk size must be a positive int (elements), got {elements!r}")
-    old, _chunk = _chunk, elements
-    return old
-
-
-@contextlib.contextmanager
-def chunk_size(elements: int | None):
-    """``with chunk_size(n): ...``: the CPU references use chunks of ``n`` elements inside the block."""
-    old = set_chunk_size(elements)
-    try:
-        yield
-    finally:
-        set_chunk_size(old)
-
-
-def _chunk_for(chunk: int | None) -> int:
-    if chunk is None:
-        return _chunk
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"mesa chunk must be a positive int (elements), got {chunk!r}")
-    return chunk
-
-
-def _group_index(start: int, n: int, inner: int, groups: int, device) -> torch.Tensor:
-    return (torch.arange(start, start + n, device=device) // inner) % groups
-
-
-def quantize_ref(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
-                 seed: int, chunk: int | None = None) -> torch.Tensor:
-    """Reference quantiser: ``clamp(floor((x − β[g])·scale[g] + u), 0, 255)`` as uint8, ``scale = 255/α``.
-
-    ``chunk``: elements per step (default :func:`get_chunk_size`); the result does not depend on it. On a fake or
-    meta ``x`` only the output is allocated (there are no values to compute)."""
-    flat = x.reshape(-1)
-    out = torch.empty(flat.shape, dtype=torch.uint8, device=x.device)
-    if is_shape_only(x):
-        return out.reshape(x.shape)
-    n_chunk = _chunk_for(chunk)
-    for start in range(0, flat.numel(), n_chunk):
-        n = min(n_chunk, flat.numel() - start)
-        g = _group_index(start, n, inner, groups, x.device)
-        y = (flat[start:start + n].float() - beta[g]) * scale[g]
-        q = torch.floor(y + hash_uniform(n, seed, x.device, start)).clamp_(0, 255)
-        out[start:start + n] = q.to(torch.uint8)
-    return out.reshape(x.shape)
-
-
-def dequantize_ref(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
-                   dtype: torch.dtype, chunk: int | None = None) -> torch.Tensor:
-    """Reference dequantiser: ``q·step[g] + β[g]`` in fp32, cast to ``dtype`` (``chunk`` as in :func:`quantize_ref`)."""
-    flat = codes.reshape(-1)
-    out = torch.empty(flat.shape, dtype=dtype, device=codes.device)
-    if is_shape_only(codes):
-        return out.reshape(codes.shape)
-    n_chunk = _chunk_for(chunk)
-    for start in range(0, flat.numel(), n_chunk):
-        n = min(n_chunk, flat.numel() - start)
-        g = _group_index(start, n, inner, groups, codes.device)
-        out[start:start + n] = (flat[start:start + n].float() * step[g] + beta[g]).to(dtype)
-    return out.reshape(codes.shape)
-
-
-# ------------------------------------------------------------------------------------------------ CPU fast path
-# The reference's arithmetic, bit for bit, in one pass of the C kernels (lowmembp.ops.cpu_kernels, compiled on first
-# use: the hash in wrapping uint32 arithmetic, each group's scale and β per row of ``inner`` elements). Without them
-# (no compiler, LOWMEMBP_CPU_KERNELS=0) eager ATen ops give the same bits: blocks of whole group rows (``inner``
-# consecutive elements share a group) that stay in the core's cache, each group's scale and β broadcast over its row
-# (no per-element index or gather), and the hash in 32-bit integers (wrapping multiplies and adds are the reference's
-# arithmetic modulo 2³²; a masked arithmetic shift is its logical shift), in place in preallocated buffers.
-_CPU_BLOCK = CPU_BLOCK  # elements per block; the blocks are spread over threads by cpu_parallel
-
-
-def _s32(v: int) -> int:
-    """``v`` modulo 2³² as a signed 32-bit value (what an int32 tensor holds for it)."""
-    v &= _MASK32
-    return v - (1 << 32) if v >= 1 << 31 else v
-
-
-def _golden_ramp(m: int) -> torch.Tensor:
-    """``i·0x9E3779B9 mod 2³²`` for i < m (int32): the part of the hash's first step that is the same in every block."""
-    return torch.arange(m, dtype=torch.int32).mul_(_s32(_GOLDEN))
-
-
-def _hash_uniform_into(u: torch.Tensor, h: torch.Tensor, t: torch.Tensor, golden_ramp: torch.Tensor, start: int,
-                       seed: int) -> torch.Tensor:
-    """:func:`hash_uniform` for indices ``start .. start + len(u) - 1`` written into fp32 ``u`` (``h``, ``t``: int32
-    scratch of u's length; ``golden_ramp``: :func:`_golden_ramp` of that length)."""
-    torch.add(golden_ramp, _s32(start * _GOLDEN + (int(seed) & _MASK32)), out=h)
-    for shift, mul in ((16, _H1), (15, _H2), (16, None)):
-        torch.bitwise_right_shift(h, shift, out=t)
-        t.bitwise_and_((1 << (32 - shift)) - 1)  # the arithmetic shift's sign copies cleared: a logical shift
-        h.bitwise_xor_(t)
-        if mul is not None:
-            h.mul_(_s32(mul))
-    torch.bitwise_right_shift(h, 8, out=t)
-    t.bitwise_and_(0xFFFFFF)
-    return u.copy_(t).mul_(2.0 ** -24)
-
-
-def _group_rows(start_row: int, rows: int, groups: int, table: torch.Tensor) -> torch.Tensor:
-    """``table[(start_row + r) % groups]`` for r < rows, as a [rows, 1] column (one group per row of ``inner``)."""
-    g = torch.arange(start_row, start_row + rows) % groups
-    return table.index_select(0, g).reshape(rows, 1)
-
-
-def _blocks(lo: int, hi: int, inner: int, block: int):
-    """(start, rows, row length) of blocks covering ``[lo, hi)``: whole rows of ``inner`` elements (``lo`` a multiple
-    of ``inner``), or pieces of one row where a row is longer than a block."""
-    if inner <= block:
-        step = (block // inner) * inner
-        for s in range(lo, hi, step):
-            e = min(s + step, hi)
-            yield s, (e - s) // inner, inner
-    else:
-        s = lo
-        while s < hi:
-            length = min(block, inner - s % inner, hi - s)
-            yield s, 1, length
-            s += length
-
-
-def _spread(n: int, inner: int, work) -> None:
-    """``work(lo, hi, block)`` over ``[0, n)`` on the threads, the ranges made of whole rows (or of blocks)."""
-    block = cpu_block(_CPU_BLOCK)
-    align = min(inner, block)
-    cpu_parallel(n, align, lambda lo, hi: work(lo, hi, block), 2 * block)
-
-
-def quantize_cpu(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
-                 seed: int) -> torch.Tensor:
-    """CPU fast path of :func:`quantize_ref` (same arguments, the same codes bit for bit)."""
-    flat = x.reshape(-1)
-    n = flat.numel()
-    out = torch.empty(flat.shape, dtype=torch.uint8, device=x.device)
-    if is_shape_only(x) or n == 0:
-        return out.reshape(x.shape)
-    scale, beta = scale.float().reshape(-1).contiguous(), beta.float().reshape(-1).contiguous()
-    if cpu_kernels.quantize8(flat, inner, groups, scale, beta, seed, out) == 0:  # one C pass (None: unavailable)
-        return out.reshape(x.shape)  # (1: a NaN before the clamp, whose code is ATen's conversion: the eager ops)
-
-    def work(lo, hi, block):
-        m = min(block, hi - lo)  # every block is at most this long
-        y, u = torch.empty(m, dtype=torch.float32), torch.empty(m, dtype=torch.float32)
-        h, t = torch.empty(m, dtype=torch.int32), torch.empty(m, dtype=torch.int32)
-        ramp = _golden_ramp(m)
-        for s, rows, length in _blocks(lo, hi, inner, block):
-            e = rows * length
-            yb = y[:e].view(rows, length)
-            xb = flat[s:s + e].view(rows, length)
-            row = s // inner
-            if xb.dtype == torch.float32:
-                torch.sub(xb, _group_rows(row, rows, groups, beta), out=yb)
-            else:
-                yb.copy_(xb).sub_(_group_rows(row, rows, groups, beta))  # x in fp32, then x − β
-            yb.mul_(_group_rows(row, rows, groups, scale))  # (x − β)·scale
-            ub = _hash_uniform_into(u[:e], h[:e], t[:e], ramp[:e], s, seed)
-            yb = y[:e].add_(ub).floor_().clamp_(0, 255)
-            out[s:s + e].copy_(yb)
-
-    _spread(n, inner, work)
-    return out.reshape(x.shape)
-
-
-def _plain_groups(t: torch.Tensor, groups: int) -> bool:
-    """Whether ``t`` is what the C kernels read as per-group values: a contiguous fp32 CPU tensor of ``groups``."""
-    return t.dtype is torch.float32 and t.is_cpu and t.is_contiguous() and t.numel() == groups
-
-
-def dequantize_cpu(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """CPU fast path of :func:`dequantize_ref` (same arguments, the same values bit for bit)."""
-    n = codes.numel()
-    if n == 0 or codes.is_meta or (type(codes) is not torch.Tensor and is_shape_only(codes)):
-        return torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    if codes.is_contiguous() and codes.is_cpu and codes.dtype == torch.uint8 and dtype in SUPPORTED_FLOAT_DTYPES:
-        out = torch.empty_like(codes, dtype=dtype)  # contiguous as the codes
-        # one C pass (None: unavailable) with step and β of any shape with G entries, read as contiguous fp32
-        st = step if _plain_groups(step, groups) else step.float().reshape(-1).contiguous()
-        be = beta if _plain_groups(beta, groups) else beta.float().reshape(-1).contiguous()
-        nan = None
-        if st.numel() == groups and be.numel() == groups and st.is_cpu and be.is_cpu:
-            nan = cpu_kernels.dequantize8_trusted(codes, n, inner, groups, st, be, out)
-        if nan == 0 or (nan == 1 and dtype == torch.float32):  # a NaN in fp16 / bf16: ATen's rounding, the eager ops
-            return out
-    else:
-        out = torch.empty(codes.shape, dtype=dtype)
-    flat, out_shape, out = codes.reshape(-1), out.shape, out.reshape(-1)
-    step, beta = step.float().reshape(-1).contiguous(), beta.float().reshape(-1).contiguous()
-
-    def work(lo, hi, block):
-        y = torch.empty(min(block, hi - lo), dtype=torch.float32)
-        for s, rows, length in _blocks(lo, hi, inner, block):
-            e = rows * length
-            yb = y[:e].view(rows, length).copy_(flat[s:s + e].view(rows, length))  # q in fp32
-            row = s // inner
-            yb.mul_(_group_rows(row, rows, groups, step))
-            ob = out[s:s + e].view(rows, length)
-            if dtype == torch.float32:
-                torch.add(yb, _group_rows(row, rows, groups, beta), out=ob)
-            else:
-                ob.copy_(yb.add_(_group_rows(row, rows, groups, beta)))
-
-    _spread(n, inner, work)
-    return out.reshape(out_shape)
-
-
-# --------------------------------------------------------------------------------------------------- Triton kernels
-_BLOCK = 1024
-
-if triton is not None:
-    @triton.jit
-    def _mesa_quant_kernel(X, Q, SCALE, BETA, n, inner, G, seed, SEED_PTR: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        g = (offs // inner) % G
-        s = tl.load(SCALE + g, mask=mask, other=1.0)
-        b = tl.load(BETA + g, mask=mask, other=0.0)
-        # counter-based uniform: lowbias32(i * golden + seed), 24 high bits -> [0, 1)
-        h = (offs & 0xFFFFFFFF).to(tl.uint32)
-        if SEED_PTR:  # a 0-d int64 tensor on the device (drawn there: a CUDA graph replays it with a new value)
-            s32 = tl.load(seed).to(tl.uint32)
-        else:
-            s32 = tl.cast(seed, tl.uint32)
-        h = h * tl.cast(0x9E3779B9, tl.uint32) + s32
-        h = h ^ (h >> 16)
-        h = h * tl.cast(0x7FEB352D, tl.uint32)
-        h = h ^ (h >> 15)
-        h = h * tl.cast(0x846CA68B, tl.uint32)
-        h = h ^ (h >> 16)
-        u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08
-        y = (x - b) * s
-        q = tl.floor(y + u)
-        q = tl.minimum(tl.maximum(q, 0.0), 255.0)
-        tl.store(Q + offs, q.to(tl.uint8), mask=mask)
-
-    @triton.jit
-    def _mesa_dequant_kernel(Q, Y, STEP, BETA, n, inner, G, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        q = tl.load(Q + offs, mask=mask, other=0).to(tl.float32)
-        g = (offs // inner) % G
-        st = tl.load(STEP + g, mask=mask, other=0.0)
-        b = tl.load(BETA + g, mask=mask, other=0.0)
-        y = q * st + b
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
-
-    _QUANT = Launcher(_mesa_quant_kernel)
-    _DEQUANT = Launcher(_mesa_dequant_kernel)
-
-
-def _quantize_triton(x, scale, beta, inner, groups, seed):
-    """``seed``: an int, or a 0-d integer tensor on x's device that the kernel reads (graph-safe)."""
-    if triton is None:  # pragma: no cover
-        raise RuntimeError("the Triton backend needs triton installed; set LOWMEMBP_BACKEND=torch")
-    codes = torch.empty_like(x, dtype=torch.uint8)
-    n = x.numel()
-    if n:
-        on_device = isinstance(seed, torch.Tensor)
-        if on_device and seed.device != x.device:
-            seed, on_device = int(seed), False  # a CPU seed: read here (no device sync)
-        _QUANT(-(-n // _BLOCK), (x, codes, scale, beta, n, inner, groups,
-                                seed if on_device else int(seed) & 0x7FFFFFFF), (on_device, _BLOCK), 4,
-               x.get_device())
-    return codes
-
-
-def _dequantize_triton(codes, step, beta, inner, groups, dtype):
-    if triton is None:  # pragma: no cover
-        raise RuntimeError("the Triton backend needs triton installed; set LOWMEMBP_BACKEND=torch")
-    out = torch.empty_like(codes, dtype=dtype)
-    n = codes.numel()
-    if n:
-        _DEQUANT(-(-n // _BLOCK), (codes, out, step, beta, n, inner, groups), (_BLOCK,), 4, codes.get_device())
-    return out
 
 
 def _quantize_on(backend: str, x, scale, beta, inner, groups, seed) -> torch.Tensor:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lowmembp.ops import cpu_kernels as K
+from lowmembp.ops.cpu_kernels import build as KB
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -28,21 +29,21 @@ def portable_library(tmp_path_factory):
     fmaf from the C library)."""
     if K.compiler() is None:
         return None
-    old_sets = K._FLAG_SETS
-    K._FLAG_SETS = (K.FLAGS,)
+    old_sets = KB._FLAG_SETS
+    KB._FLAG_SETS = (K.FLAGS,)
     try:
-        return K._declare(ctypes.CDLL(str(K._build(tmp_path_factory.mktemp("portable"), K.compiler()))))
+        return KB._declare(ctypes.CDLL(str(KB._build(tmp_path_factory.mktemp("portable"), K.compiler()))))
     finally:
-        K._FLAG_SETS = old_sets
+        KB._FLAG_SETS = old_sets
 
 
 @pytest.fixture(params=["native", "portable"])
 def kernels(request, monkeypatch, portable_library):
     """The C kernels loaded, as this machine builds them or as the portable build (its name returned); a test fails,
     not skips, where a compiler exists and the build does not work."""
-    monkeypatch.setattr(K, "_OFF", False)
+    monkeypatch.setattr(KB, "_OFF", False)
     lib = K.library()
     assert lib is not None, f"the C kernels did not build: {K.build_info()['reason']}"
     if request.param == "portable":
-        monkeypatch.setitem(K._state, "lib", portable_library)
+        monkeypatch.setitem(KB._state, "lib", portable_library)
     return request.param

@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from lowmembp.ops import approx_act as A
+from lowmembp.ops import approx_act_reference as AR
+from lowmembp.ops import approx_act_triton as AT
 from backends import force_backend
 
-KINDS = {"gelu": (A._GELU, A.regelu2, A.ReGELU2, A.REGELU2_C, A.REGELU2_A),
-         "silu": (A._SILU, A.resilu2, A.ReSiLU2, A.RESILU2_C, A.RESILU2_A)}
+KINDS = {"gelu": (AR._GELU, A.regelu2, A.ReGELU2, A.REGELU2_C, A.REGELU2_A),
+         "silu": (AR._SILU, A.resilu2, A.ReSiLU2, A.RESILU2_C, A.RESILU2_A)}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(1,), (3,), (5, 7), (0,), (2, 3, 33), (4, 0, 3)]
 MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
@@ -269,7 +271,7 @@ def test_special_values_follow_the_mathematics(kind, backend, monkeypatch):
     codes = A.unpack_codes(packed[:-1], x.numel())
     c = KINDS[kind][3]
     assert codes.tolist() == [0, 3, 0] + _codes64(x[3:], c).tolist()  # -inf lowest, +inf top, NaN code 0
-    assert int(packed[-1]) == A.NAN_FLAG
+    assert int(packed[-1]) == AR.NAN_FLAG
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -352,7 +354,7 @@ def test_fake_tensors_take_the_reference_and_save_the_same_bytes(device, triton_
     with pytest.MonkeyPatch.context() as mp:
         force_backend(mp, "torch")
         (g,) = torch.autograd.grad(A.regelu2(monkey), monkey, torch.ones(7))
-    assert torch.equal(g, A.backward_reference(torch.ones(7), A.forward_reference(monkey.detach(), A._GELU)[1], 0))
+    assert torch.equal(g, A.backward_reference(torch.ones(7), A.forward_reference(monkey.detach(), AR._GELU)[1], 0))
 
 
 # ------------------------------------------------------------------------------------------ modules and errors
@@ -379,7 +381,7 @@ _AOT = r"""
 import sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from lowmembp.ops import approx_act as A
+from lowmembp.ops import approx_act_triton as AT
 div16 = lambda sig: {(i,): [["tt.divisibility", 16]] for i, a in enumerate(sig) if sig[a][0] == "*" or a[0] == "n"}
 for arch in (80, 90):
     for dt in ("fp32", "bf16"):
@@ -390,14 +392,14 @@ for arch in (80, 90):
         for kind, bits in ((0, 2), (3, 2)) + (((1, 3), (5, 4), (4, 1)) if more else ()):
             const = dict(KIND=kind, BITS=bits, NT=2 ** bits - 1, NEG_ZERO=kind < 4, UNBOUNDED=kind == 5,
                          WRITE_CODES=True, BLOCK=512, TILES=4)
-            k = triton.compile(ASTSource(A._act_fwd_kernel, sig, const, div16(sig)),
+            k = triton.compile(ASTSource(AT._act_fwd_kernel, sig, const, div16(sig)),
                                target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8))
             assert "ld.global.v" in k.asm["ptx"], "forward loads are not vectorised"
             assert "atom.global" in k.asm["ptx"], "the flag byte's ticket is not an atomic"
         sig = dict(dy_ptr="*" + dt, code_ptr="*u8", s_ptr="*fp32", dx_ptr="*" + dt, n="i32",
                    nbytes="i32", BITS="constexpr", NS="constexpr", BLOCK="constexpr")
         for bits in (1, 2, 3, 4) if more else (2,):
-            k = triton.compile(ASTSource(A._act_bwd_kernel, sig, dict(BITS=bits, NS=2 ** bits, BLOCK=512),
+            k = triton.compile(ASTSource(AT._act_bwd_kernel, sig, dict(BITS=bits, NS=2 ** bits, BLOCK=512),
                                          div16(sig)), target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8))
             assert "ld.global.v" in k.asm["ptx"], "backward loads are not vectorised"
 print("compiled")
@@ -590,7 +592,7 @@ def test_triton_forward_over_several_tiles_and_programs(kind, special, monkeypat
     """The GPU's launch shape through the interpreter: programs of several tiles (the flags gathered over the tiles,
     one ticket per program, the last program writing the flag byte), on an odd length that ends mid-tile. The codes,
     output and flag byte equal the reference's, and the workspace is back at zero for the next call."""
-    monkeypatch.setattr(A, "_launch_cfg", lambda groups: (16, 3, 4))  # 384 elements a program
+    monkeypatch.setattr(AT, "_launch_cfg", lambda groups: (16, 3, 4))  # 384 elements a program
     x = torch.randn(1, 1283, generator=gen) * 4
     if special in ("nan", "both"):
         x[0, 700] = float("nan")
@@ -603,4 +605,4 @@ def test_triton_forward_over_several_tiles_and_programs(kind, special, monkeypat
     assert torch.equal(y[~fin], y_ref[~fin]) or torch.equal(y[~fin].isnan(), y_ref[~fin].isnan())
     # Triton's fp32 erf / exp against the library's: within 0.5·|x|·2⁻²⁰ (+ a rounding), as the other Triton tests
     assert ((y - y_ref)[fin].abs() <= 0.5 * x[fin].abs() * 2.0 ** -20 + 1e-7).all()
-    assert all(int(v) == 0 for v in A._WORKSPACE.values() for v in v)
+    assert all(int(v) == 0 for v in AT._WORKSPACE.values() for v in v)

@@ -14,8 +14,11 @@ import torch
 
 from lowmembp.ops.backend import backend_for
 from lowmembp.ops import approx_act as A
+from lowmembp.ops import approx_act_cpu as AC
 from lowmembp.ops import mesa_quant as Q
+from lowmembp.ops import mesa_quant_cpu as QC
 from lowmembp.ops import ms_norm as M
+from lowmembp.ops import ms_norm_cpu as MC
 
 from bitwise import assert_same
 from backends import force_backend
@@ -26,9 +29,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.fixture(params=["small-blocks", "default-blocks"])
 def blocks(request, monkeypatch):
     if request.param == "small-blocks":
-        monkeypatch.setattr(A, "_CPU_BLOCK", 64)
-        monkeypatch.setattr(M, "_CPU_BLOCK", 96)
-        monkeypatch.setattr(Q, "_CPU_BLOCK", 80)
+        monkeypatch.setattr(AC, "_CPU_BLOCK", 64)
+        monkeypatch.setattr(MC, "_CPU_BLOCK", 96)
+        monkeypatch.setattr(QC, "_CPU_BLOCK", 80)
     return request.param
 
 
@@ -205,7 +208,7 @@ def test_mesa_hash_equals_reference(gen):
         for seed in (0, 1, 2**31 - 2):
             u = torch.empty(n)
             h, t = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int32)
-            Q._hash_uniform_into(u, h, t, Q._golden_ramp(n), start, seed)
+            QC._hash_uniform_into(u, h, t, QC._golden_ramp(n), start, seed)
             assert_same(u, Q.hash_uniform(n, seed, start=start), f"start {start} seed {seed}")
 
 

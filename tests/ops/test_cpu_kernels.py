@@ -14,8 +14,12 @@ import pytest
 import torch
 
 from lowmembp.ops import approx_act as A
+from lowmembp.ops import approx_act_cpu as AC
 from lowmembp.ops import cpu_kernels as K
 from lowmembp.ops import mesa_quant as Q
+from lowmembp.ops import mesa_quant_cpu as QC
+from lowmembp.ops.approx_act_reference import _exact_fp32
+from lowmembp.ops.cpu_kernels import build as KB
 
 from bitwise import assert_same
 
@@ -29,12 +33,12 @@ SIZES = [(1,), (3,), (5,), (4 * 1001 + 1,), (7, 1), (2 * K.MIN_PER_THREAD + 4 * 
 @pytest.fixture
 def fresh(tmp_path, monkeypatch):
     """An empty cache folder and a library not loaded yet; the process's own library state comes back after."""
-    saved = dict(K._state)
+    saved = dict(KB._state)
     monkeypatch.setenv("LOWMEMBP_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(K, "_OFF", False)
-    K._reset()
+    monkeypatch.setattr(KB, "_OFF", False)
+    KB._reset()
     yield tmp_path / "cpu_kernels"
-    K._state.update(saved)
+    KB._state.update(saved)
 
 
 def specials(dtype: torch.dtype, thresholds) -> torch.Tensor:
@@ -132,10 +136,10 @@ def test_every_half_value_equals_reference(dtype, path, monkeypatch):
     if path == "kernels":
         if not HAVE_CC:
             pytest.skip("no C compiler ($CC, cc, gcc or clang) on this machine")
-        monkeypatch.setattr(K, "_OFF", False)
+        monkeypatch.setattr(KB, "_OFF", False)
         assert K.library() is not None, K.build_info()["reason"]
     else:
-        monkeypatch.setattr(K, "_OFF", True)
+        monkeypatch.setattr(KB, "_OFF", True)
     x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     x = x[torch.isfinite(x)]
     for kind in A.KINDS:
@@ -152,10 +156,10 @@ def test_native_kernel_probe_and_its_fallback(dtype, gen, monkeypatch):
     """The probe's answer is what the native kernel does on random values, and with the probe saying no for every
     kind (the fp32 formula, cast back) the fast path still gives the reference's bits."""
     x = (torch.randn(4099, generator=gen) * 4).to(dtype)
-    for kind in sorted(A._LOW_PRECISION_NATIVE):
-        if A.native_act_exact(kind, dtype):  # a yes must hold on fresh values too
-            assert_same(A._native_kernel(x, kind), A._exact_fp32(x.float(), kind).to(dtype), f"native {kind}")
-    monkeypatch.setattr(A, "native_act_exact", lambda kind, dt: False)
+    for kind in sorted(AC._LOW_PRECISION_NATIVE):
+        if AC.native_act_exact(kind, dtype):  # a yes must hold on fresh values too
+            assert_same(AC._native_kernel(x, kind), _exact_fp32(x.float(), kind).to(dtype), f"native {kind}")
+    monkeypatch.setattr(AC, "native_act_exact", lambda kind, dt: False)
     for kind in A.KINDS:
         y0, p0 = A.forward_reference(x, kind)
         y1, p1 = A.forward_cpu(x, kind)
@@ -260,9 +264,9 @@ def test_mesa_nan_equals_reference(dtype, kernels, gen):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_eager_fallback_equals_reference(dtype, threads, gen, monkeypatch):
     """With the C kernels off, the eager ATen ops (small blocks: many block boundaries) give the same bits."""
-    monkeypatch.setattr(K, "_OFF", True)
-    monkeypatch.setattr(A, "_CPU_BLOCK", 64)
-    monkeypatch.setattr(Q, "_CPU_BLOCK", 80)
+    monkeypatch.setattr(KB, "_OFF", True)
+    monkeypatch.setattr(AC, "_CPU_BLOCK", 64)
+    monkeypatch.setattr(QC, "_CPU_BLOCK", 80)
     for kind in A.KINDS:
         for shape in SIZES[:-1] + [(3, 1001)]:
             x = act_input(shape, dtype, gen, A._consts32(kind, 2)[0])
@@ -287,7 +291,7 @@ def test_eager_fallback_equals_reference(dtype, threads, gen, monkeypatch):
 @needs_cc
 def test_built_once_and_reused_from_the_cache(fresh, monkeypatch):
     # a first flag set the compiler refuses: the next one builds, and a later load finds it without a new attempt
-    monkeypatch.setattr(K, "_FLAG_SETS", (K.FLAGS + ("-fno-such-flag-lowmembp",), K.FLAGS))
+    monkeypatch.setattr(KB, "_FLAG_SETS", (K.FLAGS + ("-fno-such-flag-lowmembp",), K.FLAGS))
     compiles = K.build_info()["compiles"]
     lib = K.library()
     assert lib is not None, K.build_info()["reason"]
@@ -295,7 +299,7 @@ def test_built_once_and_reused_from_the_cache(fresh, monkeypatch):
     assert info["compiles"] == compiles + 1 and info["path"].parent == fresh
     assert info["seconds"] < 30  # a small C file; the docs state the measured time
     mtime = info["path"].stat().st_mtime_ns
-    K._reset()  # as a new process would: find the file, do not compile
+    KB._reset()  # as a new process would: find the file, do not compile
     assert K.library() is not None
     again = K.build_info()
     assert again["compiles"] == info["compiles"] and again["path"] == info["path"]
@@ -318,7 +322,7 @@ def test_concurrent_first_use_by_two_processes(fresh):
 
 
 def test_switched_off_runs_the_eager_ops(fresh, monkeypatch, gen):
-    monkeypatch.setattr(K, "_OFF", True)
+    monkeypatch.setattr(KB, "_OFF", True)
     assert K.library() is None
     x = (torch.randn(3, 1001, generator=gen) * 3).to(torch.bfloat16)
     assert K.codes2(x.reshape(-1), A._consts32("gelu", 2)[0], torch.empty(800, dtype=torch.uint8)) is None

@@ -21,6 +21,9 @@ import torch
 
 from lowmembp.ops import cpu_kernels as K
 from lowmembp.ops import ms_norm as M
+from lowmembp.ops import ms_norm_cpu as MC
+from lowmembp.ops.cpu_kernels import build as KB
+from lowmembp.ops.cpu_kernels import ms_norm as KN
 
 from bitwise import assert_same
 from backends import force_backend
@@ -54,7 +57,7 @@ def bwd_path(request, monkeypatch):
     if request.param == "rows":
         assert K.library() is None or K.aten_sum_width() in K.SUM_WIDTHS, "ATen's CPU sum is not replicated here"
     else:
-        monkeypatch.setattr(K, "aten_sum_width", lambda: None)
+        monkeypatch.setattr(KN, "aten_sum_width", lambda: None)
     return request.param
 
 
@@ -65,7 +68,7 @@ def fwd_path(request, monkeypatch):
     if request.param == "whole":
         assert K.library() is None or K.layer_norm_variant() is not None, "ATen's LayerNorm is not replicated here"
     else:
-        monkeypatch.setattr(K, "layer_norm_variant", lambda: None)
+        monkeypatch.setattr(KN, "layer_norm_variant", lambda: None)
     return request.param
 
 
@@ -74,7 +77,7 @@ def check_bwd(g, y, rstd, kind, dx_dtype, what, expect_kernel=True):
     reference is not called)."""
     want = M.ms_norm_bwd_ref(g, y, rstd, kind, dx_dtype)
     if expect_kernel:
-        with mock.patch.object(M, "ms_norm_bwd_ref", side_effect=AssertionError("the reference ran")):
+        with mock.patch.object(MC, "ms_norm_bwd_ref", side_effect=AssertionError("the reference ran")):
             got = M.ms_norm_bwd_cpu(g, y, rstd, kind, dx_dtype)
     else:
         got = M.ms_norm_bwd_cpu(g, y, rstd, kind, dx_dtype)
@@ -102,7 +105,7 @@ def test_addcmul_probe_says_how_aten_rounds(gen):
 @pytest.mark.parametrize("kind", M.KINDS)
 def test_bwd_equals_reference(kind, g_dtype, y_dtype, threads, bwd_path, gen, monkeypatch):
     """Every dtype pair of g and y, every dx dtype, every shape; the C passes ran (no fallback)."""
-    monkeypatch.setattr(K, "_OFF", False)
+    monkeypatch.setattr(KB, "_OFF", False)
     for (rows, n), dx_dtype in itertools.product(SHAPES, DTYPES):
         if rows * n > 10**5 and dx_dtype != y_dtype:  # the big shapes: the dx dtype of y
             continue
@@ -115,7 +118,7 @@ def test_bwd_equals_reference(kind, g_dtype, y_dtype, threads, bwd_path, gen, mo
 @pytest.mark.parametrize("kind", M.KINDS)
 def test_bwd_small_blocks_and_portable_build_equal_reference(kind, kernels, threads, bwd_path, gen, monkeypatch):
     """Many block boundaries (blocks of 64 elements) and the portable build (no vector instructions)."""
-    monkeypatch.setattr(M, "_KERNEL_BLOCK", 64)
+    monkeypatch.setattr(MC, "_KERNEL_BLOCK", 64)
     for (rows, n), (g_dtype, y_dtype, dx_dtype) in itertools.product(
             [(3, 7), (50, 13), (5, 768), (2, 5000)], [(torch.float32,) * 3, (torch.bfloat16,) * 3,
                                                       (torch.float16,) * 3, (torch.bfloat16, torch.float32,
@@ -130,7 +133,7 @@ def test_bwd_small_blocks_and_portable_build_equal_reference(kind, kernels, thre
 @pytest.mark.parametrize("kind", M.KINDS)
 def test_bwd_non_finite_and_overflow_equal_reference(kind, dtype, threads, bwd_path, gen, monkeypatch):
     """NaN, ±inf, ±max in g and in y (products that overflow, rows whose sums are inf or NaN): the same bits."""
-    monkeypatch.setattr(K, "_OFF", False)
+    monkeypatch.setattr(KB, "_OFF", False)
     for rows, n in [(1, 1), (3, 7), (3, 768), (1, 5000), (40, 768)]:
         for where in ("g", "y", "both"):
             g, y = rows_of((rows, n), dtype, gen, 2.0), rows_of((rows, n), dtype, gen)
@@ -236,7 +239,7 @@ def test_fwd_equals_reference(kind, x_dtype, out_dtype, threads, fwd_path, gen, 
     """LayerNorm whole in C ("whole", where the probe finds ATen's variant) or the C casts around ATen's fp32 norm
     ("casts", as RMSNorm always): y and rstd equal the reference's, with and without special values; LayerNorm's
     whole C forward produced them for finite inputs (the reference did not run)."""
-    monkeypatch.setattr(K, "_OFF", False)
+    monkeypatch.setattr(KB, "_OFF", False)
     own = kind == "layernorm" and fwd_path == "whole"
     for rows, n in SHAPES + [(3, 768)]:
         x = rows_of((rows, n), x_dtype, gen, 3.0)
@@ -245,7 +248,7 @@ def test_fwd_equals_reference(kind, x_dtype, out_dtype, threads, fwd_path, gen, 
             with_specials(x, gen)
         y0, r0 = M.ms_norm_fwd_ref(x, kind, 1e-5, out_dtype)
         if own and not special:
-            with mock.patch.object(M, "ms_norm_fwd_ref", side_effect=AssertionError("the reference ran")):
+            with mock.patch.object(MC, "ms_norm_fwd_ref", side_effect=AssertionError("the reference ran")):
                 y1, r1 = M.ms_norm_fwd_cpu(x, kind, 1e-5, out_dtype)
         else:
             y1, r1 = M.ms_norm_fwd_cpu(x, kind, 1e-5, out_dtype)
@@ -256,7 +259,7 @@ def test_fwd_equals_reference(kind, x_dtype, out_dtype, threads, fwd_path, gen, 
 @needs_cc
 @pytest.mark.parametrize("kind", M.KINDS)
 def test_fwd_small_blocks_and_portable_build_equal_reference(kind, kernels, threads, fwd_path, gen, monkeypatch):
-    monkeypatch.setattr(M, "_KERNEL_BLOCK_FWD", 64)
+    monkeypatch.setattr(MC, "_KERNEL_BLOCK_FWD", 64)
     for (rows, n), (x_dtype, out_dtype) in itertools.product(
             [(3, 7), (50, 13), (5, 768), (2, 5000)],
             [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.bfloat16),
@@ -337,7 +340,7 @@ def test_layer_norm_probe_finds_the_variant_and_no_other_matches(gen):
 def test_layer_norm_fwd_equals_native_on_every_length(kernels, threads, gen):
     """fp32 rows of every length the probe uses (1, 3 rows; 1576 rows of some), values with varied means and
     scales: y and rstd are ATen's, on one thread and on two, in the native and the portable build."""
-    for n in K._LN_PROBE_LENGTHS:
+    for n in KN._LN_PROBE_LENGTHS:
         for rows in (1, 3):
             scale = float(2.0 ** torch.randint(-10, 10, (), generator=gen))
             x = torch.randn(rows, n, generator=gen) * scale + torch.randn(rows, 1, generator=gen) * scale * 8
@@ -401,12 +404,12 @@ def test_layer_norm_one_long_row_is_not_split(threads, gen, monkeypatch):
     """ATen computes each row on one thread (parallel over rows, grain 1): a single row of 32768 elements or more
     has the same bits as the C forward's one-thread row, with torch on two threads as on one; a row of 32768 runs
     the C forward through ms_norm_fwd_cpu (wider rows run the reference)."""
-    monkeypatch.setattr(K, "_OFF", False)
+    monkeypatch.setattr(KB, "_OFF", False)
     for n in (32768, 32769, 65536, 100003):
         _check_ln(torch.randn(1, n, generator=gen) * 5 + 3, 1e-5, f"one row of {n}")
     x = (torch.randn(1, 32768, generator=gen) * 2 - 1).to(torch.bfloat16)
     y0, r0 = M.ms_norm_fwd_ref(x, "layernorm", 1e-5)
-    with mock.patch.object(M, "ms_norm_fwd_ref", side_effect=AssertionError("the reference ran")):
+    with mock.patch.object(MC, "ms_norm_fwd_ref", side_effect=AssertionError("the reference ran")):
         y1, r1 = M.ms_norm_fwd_cpu(x, "layernorm", 1e-5)
     assert_same(y1, y0, "one bf16 row of 32768 y")
     assert_same(r1, r0, "one bf16 row of 32768 rstd")
@@ -416,7 +419,7 @@ def test_layer_norm_one_long_row_is_not_split(threads, gen, monkeypatch):
 def test_layer_norm_native_and_portable_builds_agree_on_every_variant(portable_library, gen, monkeypatch):
     """Every variant gives the same bits in the native build (AVX2 registers for its fused width-8 moments) as in
     the portable one (lane arrays): the vector forms are the lane loops' arithmetic."""
-    monkeypatch.setattr(K, "_OFF", False)
+    monkeypatch.setattr(KB, "_OFF", False)
     native = K.library()
     rows = [torch.randn(3, n, generator=gen) * 4 + torch.randn(3, 1, generator=gen) * 30
             for n in (5, 37, 300, 768, 1031, 4100)]
@@ -426,7 +429,7 @@ def test_layer_norm_native_and_portable_builds_agree_on_every_variant(portable_l
         for x in rows:
             got = []
             for lib in (native, portable_library):
-                monkeypatch.setitem(K._state, "lib", lib)
+                monkeypatch.setitem(KB._state, "lib", lib)
                 got.append(_c_ln(x, 1e-5, torch.bfloat16 if x.dtype == torch.float16 else torch.float32,
                                  variant=variant))
             assert got[0][2] == got[1][2], f"{variant} {tuple(x.shape)} {x.dtype}: NaN bits differ"
@@ -478,7 +481,7 @@ def test_kernels_take_rows_of_any_dim(shape, kernels, gen):
 def test_ms_layer_norm_autograd_equals_reference(dtype, threads, gen, monkeypatch):
     """ms_layer_norm under LOWMEMBP_BACKEND=cpu (the C forward, then the C backward from its y and rstd) equals it
     under the reference backend: the output and the gradient, bit for bit."""
-    monkeypatch.setattr(K, "_OFF", False)
+    monkeypatch.setattr(KB, "_OFF", False)
     for shape in [(3, 7), (2, 5, 768), (1576, 96)]:
         x = ((torch.randn(shape, generator=gen) * 2 + 0.5).to(dtype))
         dy = torch.randn(shape, generator=gen).to(dtype)
@@ -502,7 +505,7 @@ def _eager_cases(gen):
 
 
 def test_switched_off_runs_the_eager_ops(threads, gen, monkeypatch):
-    monkeypatch.setattr(K, "_OFF", True)
+    monkeypatch.setattr(KB, "_OFF", True)
     assert K.library() is None
     for kind, x, g in _eager_cases(gen):
         y0, r0 = M.ms_norm_fwd_ref(x, kind, 1e-5)
@@ -514,11 +517,11 @@ def test_switched_off_runs_the_eager_ops(threads, gen, monkeypatch):
 
 
 def test_no_compiler_runs_the_eager_ops(tmp_path, monkeypatch, gen):
-    saved = dict(K._state)
+    saved = dict(KB._state)
     monkeypatch.setenv("LOWMEMBP_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(K, "_OFF", False)
+    monkeypatch.setattr(KB, "_OFF", False)
     monkeypatch.setenv("CC", "lowmembp-no-such-compiler")
-    K._reset()
+    KB._reset()
     try:
         with pytest.warns(RuntimeWarning, match="no C compiler"):
             assert K.library() is None
@@ -531,4 +534,4 @@ def test_no_compiler_runs_the_eager_ops(tmp_path, monkeypatch, gen):
                 assert_same(r1, r0, f"{kind} {x.shape} {x.dtype} rstd")
                 check_bwd(g, y0, r0, kind, x.dtype, f"{kind} {x.shape} {x.dtype} dx")
     finally:
-        K._state.update(saved)
+        KB._state.update(saved)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lowmembp.ops import cpu_kernels
+from lowmembp.ops.cpu_kernels import build
 from lowmembp.ops import mesa_quant as mq
 from backends import force_backend
 
@@ -222,7 +223,7 @@ def test_large_tensor_on_threads(threads, shape, groups, dtype, monkeypatch):
 
 def test_turned_off_without_kernels(monkeypatch):
     """With the C kernels off the ATen ops run (and give the same bits)."""
-    monkeypatch.setattr(cpu_kernels, "_OFF", True)
+    monkeypatch.setattr(build, "_OFF", True)
     calls = []
     real = cpu_kernels.mesa_pack8_trusted
     monkeypatch.setattr(cpu_kernels, "mesa_pack8_trusted", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -11,6 +11,7 @@ from lowmembp.ops import approx_act as A
 from lowmembp.ops import mesa_layers as ML
 from lowmembp.ops import mesa_quant as mq
 from lowmembp.ops import ms_norm as MS
+from lowmembp.ops.approx_table import TABLE
 from backends import force_backend
 
 pytestmark = pytest.mark.slow  # the full suite only: torch.compile of the ops
@@ -140,8 +141,8 @@ def test_opcheck_custom_ops():
     checks = [
         (torch.ops.lowmembp.approx_act_fwd, (x, "gelu", list(t32), list(s32), True)),
         (torch.ops.lowmembp.approx_act_fwd, (x.detach().bfloat16(), "relu2", list(A._consts32("relu2", 2)[0])
-                                             if ("relu2", 2) in A.TABLE else [0.0], list(s32[:2]) if ("relu2", 2)
-                                             not in A.TABLE else list(A._consts32("relu2", 2)[1]), True)),
+                                             if ("relu2", 2) in TABLE else [0.0], list(s32[:2]) if ("relu2", 2)
+                                             not in TABLE else list(A._consts32("relu2", 2)[1]), True)),
         (torch.ops.lowmembp.approx_act_bwd, (torch.randn(3, 7, requires_grad=True),
                                              A.forward_reference(x.detach(), "gelu")[1], list(s32))),
         (torch.ops.lowmembp.ms_norm_fwd, (torch.randn(4, 9, requires_grad=True), "layernorm", 1e-5, torch.float32)),
