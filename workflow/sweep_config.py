@@ -18,9 +18,9 @@ job failing hours later: tasks (``experiments.tasks``) and the task's models; me
 ``tokentune@k=4.0``, is refused: it would run as two cells); ``method_options`` keys (``registry.method_options``) and
 values (converted as the job converts them); ``train_args`` (the job's own argparse parser, without running; flags
 the pipeline sets from the sweep's keys are refused there); ``train_config`` files; bases (task, model, method; a base
-must be trained by a method that leaves the model's weights as they are, see :data:`CHANGE_WEIGHTS`); ``init``; the
-reproductions and notebooks (workflow/catalogue.py). Data and weights of the paper tasks are not checked here (the job
-checks them when it starts and says what to fetch).
+must be trained by a method that leaves the model's weights as they are: the registry's ``changes_weights``);
+``init``; the reproductions and notebooks (workflow/catalogue.py). Data and weights of the paper tasks are not
+checked here (the job checks them when it starts and says what to fetch).
 """
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ BASE_DEFAULTS = {"method": "baseline", "seed": 0, "train_args": []}
 # would not load (--init, strictly) into a fresh model: lora / lora-fa / velora add adapters, lowmembp /
 # lowmembp-norm fold the norms' γ/β into the next linears. Every other method leaves names and values as they are.
 # tests/workflow/test_config_check.py checks this list against every registered method on a tiny ViT and LLaMA.
-CHANGE_WEIGHTS = ("lora", "lora-fa", "velora", "lowmembp", "lowmembp-norm")
 # Set by the pipeline from the sweep's own keys; in train_args they would contradict them.
 PIPELINE_FLAGS = {"--model": "tasks", "--task": "tasks", "--method": "methods", "--batch-size": "batch_sizes",
                   "--seed": "seeds", "--dtype": "dtype", "--config": "train_config", "--init": "init / bases",
@@ -298,10 +297,11 @@ def check(config: dict, root: Path = ROOT) -> None:
         err = job.method_error(b["method"])
         if err:
             problems.append(f"{where}: {err}")
-        elif any(m.name in CHANGE_WEIGHTS for m in job.registry.parse(b["method"])):
-            keep = [m for m in job.registry.list_methods() if m not in CHANGE_WEIGHTS]
+        elif any(m.changes_weights for m in job.registry.parse(b["method"])):
+            changing = job.registry.list_methods_changing_weights()
+            keep = [m for m in job.registry.list_methods() if m not in changing]
             problems.append(f"{where}: method {b['method']!r} "
-                            f"changes the model's weights ({', '.join(CHANGE_WEIGHTS)}: "
+                            f"changes the model's weights ({', '.join(changing)}: "
                             f"adapters, or norms folded into the next layers), so the saved base would not load into "
                             f"a fresh model; train a base with {', '.join(keep)} (e.g. baseline)")
         elif b["task"] in job.task_names and b["model"] in job.models(b["task"]):

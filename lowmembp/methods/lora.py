@@ -35,7 +35,7 @@ def check_lora(rank=4, alpha=None, quantize=None, double_quant=True, dropout=0.0
 
 @register("lora", "LoRA adapters through peft (rank, alpha, targets; classifier head trainable)",
           options={"rank": 4, "alpha": None, "targets": None, "quantize": None, "double_quant": True, "dropout": 0.0},
-          order=10, check=check_lora)
+          order=10, check=check_lora, changes_weights=True)
 def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, targets=None,
                quantize: str | None = None, double_quant: bool = True, dropout: float = 0.0, *,
                velora_config=None) -> nn.Module:

@@ -31,7 +31,8 @@ def _check(rank=4, alpha=None, **_) -> None:
 
 
 @register("lora-fa", "LoRA with frozen A (LoRA-FA): only x·A is saved (rank, alpha, targets; head trainable)",
-          options={"rank": 4, "alpha": None, "targets": None}, order=10, excludes=("lora",), check=_check)
+          options={"rank": 4, "alpha": None, "targets": None}, order=10, excludes=("lora",), check=_check,
+          changes_weights=True)
 def apply_lora_fa(model: nn.Module, rank: int = 4, alpha: float | None = None, targets=None) -> nn.Module:
     from lowmembp.methods.lora import apply_lora
 

@@ -179,14 +179,15 @@ def _check_options(share_lora_inputs=True, norm_dtype="auto"):
 @register("lowmembp", "LowMemoryBP: ReGELU2/ReSiLU2 activations + MS-LayerNorm/MS-RMSNorm with γ/β folded into the "
           "next linears (exact forward, less activation memory; option norm_dtype)", options=_OPTS, order=20,
           excludes=("lowmembp-act", "lowmembp-norm", "mesa-gelu-ln"), parts=("lowmembp-act", "lowmembp-norm"),
-          check=_check_options)
+          check=_check_options, changes_weights=True)
 def apply_lowmembp(model, share_lora_inputs=True, norm_dtype="auto"):
     return convert(model, acts=True, norms=True, share_lora_inputs=share_lora_inputs, norm_dtype=norm_dtype)
 
 
 @register("lowmembp-norm", "LowMemoryBP norms only: LayerNorm/RMSNorm→MS-norms with γ/β folded into the next "
           "linears (option norm_dtype)", options=_OPTS, order=20, excludes=("lowmembp", "mesa-gelu-ln"),
-          check=_check_options, shown_by=lambda layers: any(name in ("MSLayerNorm", "MSRMSNorm") for _, name in layers))
+          check=_check_options, shown_by=lambda layers: any(name in ("MSLayerNorm", "MSRMSNorm") for _, name in layers),
+          changes_weights=True)
 def apply_lowmembp_norm(model, share_lora_inputs=True, norm_dtype="auto"):
     return convert(model, acts=False, norms=True, share_lora_inputs=share_lora_inputs, norm_dtype=norm_dtype)
 

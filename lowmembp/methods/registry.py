@@ -33,6 +33,7 @@ class Method:
     parts: tuple[str, ...] = ()  # methods that, applied together, are exactly this one (lowmembp = -act + -norm)
     shown_by: Callable[[set], bool] | None = None  # shown_by({(module, class name) of each layer}): carried?
     covers: tuple[str, ...] = ()  # methods a model carrying this one shows without carrying them (its parts, ...)
+    changes_weights: bool = False  # rewrites the model's own weights (adapters, γ folded): a saved base can't follow
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -44,7 +45,8 @@ _OPTION_VALUE = re.compile(r"[A-Za-z0-9._-]+")
 def register(name: str, description: str, *, options: dict[str, Any] | None = None, order: int = 100,
              excludes: tuple[str, ...] | dict[str, str] = (), kinds: dict[str, tuple[type, ...]] | None = None,
              check: Callable[..., None] | None = None, parts: tuple[str, ...] = (),
-             shown_by: Callable[[set], bool] | None = None, covers: tuple[str, ...] = ()):
+             shown_by: Callable[[set], bool] | None = None, covers: tuple[str, ...] = (),
+             changes_weights: bool = False):
     """Decorator: register ``fn(model, **options) -> model`` as method ``name``.
 
     ``kinds``: for an option whose default's type does not say how to read its text, the types to try in order
@@ -54,14 +56,17 @@ def register(name: str, description: str, *, options: dict[str, Any] | None = No
     ``excludes``: the methods this one cannot be combined with; a dict maps each to the reason the refusal gives
     (without one, or with "": "both rewrite the same layers"). ``shown_by``: for a method whose layers show on the
     model, whether the set of ``(module, class name)`` of a model's layers shows it (:func:`carried_methods`);
-    ``covers``: the methods a model carrying this one shows without carrying them (besides ``parts``)."""
+    ``covers``: the methods a model carrying this one shows without carrying them (besides ``parts``).
+    ``changes_weights``: the method rewrites the model's weights (adapters, folded γ/β), so the model it trains is
+    not the plain model a later cell could start from."""
     reasons = dict(excludes) if isinstance(excludes, dict) else {}
 
     def deco(fn):
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is registered twice")
         _REGISTRY[name] = Method(name, description, fn, dict(options or {}), order, tuple(excludes), reasons,
-                                 dict(kinds or {}), check, tuple(parts), shown_by, tuple(parts) + tuple(covers))
+                                 dict(kinds or {}), check, tuple(parts), shown_by, tuple(parts) + tuple(covers),
+                                 changes_weights)
         return fn
     return deco
 
@@ -91,6 +96,12 @@ def list_methods() -> dict[str, str]:
     """All method names, each with a one-line description."""
     _load_all()
     return {name: m.description for name, m in sorted(_REGISTRY.items())}
+
+
+def list_methods_changing_weights() -> tuple[str, ...]:
+    """The methods that rewrite the model's own weights (``changes_weights``), sorted."""
+    _load_all()
+    return tuple(name for name, m in sorted(_REGISTRY.items()) if m.changes_weights)
 
 
 def method_options(spec: str) -> dict[str, Any]:

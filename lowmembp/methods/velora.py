@@ -32,7 +32,7 @@ def check_velora(rank=4, alpha=None, targets=None, num_groups=64, scale=1.0, ini
                     "(rank, alpha, targets, num_groups, scale, init_type)",
           options={"rank": 4, "alpha": None, "targets": None, "num_groups": 64, "scale": 1.0,
                    "init_type": "batch_average"},
-          order=10, excludes=("lora", "lora-fa"), kinds={"scale": (float,)}, check=check_velora)
+          order=10, excludes=("lora", "lora-fa"), kinds={"scale": (float,)}, check=check_velora, changes_weights=True)
 def apply_velora(model: nn.Module, rank: int = 4, alpha: float | None = None, targets=None, num_groups: int = 64,
                  scale: float = 1.0, init_type: str = "batch_average") -> nn.Module:
     from peft.tuners.lora.config import VeloraConfig

@@ -44,7 +44,7 @@ def text_table(p) -> str:
     head = (f"What fits: {s['model_source']}, batch {s['batch_size']}, "
             + (f"{s['seq_len']} tokens, " if s.get("seq_len") else "") + f"{s['dtype']} autocast, "
             f"weights {', '.join(_as_list(s.get('weights', 'fp32')))}, "
-            f"{', '.join(_as_list(s.get('optimizer', 'adamw')))}, "
+            f"{', '.join(_as_list(s.get('optimizer', DEFAULT_OPTIMIZER)))}, "
             f"{_size(s['gpu_memory_bytes'])} GPU (tensors up to {_size(s['capacity_bytes'])} after the margin), "
             f"{s['world_size']} GPU")
     more = next((list(r.get("largest_batch_by_gpu", {})) for r in p.rows if r["status"] == "ok"), [])
@@ -58,7 +58,8 @@ def text_table(p) -> str:
             continue
         meas = "-" if r.get("measured_ratio") is None else f"{r['measured_ratio']:.2f} ({len(r['measured'])})"
         best = str(r["largest_batch"]) + ("+" if r["largest_batch_how"].startswith("at least") else "")
-        body.append([str(r["rank"]), _label_only(r), f"{r.get('weights', 'fp32')}, {r.get('optimizer', 'adamw')}",
+        how = f"{r.get('weights', 'fp32')}, {r.get('optimizer', DEFAULT_OPTIMIZER)}"
+        body.append([str(r["rank"]), _label_only(r), how,
                      _in(r["peak_bytes"], unit), _in(r["need_bytes"], unit),
                      "yes" if r["fits"] else "no", best] + [str(r["largest_batch_by_gpu"][g]) for g in more]
                     + ([_most(r.get("largest_seq_len"), r.get("largest_seq_len_how", ""))] if seq else [])
@@ -146,7 +147,7 @@ def _as_list(v) -> list[str]:
 
 def _label_only(r: dict) -> str:
     """The row's label without the optimizer (a column of its own in the table)."""
-    tail = f" [{r.get('optimizer', 'adamw')}]"
+    tail = f" [{r.get('optimizer', DEFAULT_OPTIMIZER)}]"
     return r["label"][:-len(tail)] if r["label"].endswith(tail) else r["label"]
 
 

@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import pandas as pd
 
+from lowmembp.methods.optimizers import DEFAULT_OPTIMIZER
+
 ROOT = Path(__file__).resolve().parents[2]
 CHEAP = 1.10   # a step time within 10 % of the compared method's counts as keeping its speed
 CKPT = "checkpointing"
@@ -176,12 +178,12 @@ def optimizer_line(gpu: Path, fam: Family) -> list[str]:
     if df.empty or "optimizer" not in df:
         return []
     df = df[(df["config"] == f"{fam.gpu[1]}-full") & (df["status"] == "ok")].set_index("optimizer")
-    if "adamw" not in df.index or len(df) < 2:
+    if DEFAULT_OPTIMIZER not in df.index or len(df) < 2:
         return []
-    ref = df.loc["adamw"]
+    ref = df.loc[DEFAULT_OPTIMIZER]
     parts = [f"`{o}` {_pct(1 - float(r['peak_bytes']) / float(ref['peak_bytes']))} of the peak at "
              f"{_x(float(r['step_ms_p50']) / float(ref['step_ms_p50']))} the step time"
-             for o, r in df.iterrows() if o != "adamw"]
+             for o, r in df.iterrows() if o != DEFAULT_OPTIMIZER]
     return [f"- The optimizer (GPU, full fine-tuning of the same model at batch 1 × {int(ref['seq_len'])}, against "
             f"AdamW): {'; '.join(parts)} (`--optimizer`; [Optimizers](methods/optimizers.md)).", ""]
 
