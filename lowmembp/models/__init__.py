@@ -1,6 +1,9 @@
 """Architecture adapters: where blocks, norms, activations and the linears fed by each norm sit in timm /
 transformers models. ``get_layout(model) -> ModelLayout``; see :mod:`lowmembp.models.layout` for the contract.
 
+TokenTune's per-family training forwards live here too (``tokentune_families``, on ``rows``), imported by the method
+when used.
+
 Importing this package registers the built-in adapters (timm, transformers) and the data-flow adapter (last);
 ``layout.py`` itself imports none of them (no import cycle).
 
