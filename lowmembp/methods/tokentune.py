@@ -4,25 +4,13 @@
     model.train(); out = model(**batch)                          # HF: out.logits / out.loss as usual
     tokentune_state(model).last.positions                        # the positions chosen for that batch (B×k)
 
-Supported: BERT / RoBERTa ``*ForSequenceClassification``, LLaMA-like ``*ForCausalLM`` and
-``*ForSequenceClassification`` (transformers), timm ``VisionTransformer`` (vit_*, deit_*) — plain or wrapped by peft,
-with or without ``lowmembp`` norms / activations, with checkpointing applied after. Converted in place and returned.
-
-Selection (:class:`TokenTuneState`): per sequence k distinct real positions, the same in every block — the rows the
-model's head reads (``pool="model"``), the first real token, for decoders the last, the rest at random (the global
-RNG, or a private generator with ``seed=``); ``k`` a count or a fraction ``0 < k < 1`` of the real tokens (the
-official ``--prefix_length``); k ≥ L is full fine-tuning. ``tokentune_state(model).selector`` replaces the choice.
-
-Training forward (``model.training``): exact. Every block computes the unselected rows under ``torch.no_grad()``
-and the selected rows with the graph, the selected queries attending over all keys / values
-(:mod:`lowmembp.methods.tokentune_forward`); the gradient is the true one with a stop-gradient on every unselected
-hidden state. A classification head reads what the model's own head reads, of the selected tokens
-(``pool="model"``; ``pool="mean"``: their mean, as the paper); a causal LM returns B×k×V logits at the selected
-positions and, with ``labels=``, their next-token loss. KV caches, ``output_attentions`` / ``output_hidden_states``
-and 4-D masks are refused in training. Evaluation (``model.eval()``) is the ordinary forward, untouched.
-
-Memory: per block the selected rows' activations (∝ k/L) plus K/V and the attention input over all L tokens (an
-O(L·d) floor). Composes with ``lora`` (order 10), ``lowmembp*`` (20) and ``checkpointing`` (50, applied after: only
+The method: per sequence k distinct real positions, the same in every block (:class:`TokenTuneState`: the rows the
+model's head reads, the first real token, for decoders the last, the rest at random; ``k`` a count or a fraction of
+the real tokens), and in training an exact forward that runs the selected rows with the graph and the others without
+(the block driver, :mod:`lowmembp.methods.tokentune_forward`). What a family adds — its block computation, embedding
+and head, which models it runs — sits with the model adapters (:mod:`lowmembp.models.tokentune_families`: timm ViT,
+BERT/RoBERTa sequence classification, LLaMA-like), chosen by the layout's ``tokentune``. ``model.eval()`` runs the
+ordinary forward. Composes with ``lora`` (order 10), ``lowmembp*`` (20) and ``checkpointing`` (50, applied after: only
 the selected part of each marked block is recomputed). The full rules: docs/methods/tokentune.md.
 """
 from __future__ import annotations
@@ -32,11 +20,12 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from lowmembp.methods.checkpointing import is_checkpointed
 from lowmembp.methods.registry import register
-from lowmembp.methods.tokentune_forward import FAMILIES, make_context, merge, run_blocks, take
+from lowmembp.methods.tokentune_forward import make_context, run_blocks
+from lowmembp.models.rows import take
+from lowmembp.models.tokentune_families import DRIVERS
 
 
 @dataclass
@@ -107,6 +96,23 @@ class TokenTuneState:
                         others=order[:, :L - kk])
         self.last = sel
         return sel
+
+    def run_blocks(self, h: torch.Tensor, sel: Selection, key_valid: torch.Tensor | None,
+                   extra: dict | None = None) -> torch.Tensor:
+        """Every block over ``h`` (B×L×d, a graph on the selected rows only), by this model's family hooks;
+        ``key_valid``: B×L real tokens (None: all), ``extra``: the family's data over all positions."""
+        fam = DRIVERS[self.family]
+        ctx = make_context(fam, sel, h.shape[1], key_valid, extra)
+        return run_blocks(fam, self.blocks, h, ctx, self.checkpoint_flags())
+
+    def head_feature(self, hs: torch.Tensor, sel: Selection, read: torch.Tensor | None) -> torch.Tensor:
+        """B×d, what a head reads from the selected rows ``hs`` (B×k×d, positions ``sel.positions``): the row at
+        the model's own read position ``read`` (selected: forced), or under ``pool='mean'`` the mean of the valid
+        rows."""
+        if self.pool == "mean":
+            return _masked_mean(hs, sel.valid)
+        j = (sel.positions == read[:, None]).to(torch.uint8).argmax(1)
+        return take(hs, j[:, None])[:, 0]
 
     def checkpoint_flags(self) -> list[bool]:
         """Per block: checkpoint its selected part? (the ``checkpointing`` method's per-block mark, timm's
@@ -214,11 +220,12 @@ def apply_tokentune(model: nn.Module, k: int | float = 16, seed: int | None = No
     from lowmembp.models import get_layout
     layout = get_layout(model)
     driver = layout.tokentune
-    if driver not in FAMILIES:
-        raise TypeError(f"tokentune supports the families {', '.join(FAMILIES)} (timm ViT, BERT/RoBERTa sequence "
-                        f"classification, LLaMA-like); it cannot run {type(layout.base).__name__}: "
+    if driver not in DRIVERS:
+        covered = ", ".join(f.label for f in DRIVERS.values())
+        raise TypeError(f"tokentune supports the families {', '.join(DRIVERS)} ({covered}); it cannot run "
+                        f"{type(layout.base).__name__}: "
                         f"{layout.tokentune_why or 'its adapter names no TokenTune driver'}")
-    base, fam = layout.base, FAMILIES[driver]
+    base, fam = layout.base, DRIVERS[driver]
     blocks = [s.get() for s in layout.blocks]
     for b in blocks:
         fam.check_block(b)
@@ -231,29 +238,9 @@ def apply_tokentune(model: nn.Module, k: int | float = 16, seed: int | None = No
                          f"{type(base).__name__} needs: its {state.lead} leading class / register tokens (read or "
                          f"set apart by position){' and one token to pool' if state.reads == 'pool' else ''}; use "
                          f"k >= {state.min_count()}, or pool='mean'")
-    name = type(base).__name__
-    if driver == "vit":
-        if not all(hasattr(base, a) for a in ("patch_embed", "_pos_embed", "norm_pre", "norm", "forward_features")):
-            raise TypeError(f"tokentune: {name} is not a timm VisionTransformer")
-        state.owner = base
-        _patch(base, "forward_features", _vit_forward_features, state)
-    elif driver == "bert":
-        backbone = getattr(base, "base_model", None)
-        if not name.endswith("ForSequenceClassification") or backbone is None or backbone is base:
-            raise TypeError(f"tokentune supports BERT/RoBERTa sequence classification models "
-                            f"(BertForSequenceClassification, RobertaForSequenceClassification); got {name}")
-        state.owner = backbone
-        _patch(backbone, "forward", _bert_forward, state)
-    else:  # llama
-        if name.endswith("ForCausalLM"):
-            state.task = "causal_lm"
-            if pool != "model":
-                raise ValueError(f"tokentune: pool={pool!r} is for classification heads; {name}'s logits are per "
-                                 f"position (leave pool at 'model')")
-        elif not name.endswith("ForSequenceClassification"):
-            raise TypeError(f"tokentune supports LLaMA-like *ForCausalLM and *ForSequenceClassification; got {name}")
-        state.owner = base.model
-        _patch(base, "forward", _llama_forward, state)
+    entry = fam.entry_point(base, pool)
+    state.owner, state.task = entry.owner, entry.task
+    _patch(entry.module, entry.attr, entry.forward, state)
     object.__setattr__(base, "_tokentune", state)
     return model
 
@@ -299,173 +286,7 @@ def _entry(self, *args, **kwargs):
     return d["_tokentune_fn"](self, d["_tokentune"], *args, **kwargs)
 
 
-def _reject(kwargs: dict, allowed=()) -> None:
-    """Options the training forward cannot honour (caches, returned attentions/hidden states) -> a clear error."""
-    for key, val in kwargs.items():
-        if key in allowed or val is None or val is False:
-            continue
-        if key in ("return_dict", "use_cache", "num_items_in_batch"):  # the last: a loss kwarg the HF Trainer passes
-            continue
-        raise TypeError(f"tokentune training forward does not support {key}={val!r}; call model.eval() for that, "
-                        f"or pass only input_ids / attention_mask / token_type_ids / position_ids / inputs_embeds / "
-                        f"labels")
-
-
-def _valid_tokens(attention_mask, B: int, L: int, device) -> torch.Tensor:
-    if attention_mask is None:
-        return torch.ones(B, L, dtype=torch.bool, device=device)
-    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, L):
-        raise ValueError(f"tokentune training forward takes a 2-D attention_mask of shape {(B, L)} (1 = real token, "
-                         f"0 = padding), got shape {tuple(attention_mask.shape)}")
-    return attention_mask.to(device).bool()
-
-
 def _masked_mean(hs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Mean over the valid selected rows (branch-free: runs on fake tensors too)."""
     w = valid.to(hs.dtype).unsqueeze(-1)
     return (hs * w).sum(1) / w.sum(1).clamp_min(1)
-
-
-def _read_positions(state: TokenTuneState, model: nn.Module, input_ids, B: int, L: int, device) -> torch.Tensor:
-    """B: the position the model's own head reads in each sequence (the layout's ``head_reads``)."""
-    if state.reads == "first":
-        return torch.zeros(B, dtype=torch.long, device=device)
-    if state.reads == "last":
-        from lowmembp.models.hf_models import last_token_positions
-        return last_token_positions(model.config, input_ids, B, L, device)
-    raise TypeError(f"tokentune: the adapter of {type(model).__name__} says its head reads {state.reads!r}, not one "
-                    f"token ('first' / 'last'); convert with pool='mean' or add the rule to its adapter")
-
-
-def _forced(state: TokenTuneState, read: torch.Tensor | None) -> torch.Tensor | None:
-    """The positions the selection must take for the head (none under ``pool='mean'``)."""
-    return read[:, None] if state.pool == "model" and read is not None else None
-
-
-def _head_feature(state: TokenTuneState, hs: torch.Tensor, sel: Selection, read: torch.Tensor) -> torch.Tensor:
-    """B×d, what the head reads from the selected rows ``hs`` (B×k×d, positions ``sel.positions``): the row at the
-    model's own read position ``read`` (selected: forced), or under ``pool='mean'`` the mean of the valid rows."""
-    if state.pool == "mean":
-        return _masked_mean(hs, sel.valid)
-    j = (sel.positions == read[:, None]).to(torch.uint8).argmax(1)
-    return take(hs, j[:, None])[:, 0]
-
-
-def _embed_rows(emb: torch.Tensor, sel: Selection) -> torch.Tensor:
-    """Hidden state 0 from embeddings computed on all rows: the graph kept only on the selected rows."""
-    if not emb.requires_grad:
-        return emb
-    idx = sel.positions[..., None].expand(-1, -1, emb.shape[-1])
-    return emb.detach().scatter(1, idx, take(emb, sel.positions))
-
-
-# --------------------------------------------------------------------------------------------------- family forwards
-def _vit_forward_features(self, state, x, attn_mask=None, is_causal=False):
-    if attn_mask is not None or is_causal:
-        raise TypeError("tokentune training forward does not take attn_mask / is_causal for timm ViT")
-    emb = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
-    B, L, d = emb.shape
-    lead = min(state.lead, L) if state.pool == "model" else 0
-    forced = torch.arange(lead, device=emb.device).expand(B, lead) if lead else None
-    sel = state.select(torch.ones(B, L, dtype=torch.bool, device=emb.device), decoder=False, forced=forced)
-    fam = FAMILIES["vit"]
-    ctx = make_context(fam, sel, L, None)
-    h = run_blocks(fam, state.blocks, _embed_rows(emb, sel), ctx, state.checkpoint_flags())
-    hs = self.norm(take(h, sel.positions))
-    if state.pool == "mean":
-        pooled = _masked_mean(hs, sel.valid)
-        return pooled[:, None, :].expand(B, L, d)
-    return hs  # B×k×d, ascending, the `lead` class/register rows first: forward_head pools them as it pools all
-
-
-def _bert_forward(self, state, input_ids=None, attention_mask=None, token_type_ids=None,
-                  position_ids=None, inputs_embeds=None, **kwargs):
-    from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
-    _reject(kwargs)
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-    ref = input_ids if input_ids is not None else inputs_embeds
-    B, L = ref.shape[:2]
-    device = ref.device
-    valid = _valid_tokens(attention_mask, B, L, device)
-    read = _read_positions(state, self, input_ids, B, L, device) if state.pool == "model" else None
-    sel = state.select(valid, decoder=False, forced=_forced(state, read))
-    emb_mod = self.embeddings
-    if position_ids is None:
-        if hasattr(emb_mod, "create_position_ids_from_input_ids"):  # RoBERTa: positions count real tokens
-            position_ids = (emb_mod.create_position_ids_from_input_ids(input_ids, emb_mod.padding_idx)
-                            if input_ids is not None else
-                            emb_mod.create_position_ids_from_inputs_embeds(inputs_embeds, emb_mod.padding_idx))
-        else:
-            position_ids = emb_mod.position_ids[:, :L]
-    position_ids = position_ids.to(device).expand(B, L)
-    if token_type_ids is None:
-        token_type_ids = torch.zeros(B, L, dtype=torch.long, device=device)
-    token_type_ids = token_type_ids.expand(B, L)
-
-    def embed(idx):
-        return emb_mod(input_ids=None if input_ids is None else take(input_ids, idx),
-                       token_type_ids=take(token_type_ids, idx), position_ids=take(position_ids, idx),
-                       inputs_embeds=None if inputs_embeds is None else take(inputs_embeds, idx))
-
-    with torch.no_grad():
-        const = embed(sel.others) if sel.others.shape[1] else None
-    h = merge(const, sel.others, embed(sel.positions), sel.positions, L)
-    fam = FAMILIES["bert"]
-    ctx = make_context(fam, sel, L, valid if attention_mask is not None else None)
-    h = run_blocks(fam, state.blocks, h, ctx, state.checkpoint_flags())
-    feature = _head_feature(state, take(h, sel.positions), sel, read)
-    last = feature[:, None, :].expand(B, L, feature.shape[-1])  # the pooler / head reads token 0: this row
-    pooler = getattr(self, "pooler", None)
-    return BaseModelOutputWithPoolingAndCrossAttentions(last_hidden_state=last,
-                                                        pooler_output=pooler(last) if pooler is not None else None)
-
-
-def _llama_forward(self, state, input_ids=None, attention_mask=None, position_ids=None,
-                   inputs_embeds=None, labels=None, **kwargs):
-    from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutputWithPast
-    return_dict = kwargs.pop("return_dict", None)
-    for key in ("cache", "past_key_values"):
-        if kwargs.get(key) is not None:
-            raise TypeError(f"tokentune training forward does not use a KV cache ({key}); call model.eval() to "
-                            f"generate")
-    kwargs.pop("logits_to_keep", None)
-    kwargs.pop("num_items_in_batch", None)  # the loss is the mean over the selected targets of this batch
-    _reject(kwargs)
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-    backbone = self.model
-    emb = backbone.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-    B, L, _ = emb.shape
-    valid = _valid_tokens(attention_mask, B, L, emb.device)
-    window = getattr(self.config, "sliding_window", None)
-    if window and L > window:
-        raise TypeError(f"tokentune: sequence length {L} exceeds the sliding window {window}; sliding-window "
-                        f"attention is not supported (use sequences of at most {window} tokens)")
-    read = None
-    if state.task != "causal_lm" and state.pool == "model":
-        read = _read_positions(state, self, input_ids, B, L, emb.device)
-    sel = state.select(valid, decoder=True, forced=_forced(state, read))
-    if position_ids is None:
-        position_ids = torch.arange(L, device=emb.device)[None]
-    cos, sin = backbone.rotary_emb(emb, position_ids=position_ids.to(emb.device))
-    fam = FAMILIES["llama"]
-    ctx = make_context(fam, sel, L, valid if attention_mask is not None else None,
-                       extra={"cos": cos.expand(B, L, -1), "sin": sin.expand(B, L, -1)})
-    h = run_blocks(fam, state.blocks, _embed_rows(emb, sel), ctx, state.checkpoint_flags())
-    hs = backbone.norm(take(h, sel.positions))
-    loss = None
-    if state.task == "causal_lm":
-        logits = self.lm_head(hs)
-        if labels is not None:
-            nxt = F.pad(labels.to(logits.device)[:, 1:], (0, 1), value=-100)  # target of position p: labels[p+1]
-            targets = take(nxt, sel.positions).masked_fill(~sel.valid, -100)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                   ignore_index=-100)
-        out = CausalLMOutputWithPast(loss=loss, logits=logits)
-    else:
-        logits = self.score(_head_feature(state, hs, sel, read))
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
-        out = SequenceClassifierOutputWithPast(loss=loss, logits=logits)
-    return out.to_tuple() if return_dict is False else out

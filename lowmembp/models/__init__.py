@@ -1,11 +1,14 @@
 """Architecture adapters: where blocks, norms, activations and the linears fed by each norm sit in timm /
 transformers models. ``get_layout(model) -> ModelLayout``; see :mod:`lowmembp.models.layout` for the contract.
 
+TokenTune's per-family training forwards live here too (``tokentune_families``, on ``rows``), imported by the method
+when used.
+
 Importing this package registers the built-in adapters (timm, transformers) and the data-flow adapter (last);
 ``layout.py`` itself imports none of them (no import cycle).
 
-May import: torch, timm, transformers, peft (each where an adapter needs it), :mod:`lowmembp.ops`,
-:mod:`lowmembp._compat`. Never the methods, measurement, estimator or planner rooms."""
+May import: torch, timm, transformers, peft (each where an adapter needs it), :mod:`lowmembp._compat`. Never the
+ops, methods, measurement, estimator or planner rooms (tests/test_layering.py)."""
 from lowmembp.models.detect import ACT_KINDS, act_kind, is_linear_like, norm_kind, norm_spec
 from lowmembp.models.layout import (BUILTIN_PRIORITY, DATAFLOW_PRIORITY, FAMILIES, USER_PRIORITY, ActSite,
                                     ModelLayout, NormSite, Site, UnsupportedModelError, get_layout, register_adapter,

@@ -421,7 +421,7 @@ def detect_dataflow(model: nn.Module, base: nn.Module) -> ModelLayout | None:
         family, model, base, blocks, attentions, norms, acts, final, head, attention_style=st,
         checkpoint_switch=switch, tokentune=None, origin="dataflow",
         tokentune_why="mapped by data flow, which finds the norms and linears but not the block's computation; "
-                      "TokenTune needs a per-family training-forward driver (lowmembp/methods/tokentune_forward.py)")
+                      "TokenTune needs a per-family training-forward driver (lowmembp/models/tokentune_families.py)")
 
 
 def _inside_linear(base, name, tr) -> bool:

@@ -155,7 +155,7 @@ class ModelLayout:
     - ``checkpoint_switch``: the library's own gradient-checkpointing switch — ``"timm"`` (``set_grad_checkpointing``),
       ``"transformers"`` (``gradient_checkpointing_enable``) or None (the checkpointing method wraps each block).
     - ``tokentune``: the TokenTune training-forward driver for this model (``"vit"``, ``"bert"``, ``"llama"``, keys of
-      ``lowmembp.methods.tokentune_forward.FAMILIES``) or None, then ``tokentune_why`` says what is missing.
+      ``lowmembp.models.tokentune_families.DRIVERS``) or None, then ``tokentune_why`` says what is missing.
     - ``head_reads``: which rows of the last hidden state the task head reads (what TokenTune selects and hands to
       it in training): ``"first"`` (position 0: BERT's pooler, RoBERTa's classification head, timm's class-token
       pool), ``"last"`` (the last non-padding token by ``input_ids`` and ``config.pad_token_id``:
