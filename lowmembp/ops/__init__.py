@@ -1,25 +1,18 @@
-"""Ops: each file holds one op family's custom op, autograd, functions and nn.Modules.
+"""Ops: each op family's custom op, autograd, functions and nn.Modules, one file per family.
 
-The families with Triton kernels (``approx_act``, ``ms_norm``, ``mesa_quant``) split the rest by job, one file each,
-named after the op: ``<op>_reference`` (the op's definition and PyTorch reference, the oracle the others equal),
-``<op>_triton`` (the Triton kernels and their launches) and ``<op>_cpu`` (the CPU fast path, on the C kernels of
-:mod:`~lowmembp.ops.cpu_kernels`); ``<op>`` dispatches between them and re-exports their public functions.
+The families with Triton kernels (``approx_act``, ``ms_norm``, ``mesa_quant``) split by job: ``<op>_reference`` (the
+definition and PyTorch reference, the oracle the others equal), ``<op>_triton`` (kernels and launches), ``<op>_cpu``
+(the CPU fast path on :mod:`~lowmembp.ops.cpu_kernels`); ``<op>`` dispatches between them and re-exports them.
+:mod:`~lowmembp.ops.backend` chooses the backend. The public names are importable from here (``from lowmembp.ops
+import regelu2, ms_layer_norm, make_approx``), each submodule imported on first use of a name.
 
-The public names are importable from here (``from lowmembp.ops import regelu2, ms_layer_norm, make_approx``); the
-submodules (and triton with them) are imported on first use of a name, not when ``lowmembp.ops`` is imported.
-:mod:`~lowmembp.ops.backend` chooses between an op's Triton kernel and its PyTorch reference.
+May import: torch, triton (inside the kernels' modules), :mod:`lowmembp._compat`; nothing else of lowmembp.
 
-May import: torch, triton (inside the kernels' modules), :mod:`lowmembp._compat`. Nothing else of lowmembp: every
-other room builds on the ops.
-
-- :mod:`~lowmembp.ops.approx_act`: ``regelu2``, ``resilu2``, ``make_approx``, ``ApproxAct``, ``ReGELU2``,
-  ``ReSiLU2`` (exact forward, k-bit backward; the function ``approx_act.approx_act(x, kind, bits)``);
-  :mod:`~lowmembp.ops.approx_derive`: ``derive`` (their constants, from the paper's objective)
-- :mod:`~lowmembp.ops.ms_norm`: ``ms_layer_norm``, ``ms_rms_norm``, ``MSLayerNorm``, ``MSRMSNorm``
-- :mod:`~lowmembp.ops.mesa_quant` / :mod:`~lowmembp.ops.mesa_layers`: ``EMAQuantizer``, ``quantize``,
-  ``dequantize`` and the Mesa layers
-- :mod:`~lowmembp.ops.shared_linear`: ``linear_sharing_input``, ``CastWeightLinear``, ``share_lora_inputs``
-- :mod:`~lowmembp.ops.cpu_kernels`: the CPU fast paths' C kernels (compiled on first use, loaded with ctypes)
+- :mod:`~lowmembp.ops.approx_act` (``regelu2``, ``resilu2``, ``make_approx``, ``ReGELU2``, ``ReSiLU2``) and
+  :mod:`~lowmembp.ops.approx_derive` (their constants); :mod:`~lowmembp.ops.ms_norm` (``ms_layer_norm``,
+  ``ms_rms_norm``, ``MSLayerNorm``, ``MSRMSNorm``); :mod:`~lowmembp.ops.mesa_quant` / :mod:`~lowmembp.ops.mesa_layers`
+  (``EMAQuantizer``, ``quantize``, ``dequantize``, the Mesa layers); :mod:`~lowmembp.ops.shared_linear`
+  (``linear_sharing_input``, ``CastWeightLinear``); :mod:`~lowmembp.ops.cpu_kernels` (the CPU fast paths' C kernels).
 """
 from __future__ import annotations
 

@@ -1,33 +1,15 @@
 """Mesa-style 8-bit activation compression (Pan et al., 2021): per-group int8 with EMA ranges, stochastic rounding.
 
 Saved for backward: the uint8 codes, 1 byte per element, plus two fp32 scalars per group (the step α/255 and the
-minimum β) — against 2 bytes per element for fp16 / bf16 or 4 for fp32. The backward dequantises and runs the
-layer's exact backward on the dequantised tensor.
+minimum β); the backward dequantises (``x̂ = q·(α/255) + β``) and runs the layer's exact backward on it. Rounding:
+``q = clamp(floor((x − β)·(255/α) + u), 0, 255)`` with u a counter-based hash of (seed, element index), the same bits
+on every backend; a CUDA graph's replay rounds anew (the seed is read from the device). Groups, the EMA ranges
+(:class:`EMAQuantizer`), the hash and the seed: docs/design.md#mesa.
 
-Groups: element ``i`` of the contiguous tensor belongs to group ``(i // inner) % G``: per head for ``[B, H, N, D]``
-(``G = H``, ``inner = N·D``), per channel group for ``[..., C]`` (``G`` groups of ``inner = C/G`` channels).
-
-Ranges (:class:`EMAQuantizer`): per group α and β, an exponential moving average (λ = 0.9) with the current batch
-included — first α = max − min, β = min, then ``α ← λα + (1−λ)(max − min)``, ``β ← λβ + (1−λ)·min`` — and the batch
-quantised with the updated values. Data parallel: min and max of the global batch (:func:`reduce_over_ranks`).
-Non-finite statistics leave the ranges as they were (the ``skipped`` buffer counts them, one RuntimeWarning per
-quantiser; on CUDA checked every 64th call, never while a CUDA graph is captured): one bad batch never poisons the
-later steps.
-
-Rounding: ``q = clamp(floor((x − β)·(255/α) + u), 0, 255)``, u ~ U(0, 1), so ``E[x̂] = x`` inside the range; values
-outside [β, β + α] clamp (the original code wraps around in uint8). Dequantise: ``x̂ = q·(α/255) + β``.
-u is a counter-based hash of (seed, element index), ``lowbias32(i·0x9E3779B9 + seed) >> 8`` times 2⁻²⁴, computed
-the same way by every backend, so all agree bit for bit given the seed. An eager call draws its seed from torch's
-CPU generator (``torch.manual_seed`` reproduces a run); while a CUDA graph is captured, and on the traced route, it
-is a 0-d tensor drawn on x's device and read by the kernel, so a replay rounds anew and a compiled graph neither
-specialises on it nor synchronises.
-
-Routes: the ``torch.library`` custom ops ``lowmembp::mesa_quantize`` / ``lowmembp::mesa_dequantize`` (fake
-implementations: FakeTensorMode and meta tensors only allocate; ``torch.compile`` keeps them opaque) for traced and
-fake calls; eager calls call the backend directly (:func:`lowmembp.ops.backend.eager_backend`). Backends: Triton on
-CUDA tensors (:mod:`~lowmembp.ops.mesa_quant_triton`), the CPU fast path on CPU tensors
-(:mod:`~lowmembp.ops.mesa_quant_cpu`: the reference's bits), the PyTorch reference elsewhere
-(:mod:`~lowmembp.ops.mesa_quant_reference`). Kernels load, cast to fp32, compute, cast back; fp32, fp16 and bf16 inputs.
+Routes: the custom ops ``lowmembp::mesa_quantize`` / ``lowmembp::mesa_dequantize`` for traced and fake calls; eager
+calls go to the backend directly (:func:`lowmembp.ops.backend.eager_backend`): Triton on CUDA
+(:mod:`~lowmembp.ops.mesa_quant_triton`), the CPU fast path (:mod:`~lowmembp.ops.mesa_quant_cpu`), the PyTorch
+reference elsewhere (:mod:`~lowmembp.ops.mesa_quant_reference`). fp32, fp16 and bf16 inputs, computed in fp32.
 """
 from __future__ import annotations
 

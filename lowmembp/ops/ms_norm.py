@@ -1,29 +1,15 @@
-"""MS-BP norms: MS-LayerNorm and MS-RMSNorm without affine parameters (Yang et al., ICML 2024; docs/design.md#ms-norms).
+"""MS-BP norms: MS-LayerNorm and MS-RMSNorm without affine parameters (Yang et al., ICML 2024).
 
-Forward (statistics in fp32, over the last dimension of size N):
-    LayerNorm  y = (x - mean(x)) * rstd,   rstd = 1 / sqrt(var(x) + eps)
-    RMSNorm    y = x * rstd,               rstd = 1 / sqrt(mean(x^2) + eps)
-Saved for backward: the OUTPUT ``y`` (the very tensor returned) and ``rstd`` (fp32, one per row), never the input.
-The following linear layer saves its input ``y`` anyway, so the norm + linear pair stores one tensor instead of two.
-Backward from the output (g the upstream gradient, means over the normalised dimension):
-    LayerNorm  dx = rstd * (g - mean(g) - y * mean(g*y))
-    RMSNorm    dx = rstd * (g - y * mean(g*y))
-
-Sharing needs the linear to save the same storage: no cast, copy or dropout between. The output dtype
-(``out_dtype``, one of :data:`OUT_DTYPES`): ``"auto"`` (default: the autocast dtype under autocast, so the linear's
-input cast is a no-op, else the input's), ``"input"`` (the input's, as the official lomem kernel allocates it: under
-AMP with an fp32 residual stream it saves fp32) or ``"fp32"``; with the last two under autocast the next linear
-shares the output only if it saves its input as given (``lowmembp.ops.shared_linear``). The gradient is returned in
-the input's dtype.
+Statistics in fp32 over the last dimension; saved for backward: the OUTPUT ``y`` (the very tensor returned) and
+``rstd`` (fp32, one per row), never the input, so a norm and the linear after it store one tensor instead of two.
+The formulas, the output dtype rules (``out_dtype``, :data:`OUT_DTYPES`) and the sharing: docs/design.md#ms-norms.
 
 Routes (:mod:`lowmembp.ops.skeleton`): eager calls on plain CPU / CUDA tensors take one ``autograd.Function`` on the
-backend's kernels; traced, fake and ``torch.func`` calls the ``torch.library`` custom ops ``lowmembp::ms_norm_fwd`` /
-``lowmembp::ms_norm_bwd`` (fake implementations, registered autograd; ``torch.compile`` sees one opaque node).
-Double backward, ``torch.func`` gradient transforms and forward-mode AD raise an error naming the op (``vmap``
-works). Backends (:func:`lowmembp.ops.backend.backend_for`): Triton on CUDA tensors
-(:mod:`~lowmembp.ops.ms_norm_triton`), the CPU fast path on CPU tensors (:mod:`~lowmembp.ops.ms_norm_cpu`), the
-PyTorch reference elsewhere (:mod:`~lowmembp.ops.ms_norm_reference`); their pure functions (``ms_norm_fwd_triton``,
-``ms_norm_fwd_ref``, ``ms_norm_fwd_cpu`` and the ``bwd`` ones, same signatures) are importable from here too, with
+backend's kernels; traced, fake and ``torch.func`` calls the custom ops ``lowmembp::ms_norm_fwd`` /
+``lowmembp::ms_norm_bwd`` (``torch.compile`` sees one opaque node). Double backward, ``torch.func`` gradient
+transforms and forward-mode AD raise an error naming the op (``vmap`` works). Backends: Triton on CUDA
+(:mod:`~lowmembp.ops.ms_norm_triton`), the CPU fast path (:mod:`~lowmembp.ops.ms_norm_cpu`), the PyTorch reference
+elsewhere (:mod:`~lowmembp.ops.ms_norm_reference`); their pure functions are importable from here, with
 ``ms_norm_bytes(rows, N, x_dtype, y_dtype, kind) -> (forward bytes moved, backward bytes moved)``.
 """
 from __future__ import annotations
@@ -38,7 +24,7 @@ from lowmembp.ops.ms_norm_reference import KINDS, _check_kind, ms_norm_bwd_ref, 
 from lowmembp.ops.ms_norm_triton import MAX_TRITON_N, ms_norm_bwd_triton, ms_norm_fwd_triton
 from lowmembp.ops.skeleton import OpFamily
 
-OUT_DTYPES = ("auto", "input", "fp32")  # the norm's output (and saved) dtype; see the module doc
+OUT_DTYPES = ("auto", "input", "fp32")  # the norm's output (and saved) dtype (docs/design.md#ms-norms)
 
 
 def ms_norm_bytes(rows: int, n: int, x_dtype: torch.dtype, y_dtype: torch.dtype, kind: str = "layernorm"):
