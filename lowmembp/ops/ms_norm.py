@@ -185,13 +185,13 @@ def _ms_norm(x: torch.Tensor, eps: float, kind: str, op: str, out_dtype: str = "
 
 def ms_layer_norm(x: torch.Tensor, eps: float = 1e-5, out_dtype: str = "auto") -> torch.Tensor:
     """LayerNorm over the last dim without affine; saves only its output (shared with the next linear) and rstd.
-    ``out_dtype``: one of :data:`OUT_DTYPES` (module doc)."""
+    ``out_dtype``: one of :data:`OUT_DTYPES` (docs/design.md#ms-norms)."""
     return _ms_norm(x, eps, "layernorm", "ms_layer_norm", out_dtype)
 
 
 def ms_rms_norm(x: torch.Tensor, eps: float = 1e-6, out_dtype: str = "auto") -> torch.Tensor:
     """RMSNorm over the last dim without affine; saves only its output (shared with the next linear) and rstd.
-    ``out_dtype``: one of :data:`OUT_DTYPES` (module doc)."""
+    ``out_dtype``: one of :data:`OUT_DTYPES` (docs/design.md#ms-norms)."""
     return _ms_norm(x, eps, "rmsnorm", "ms_rms_norm", out_dtype)
 
 
@@ -239,7 +239,7 @@ class MSLayerNorm(_MSNormBase):
     """Drop-in for ``nn.LayerNorm(normalized_shape, elementwise_affine=False)`` that saves only its output + rstd.
 
     Fold γ/β of a trained LayerNorm into the next linear layers first (docs/design.md#ms-norms; lowmembp.methods).
-    ``out_dtype``: the dtype it emits and saves, one of :data:`OUT_DTYPES` (module doc)."""
+    ``out_dtype``: the dtype it emits and saves, one of :data:`OUT_DTYPES` (docs/design.md#ms-norms)."""
     _kind = "layernorm"
 
     def __init__(self, normalized_shape, eps: float = 1e-5, out_dtype: str = "auto"):
@@ -248,7 +248,7 @@ class MSLayerNorm(_MSNormBase):
 
 class MSRMSNorm(_MSNormBase):
     """RMSNorm without a weight (LLaMA's with γ folded into the next linears) that saves only its output + rstd.
-    ``out_dtype``: the dtype it emits and saves, one of :data:`OUT_DTYPES` (module doc)."""
+    ``out_dtype``: the dtype it emits and saves, one of :data:`OUT_DTYPES` (docs/design.md#ms-norms)."""
     _kind = "rmsnorm"
 
     def __init__(self, hidden_size, eps: float = 1e-6, out_dtype: str = "auto"):
