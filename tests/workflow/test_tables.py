@@ -451,3 +451,21 @@ def test_speed_table_sets_no_cpu_time_against_a_gpu_time():
     assert len(gpu_rows) and gpu_rows["time_ratio_ours"].isna().all()
     assert gpu_rows["time_ratio_ours_p20/p80"].isna().all()
     assert spd[spd["method"] == "lowmembp"]["time_ratio_ours"].notna().any()  # both on the CPU: compared
+
+
+def test_by_hand_command_line_says_its_usage_and_writes_a_repro_table(tmp_path):
+    """``python workflow/scripts/tables.py``: no arguments -> usage and exit 2; ``repro NAME CSV OUTDIR`` writes the
+    table's three files."""
+    import os
+    import subprocess
+
+    script = ROOT / "workflow" / "scripts" / "tables.py"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    bare = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert bare.returncode == 2 and "usage: python workflow/scripts/tables.py" in bare.stderr
+    csv = tmp_path / "fig1.csv"
+    csv.write_text((ROOT / "results" / "reference" / "repro" / "fig1.csv").read_text())
+    made = subprocess.run([sys.executable, str(script), "repro", "fig1", str(csv), str(tmp_path / "out")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert made.returncode == 0, made.stderr
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"fig1.md", "fig1.csv", "fig1.html"}

@@ -114,7 +114,7 @@ def _notes(runs: pd.DataFrame) -> pd.DataFrame:
     """Per cell: the messages of seeds that did not finish (oom / error), shortened."""
     bad = runs[runs["status"] != "ok"]
     msg = bad.assign(m=bad["status"].astype(str) + ": " + bad.get("message", pd.Series("", index=bad.index))
-                     .fillna("").astype(str).str.slice(0, 80))
+                     .astype(object).fillna("").astype(str).str.slice(0, 80))
     notes = msg.groupby(KEYS, dropna=False)["m"].agg(lambda s: "; ".join(dict.fromkeys(s))).rename("notes")
     return notes.reset_index()
 

@@ -117,11 +117,25 @@ if "snakemake" in globals():
         write_repro_table(sm.params.name, sm.input[0],
                           {"md": sm.output.md, "csv": sm.output.csv, "html": sm.output.html}, sm.params.title)
 elif __name__ == "__main__":
-    if sys.argv[1] == "runs":
-        write_run_tables(sys.argv[2], {name: _in(sys.argv[3], name) for name in RUN_TABLES})
-    elif sys.argv[1] == "headline":
-        write_headline(sys.argv[2], _in(sys.argv[3], catalogue.HEADLINE.name))
+    import argparse
+
+    cli = argparse.ArgumentParser(prog="python workflow/scripts/tables.py",
+                                  description="Write tables by hand (the pipeline's rules run the same functions).")
+    sub = cli.add_subparsers(dest="kind", required=True)
+    for kind, what in (("runs", "the sweep's tables from runs.csv"), ("headline", "the headline table from runs.csv")):
+        c = sub.add_parser(kind, help=what)
+        c.add_argument("runs", help="runs.csv")
+        c.add_argument("outdir", help="the folder the .md, .csv and .html files go to")
+    c = sub.add_parser("repro", help="a reproduction's table from its CSV")
+    c.add_argument("name", help="the reproduction (e.g. fig1, grad-fidelity)")
+    c.add_argument("csv", help="its CSV (python -m experiments.repro NAME --csv ...)")
+    c.add_argument("outdir", help="the folder the .md, .csv and .html files go to")
+    a = cli.parse_args()
+    if a.kind == "runs":
+        write_run_tables(a.runs, {name: _in(a.outdir, name) for name in RUN_TABLES})
+    elif a.kind == "headline":
+        write_headline(a.runs, _in(a.outdir, catalogue.HEADLINE.name))
     else:
-        stem = sys.argv[2].replace("-", "_")
-        write_repro_table(stem, sys.argv[3], _in(sys.argv[4], stem), catalogue.REPRO_BY_STEM[stem].title
+        stem = a.name.replace("-", "_")
+        write_repro_table(stem, a.csv, _in(a.outdir, stem), catalogue.REPRO_BY_STEM[stem].title
                           if stem in catalogue.REPRO_BY_STEM else None)
