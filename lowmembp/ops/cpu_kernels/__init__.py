@@ -6,7 +6,7 @@
 - :mod:`~lowmembp.ops.cpu_kernels.mesa_quant`: Mesa's 8-bit quantise, dequantise and training-mode pack;
 - :mod:`~lowmembp.ops.cpu_kernels.ms_norm`: MS-LayerNorm's forward (a replica of ATen's CPU LayerNorm), the MS-norms'
   backward (with a replica of ATen's CPU row sum), their casts, and the probes that find ATen's arithmetic;
-- :mod:`~lowmembp.ops.cpu_kernels.extension`: the C++ autograd node of ReGELU2 / ReSiLU2 (``autograd.cpp``, on these
+- :mod:`~lowmembp.ops.cpu_kernels.autograd_ext`: the C++ autograd node of ReGELU2 / ReSiLU2 (``autograd.cpp``, on these
   kernels), compiled on first use (``LOWMEMBP_CPU_EXT=0`` turns it off).
 
 Every name is importable from here, where the ops call them. Each wrapper returns ``None`` when the library is
@@ -22,7 +22,7 @@ from lowmembp.ops.cpu_kernels.approx_act import (NONFINITE, TINY_BF16, check, co
                                                  read_byte_trusted, slopes2, slopes2_trusted, write_byte)
 from lowmembp.ops.cpu_kernels.build import (COMPILERS, ENV_SWITCH, FLAGS, LIBS, MIN_PER_THREAD, SOURCE, build_info,
                                             compiler, library, round_to)
-from lowmembp.ops.cpu_kernels.extension import extension, extension_info
+from lowmembp.ops.cpu_kernels.autograd_ext import extension, extension_info
 from lowmembp.ops.cpu_kernels.mesa_quant import (PACK8_AMBIGUOUS, PACK8_NAN, PACK8_SKIPPED, dequantize8,
                                                  dequantize8_trusted, mesa_pack8, mesa_pack8_trusted, quantize8)
 from lowmembp.ops.cpu_kernels.ms_norm import (LN_ADD_M1_FUSED, LN_ADD_M2_FUSED, LN_FLAG_NAMES, LN_OUT_SHIFT,

@@ -1,6 +1,6 @@
 // The approximate activations' eager CPU route as a hand-written C++ autograd Node (ReGELU2 / ReSiLU2, 2-bit codes).
 //
-// Built and loaded by lowmembp.ops.cpu_kernels.extension (compiled on first use, cached; a pybind module without
+// Built and loaded by lowmembp.ops.cpu_kernels.autograd_ext (compiled on first use, cached; a pybind module without
 // TORCH_LIBRARY, so that loading it twice registers nothing twice). It computes what the Python route
 // (lowmembp.ops.approx_act_cpu._fwd_cpu / _bwd_cpu) computes, bit for bit, and declines (returns None) wherever
 // that route would take another path, so that the caller runs the Python route instead:
