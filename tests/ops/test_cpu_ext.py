@@ -243,3 +243,11 @@ def test_import_builds_nothing(tmp_path):
     env = {**os.environ, "LOWMEMBP_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_the_source_ships_with_the_package():
+    import tomllib
+    from pathlib import Path
+    meta = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    globs = meta["tool"]["setuptools"]["package-data"]["lowmembp.ops.cpu_kernels"]
+    assert "*.cpp" in globs and E.SOURCE.suffix == ".cpp" and E.SOURCE.is_file()
