@@ -59,7 +59,7 @@ def _flags() -> tuple[str, ...]:
     """The flags: :data:`FLAGS`, the C++ ABI torch was built with, torch's and Python's headers, torch's libraries."""
     torch_dir = Path(torch.__file__).resolve().parent
     includes = [torch_dir / "include", torch_dir / "include" / "torch" / "csrc" / "api" / "include"]
-    return (*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    return (*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
             *(f"-I{p}" for p in includes), f"-I{sysconfig.get_paths()['include']}", f"-L{torch_dir / 'lib'}",
             f"-Wl,-rpath,{torch_dir / 'lib'}", *(f"-l{name}" for name in LIBS))
 
@@ -67,7 +67,7 @@ def _flags() -> tuple[str, ...]:
 def _module_path(folder: Path, cxx: str, flags: tuple) -> Path:
     st = os.stat(cxx)
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI),
+    for part in (SOURCE.read_bytes(), torch.__version__, str(torch.compiled_with_cxx11_abi()),
                  sysconfig.get_config_var("EXT_SUFFIX") or "", os.path.realpath(cxx), f"{st.st_size}:{st.st_mtime_ns}",
                  " ".join(flags), platform.platform()):
         key.update(part if isinstance(part, bytes) else part.encode())
