@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from lowmembp.ops.approx_act_cpu import _bwd_cpu, _fwd_cpu, backward_cpu, forward_cpu
+from lowmembp.ops.approx_act_cpu import _bwd_cpu, _fwd_cpu, backward_cpu, forward_cpu, fwd_node
 from lowmembp.ops.approx_act_reference import (_BITS_OF_COUNT, _CONSTS32, _EXACT, BITS, KINDS, _bits, _bits_of,
                                                _bwd_reference, _consts32, _fwd_reference, _kind, backward_reference,
                                                codes_reference, constants, forward_reference, pack_codes,
@@ -127,6 +127,10 @@ def _run(x: torch.Tensor, kind: str, t32: tuple, s32: tuple) -> torch.Tensor:
     backend = eager_backend(x)
     if backend is not None:
         if with_codes:
+            if backend == "cpu":  # the C++ autograd node (approx_act_cpu.fwd_node); None: the Python route
+                y = fwd_node(x, kind, s32)
+                if y is not None:
+                    return y
             return _ApproxActOps.apply(backend, x, kind, t32, s32)
         return _fwd_on(backend, x, kind, t32, False)[0]
     refuse_functorch_transforms(x, f"approx_act({kind}, bits={_BITS_OF_COUNT[len(s32)]})", _EXACT[kind])

@@ -6,7 +6,8 @@ the C kernels (:mod:`lowmembp.ops.cpu_kernels`, compiled on first use), and the 
 ops: the codes block by block (blocks small enough to stay in the core's cache, so that the several passes a block
 takes read cache, not memory), the backward a lookup of four slopes per code byte and a multiply by dy block by
 block. 2-bit codes only; everything else (other bit widths, non-finite inputs, big-endian machines) runs the
-reference (:mod:`~lowmembp.ops.approx_act_reference`).
+reference (:mod:`~lowmembp.ops.approx_act_reference`). :func:`fwd_node`: ReGELU2 / ReSiLU2 with grad through the C++
+autograd node (``cpu_kernels/autograd.cpp``: the same bits, a fraction of the Python route's host time), or None.
 """
 from __future__ import annotations
 
@@ -224,3 +225,42 @@ def backward_cpu(dy: torch.Tensor, packed: torch.Tensor, kind=_GELU, bits: int =
     """CPU fast path of :func:`backward_reference`: the same gradient, bit for bit."""
     return _bwd_cpu(dy, packed, _consts32(_kind(kind), _bits(bits))[1])
 
+
+
+# ------------------------------------------------------------------------------------- the C++ autograd node
+_NODE_KINDS = {"gelu": 0, "silu": 1}  # the kinds autograd.cpp serves (2-bit codes); its kind ids
+_NODE_NAMES = {k: kind for kind, k in _NODE_KINDS.items()}
+_NODE: list = []  # [the set-up extension, or None when it is unavailable], filled on the first call
+
+
+def _node_backward(dy: torch.Tensor, packed: torch.Tensor, k: int, graph: bool) -> torch.Tensor:
+    """The node's backward where it does not compute dx itself: what the Python route computes (a double
+    backward through the custom op ``lowmembp::approx_act_bwd``, else :func:`_bwd_cpu`)."""
+    s32 = _consts32(_NODE_NAMES[k], 2)[1]
+    if graph:
+        from lowmembp.ops import approx_act  # the custom op (its module imports this one)
+        return approx_act._approx_act_bwd(dy, packed, list(s32))
+    return _bwd_cpu(dy, packed, s32)
+
+
+def _node_setup():
+    ext = cpu_kernels.extension() if _LITTLE_ENDIAN else None
+    if ext is not None:
+        for kind, k in _NODE_KINDS.items():
+            ext.set_constants(k, *map(list, _consts32(kind, 2)))
+        ext.set_callback(_node_backward)
+    _NODE[:] = [ext]
+    return ext
+
+
+def fwd_node(x: torch.Tensor, kind: str, s32: tuple) -> torch.Tensor | None:
+    """``kind`` on a plain CPU tensor that needs grad through the C++ autograd node (built on the first call): y, the
+    codes saved on the node, bit for bit the Python route's (``_fwd_cpu`` / ``_bwd_cpu``); None where the node does
+    not serve the call (another kind or bit width, NaN / ±inf inputs, fewer than 4 elements, autocast, the extension
+    unavailable): the caller then runs the Python route."""
+    ext = _NODE[0] if _NODE else _node_setup()
+    k = _NODE_KINDS.get(kind)
+    if ext is None or k is None or len(s32) != 4:
+        return None
+    dtype = x.dtype
+    return ext.approx_act(x, k, dtype is torch.float32 or native_act_exact(kind, dtype))

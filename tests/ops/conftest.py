@@ -47,3 +47,20 @@ def kernels(request, monkeypatch, portable_library):
     if request.param == "portable":
         monkeypatch.setitem(KB._state, "lib", portable_library)
     return request.param
+
+
+@pytest.fixture(params=["node", "python"])
+def act_route(request, monkeypatch):
+    """approx_act's eager CPU route with grad: the C++ autograd node (a test fails, not skips, where a C++ compiler
+    exists and the extension does not build) or the Python route (the node turned off)."""
+    from lowmembp.ops import approx_act_cpu as AC
+    from lowmembp.ops.cpu_kernels import autograd_ext as E
+    if request.param == "python":
+        monkeypatch.setattr(AC, "_NODE", [None])
+    else:
+        monkeypatch.setattr(KB, "_OFF", False)
+        monkeypatch.setattr(E, "_OFF", False)
+        monkeypatch.setattr(AC, "_NODE", [])  # set up anew (the extension itself stays loaded)
+        if E.compiler() is not None:
+            assert AC._node_setup() is not None, f"the C++ extension did not build: {E.extension_info()['reason']}"
+    return request.param

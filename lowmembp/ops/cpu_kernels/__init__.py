@@ -5,7 +5,9 @@
 - :mod:`~lowmembp.ops.cpu_kernels.approx_act`: ReGELU2 / ReSiLU2's 2-bit codes and their backward;
 - :mod:`~lowmembp.ops.cpu_kernels.mesa_quant`: Mesa's 8-bit quantise, dequantise and training-mode pack;
 - :mod:`~lowmembp.ops.cpu_kernels.ms_norm`: MS-LayerNorm's forward (a replica of ATen's CPU LayerNorm), the MS-norms'
-  backward (with a replica of ATen's CPU row sum), their casts, and the probes that find ATen's arithmetic.
+  backward (with a replica of ATen's CPU row sum), their casts, and the probes that find ATen's arithmetic;
+- :mod:`~lowmembp.ops.cpu_kernels.autograd_ext`: the C++ autograd node of ReGELU2 / ReSiLU2 (``autograd.cpp``, on these
+  kernels), compiled on first use (``LOWMEMBP_CPU_EXT=0`` turns it off).
 
 Every name is importable from here, where the ops call them. Each wrapper returns ``None`` when the library is
 unavailable: the callers then run their eager ATen ops, which give the same bits. The kernels reproduce the PyTorch
@@ -20,6 +22,7 @@ from lowmembp.ops.cpu_kernels.approx_act import (NONFINITE, TINY_BF16, check, co
                                                  read_byte_trusted, slopes2, slopes2_trusted, write_byte)
 from lowmembp.ops.cpu_kernels.build import (COMPILERS, ENV_SWITCH, FLAGS, LIBS, MIN_PER_THREAD, SOURCE, build_info,
                                             compiler, library, round_to)
+from lowmembp.ops.cpu_kernels.autograd_ext import extension, extension_info
 from lowmembp.ops.cpu_kernels.mesa_quant import (PACK8_AMBIGUOUS, PACK8_NAN, PACK8_SKIPPED, dequantize8,
                                                  dequantize8_trusted, mesa_pack8, mesa_pack8_trusted, quantize8)
 from lowmembp.ops.cpu_kernels.ms_norm import (LN_ADD_M1_FUSED, LN_ADD_M2_FUSED, LN_FLAG_NAMES, LN_OUT_SHIFT,
@@ -37,4 +40,4 @@ __all__ = ["ENV_SWITCH", "COMPILERS", "FLAGS", "LIBS", "SOURCE", "MIN_PER_THREAD
            "norm_bwd_rows_trusted", "LN_VEC_FMA", "LN_VEC_M1_FUSED", "LN_ADD_M1_FUSED", "LN_ADD_M2_FUSED",
            "LN_TAIL_FUSED", "LN_OUT_SHIFT", "LN_OUTPUTS", "LN_WIDTHS", "LN_FLAG_NAMES", "layer_norm_fwd",
            "layer_norm_fwd_trusted", "layer_norm_variant", "layer_norm_variants", "layer_norm_probe_rows",
-           "LayerNormVariant"]
+           "LayerNormVariant", "extension", "extension_info"]
