@@ -126,11 +126,11 @@ def _run(x: torch.Tensor, kind: str, t32: tuple, s32: tuple) -> torch.Tensor:
     with_codes = x.requires_grad and torch.is_grad_enabled()
     backend = eager_backend(x)
     if backend is not None:
+        if backend == "cpu":  # the C++ extension (approx_act_cpu.fwd_node; with grad its node); None: the Python route
+            y = fwd_node(x, kind, s32)
+            if y is not None:
+                return y
         if with_codes:
-            if backend == "cpu":  # the C++ autograd node (approx_act_cpu.fwd_node); None: the Python route
-                y = fwd_node(x, kind, s32)
-                if y is not None:
-                    return y
             return _ApproxActOps.apply(backend, x, kind, t32, s32)
         return _fwd_on(backend, x, kind, t32, False)[0]
     refuse_functorch_transforms(x, f"approx_act({kind}, bits={_BITS_OF_COUNT[len(s32)]})", _EXACT[kind])

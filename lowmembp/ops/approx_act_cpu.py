@@ -6,8 +6,9 @@ the C kernels (:mod:`lowmembp.ops.cpu_kernels`, compiled on first use), and the 
 ops: the codes block by block (blocks small enough to stay in the core's cache, so that the several passes a block
 takes read cache, not memory), the backward a lookup of four slopes per code byte and a multiply by dy block by
 block. 2-bit codes only; everything else (other bit widths, non-finite inputs, big-endian machines) runs the
-reference (:mod:`~lowmembp.ops.approx_act_reference`). :func:`fwd_node`: ReGELU2 / ReSiLU2 with grad through the C++
-autograd node (``cpu_kernels/autograd.cpp``: the same bits, a fraction of the Python route's host time), or None.
+reference (:mod:`~lowmembp.ops.approx_act_reference`). :func:`fwd_node`: ReGELU2 / ReSiLU2 through the C++ extension
+(``cpu_kernels/autograd.cpp``; with grad its autograd node: the same bits, a fraction of the Python route's host
+time), or None.
 """
 from __future__ import annotations
 
@@ -254,10 +255,10 @@ def _node_setup():
 
 
 def fwd_node(x: torch.Tensor, kind: str, s32: tuple) -> torch.Tensor | None:
-    """``kind`` on a plain CPU tensor that needs grad through the C++ autograd node (built on the first call): y, the
-    codes saved on the node, bit for bit the Python route's (``_fwd_cpu`` / ``_bwd_cpu``); None where the node does
-    not serve the call (another kind or bit width, NaN / ±inf inputs, fewer than 4 elements, autocast, the extension
-    unavailable): the caller then runs the Python route."""
+    """``kind`` on a plain CPU tensor through the C++ extension (built on the first call): y, with grad the codes
+    saved on its autograd node, bit for bit the Python route's (``_fwd_cpu`` / ``_bwd_cpu``); None where it does not
+    serve the call (another kind or bit width, NaN / ±inf inputs, fewer than 4 elements with grad, autocast, the
+    extension unavailable): the caller then runs the Python route."""
     ext = _NODE[0] if _NODE else _node_setup()
     k = _NODE_KINDS.get(kind)
     if ext is None or k is None or len(s32) != 4:

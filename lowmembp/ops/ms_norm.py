@@ -19,7 +19,7 @@ from torch import nn
 
 from lowmembp.ops.backend import (SUPPORTED_FLOAT_DTYPES, autocast_dtype, backend_for, check_float_input,
                                   eager_backend, refuse_functorch_transforms)
-from lowmembp.ops.ms_norm_cpu import ms_norm_bwd_cpu, ms_norm_fwd_cpu
+from lowmembp.ops.ms_norm_cpu import fwd_node, ms_norm_bwd_cpu, ms_norm_fwd_cpu
 from lowmembp.ops.ms_norm_reference import KINDS, _check_kind, ms_norm_bwd_ref, ms_norm_fwd_ref
 from lowmembp.ops.ms_norm_triton import MAX_TRITON_N, ms_norm_bwd_triton, ms_norm_fwd_triton
 from lowmembp.ops.skeleton import OpFamily
@@ -165,6 +165,10 @@ def _run(x: torch.Tensor, kind: str, eps: float, dtype: torch.dtype, op: str) ->
     """The op on validated arguments, emitting ``dtype``: the eager route where it may run, else the custom op."""
     backend = eager_backend(x)
     if backend is not None:
+        if backend == "cpu":  # the C++ extension (ms_norm_cpu.fwd_node; with grad its node); None: the Python route
+            y = fwd_node(x, kind, eps, dtype)
+            if y is not None:
+                return y
         if x.requires_grad and torch.is_grad_enabled():
             return _MSNormOps.apply(backend, x, kind, eps, dtype)
         return _fwd_on(backend, x, kind, eps, dtype)[0]

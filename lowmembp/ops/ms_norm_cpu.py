@@ -16,12 +16,15 @@ out is the reference's one native call. A NaN in the result (whose bits ATen's c
 with the reference. Without the C kernels the reference's own ops run over row blocks spread over threads by
 cpu_parallel. Either way the results are the same bits (tests/ops/test_cpu_fastpath.py,
 tests/ops/test_cpu_norm_kernels.py). Rows too wide for a block, strided rows (whose sums ATen orders by the layout),
-float64 and empty inputs run the reference.
+float64 and empty inputs run the reference. :func:`fwd_node`: the same route through the C++ extension
+(``cpu_kernels/autograd.cpp``; with grad its autograd node: the same bits, a fraction of the Python route's host
+time), or None.
 """
 from __future__ import annotations
 
 import torch
 
+from lowmembp._compat import _fused_rms_norm_takes_shape
 from lowmembp.ops import cpu_kernels
 from lowmembp.ops.backend import CPU_BLOCK, SUPPORTED_FLOAT_DTYPES, cpu_block, cpu_parallel
 from lowmembp.ops.ms_norm_reference import _check_kind, ms_norm_bwd_ref, ms_norm_fwd_ref
@@ -201,3 +204,48 @@ def _bwd_eager_blocks(g2d, y2d, r2d, is_rms, dx) -> int:
 
     cpu_parallel(rows, step, work, 2 * step)
     return 0
+
+
+# ------------------------------------------------------------------------------------- the C++ autograd node
+_NODE_KINDS = {"layernorm": 0, "rmsnorm": 1}  # autograd.cpp's kind ids
+_NODE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # autograd.cpp's dtype codes
+_NODE_NAMES, _NODE_DTYPE_OF = tuple(_NODE_KINDS), tuple(_NODE_DTYPES)
+_NODE: list = []  # [the set-up extension, or None when it is unavailable], filled on the first call
+
+
+def _node_backward(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, k: int, dx_code: int,
+                   graph: bool) -> torch.Tensor:
+    """The node's backward where it does not compute dx itself: the Python route's (through the custom op
+    ``lowmembp::ms_norm_bwd`` for a backward that is itself differentiated)."""
+    from lowmembp.ops import ms_norm  # the custom op and the route (its module imports this one)
+
+    kind, dx_dtype = _NODE_NAMES[k], _NODE_DTYPE_OF[dx_code]
+    if graph:
+        return ms_norm._ms_norm_bwd_op(g, y, rstd, kind, dx_dtype)
+    return ms_norm._bwd_on("cpu", g, y, rstd, kind, dx_dtype)
+
+
+def _node_setup():
+    ext = cpu_kernels.extension()
+    if ext is not None:  # what the probes found for this torch, once (the Python route asks them per call)
+        variant, width, fused = cpu_kernels.layer_norm_variant(), cpu_kernels.aten_sum_width(), \
+            cpu_kernels.addcmul_fused()
+        ext.set_norm_config(-1 if variant is None else variant.width, 0 if variant is None else variant.flags,
+                            -1 if width is None else width, -1 if fused is None else int(fused),
+                            _fused_rms_norm_takes_shape(), _CPU_MAX_N, _SMALL, _ATEN_GRAIN)
+        ext.set_norm_callback(_node_backward)
+    _NODE[:] = [ext]
+    return ext
+
+
+def fwd_node(x: torch.Tensor, kind: str, eps: float, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """The norm of a plain CPU tensor through the C++ extension (built on the first call): y, with grad y and rstd
+    saved on its autograd node, bit for bit the Python route's (:func:`ms_norm_fwd_cpu` /
+    :func:`ms_norm_bwd_cpu`); None where the node does not serve the call (strided, empty or float64 inputs, rows
+    wider than a block, a 16-bit tensor of 16384 elements or more whose forward is not LayerNorm's C replica, a NaN in
+    the result, autocast, the extension unavailable): the caller then runs the Python route."""
+    ext = _NODE[0] if _NODE else _node_setup()
+    code = _NODE_DTYPES.get(out_dtype)
+    if ext is None or code is None:
+        return None
+    return ext.ms_norm(x, _NODE_KINDS[kind], eps, code)

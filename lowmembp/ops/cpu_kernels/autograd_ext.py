@@ -137,6 +137,10 @@ def _import(path: Path):
     return module
 
 
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
 def extension():
     """The loaded extension with kernels.c's functions handed over, built on first use; None when turned off
     (``LOWMEMBP_CPU_EXT=0``), when kernels.c is unavailable (its own warning says why) or when the extension cannot
@@ -156,9 +160,8 @@ def extension():
                     raise RuntimeError(f"no C++ compiler found ($CXX or one of {', '.join(COMPILERS)} on the PATH)")
                 path = _build(cache_dir() / "cpu_kernels", cxx)
                 ext = _import(path)
-                addr = ctypes.cast(lib.lmbp_codes2, ctypes.c_void_p).value, \
-                    ctypes.cast(lib.lmbp_slopes2, ctypes.c_void_p).value
-                ext.set_kernels(*addr)
+                ext.set_kernels(_address(lib.lmbp_codes2), _address(lib.lmbp_slopes2), _address(lib.lmbp_check))
+                ext.set_norm_kernels(_address(lib.lmbp_layer_norm_fwd), _address(lib.lmbp_norm_bwd_rows))
                 _state["ext"], _state["path"] = ext, path
             except LookupError as e:  # kernels.c unavailable: already warned (or turned off on purpose)
                 _state["reason"] = f"kernels.c unavailable: {e}"
