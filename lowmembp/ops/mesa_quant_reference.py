@@ -75,8 +75,13 @@ def _chunk_for(chunk: int | None) -> int:
     return chunk
 
 
-def _group_index(start: int, n: int, inner: int, groups: int, device) -> torch.Tensor:
-    return (torch.arange(start, start + n, device=device) // inner) % groups
+def _iter_chunks(numel: int, chunk: int | None, inner: int, groups: int, device):
+    """Yields ``(start, n, g)`` for each chunk of ``numel`` elements (``chunk`` as in :func:`quantize_ref`): the
+    chunk's first element, its length and the group index of each of its elements."""
+    n_chunk = _chunk_for(chunk)
+    for start in range(0, numel, n_chunk):
+        n = min(n_chunk, numel - start)
+        yield start, n, (torch.arange(start, start + n, device=device) // inner) % groups
 
 
 def quantize_ref(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner: int, groups: int,
@@ -89,10 +94,7 @@ def quantize_ref(x: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor, inner
     out = torch.empty(flat.shape, dtype=torch.uint8, device=x.device)
     if is_shape_only(x):
         return out.reshape(x.shape)
-    n_chunk = _chunk_for(chunk)
-    for start in range(0, flat.numel(), n_chunk):
-        n = min(n_chunk, flat.numel() - start)
-        g = _group_index(start, n, inner, groups, x.device)
+    for start, n, g in _iter_chunks(flat.numel(), chunk, inner, groups, x.device):
         y = (flat[start:start + n].float() - beta[g]) * scale[g]
         q = torch.floor(y + hash_uniform(n, seed, x.device, start)).clamp_(0, 255)
         out[start:start + n] = q.to(torch.uint8)
@@ -106,9 +108,6 @@ def dequantize_ref(codes: torch.Tensor, step: torch.Tensor, beta: torch.Tensor, 
     out = torch.empty(flat.shape, dtype=dtype, device=codes.device)
     if is_shape_only(codes):
         return out.reshape(codes.shape)
-    n_chunk = _chunk_for(chunk)
-    for start in range(0, flat.numel(), n_chunk):
-        n = min(n_chunk, flat.numel() - start)
-        g = _group_index(start, n, inner, groups, codes.device)
+    for start, n, g in _iter_chunks(flat.numel(), chunk, inner, groups, codes.device):
         out[start:start + n] = (flat[start:start + n].float() * step[g] + beta[g]).to(dtype)
     return out.reshape(codes.shape)

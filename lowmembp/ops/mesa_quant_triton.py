@@ -23,10 +23,15 @@ _BLOCK = 1024
 
 if triton is not None:
     @triton.jit
-    def _mesa_quant_kernel(X, Q, SCALE, BETA, n, inner, G, seed, SEED_PTR: tl.constexpr, BLOCK: tl.constexpr):
+    def _index_block(n, BLOCK: tl.constexpr):
+        """This program's BLOCK element offsets (64-bit) and the mask of those below n."""
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
+        return offs, offs < n
+
+    @triton.jit
+    def _mesa_quant_kernel(X, Q, SCALE, BETA, n, inner, G, seed, SEED_PTR: tl.constexpr, BLOCK: tl.constexpr):
+        offs, mask = _index_block(n, BLOCK)
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         g = (offs // inner) % G
         s = tl.load(SCALE + g, mask=mask, other=1.0)
@@ -51,9 +56,7 @@ if triton is not None:
 
     @triton.jit
     def _mesa_dequant_kernel(Q, Y, STEP, BETA, n, inner, G, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
+        offs, mask = _index_block(n, BLOCK)
         q = tl.load(Q + offs, mask=mask, other=0).to(tl.float32)
         g = (offs // inner) % G
         st = tl.load(STEP + g, mask=mask, other=0.0)

@@ -24,13 +24,19 @@ _TILE = 4096  # elements per program (rows * BLOCK) for narrow rows
 if triton is not None:
 
     @triton.jit
-    def _ms_norm_fwd_kernel(X, Y, RSTD, n_rows, N, stride_x, stride_y, eps,
-                            IS_RMS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def _tile_rows(n_rows, N, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """This program's ROWS rows (64-bit) and BLOCK columns, whether each row is one of n_rows and the mask of
+        the tile's elements in range."""
         pid = tl.program_id(0)
         rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         row_ok = rows < n_rows
-        mask = row_ok[:, None] & (cols < N)[None, :]
+        return rows, cols, row_ok, row_ok[:, None] & (cols < N)[None, :]
+
+    @triton.jit
+    def _ms_norm_fwd_kernel(X, Y, RSTD, n_rows, N, stride_x, stride_y, eps,
+                            IS_RMS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        rows, cols, row_ok, mask = _tile_rows(n_rows, N, ROWS, BLOCK)
         n_f = tl.cast(N, tl.float32)
         eps_f = tl.cast(eps, tl.float32)
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -48,11 +54,7 @@ if triton is not None:
     @triton.jit
     def _ms_norm_bwd_kernel(G, Y, RSTD, DX, n_rows, N, stride_g, stride_y, stride_dx,
                             IS_RMS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        row_ok = rows < n_rows
-        mask = row_ok[:, None] & (cols < N)[None, :]
+        rows, cols, row_ok, mask = _tile_rows(n_rows, N, ROWS, BLOCK)
         n_f = tl.cast(N, tl.float32)
         g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         y = tl.load(Y + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)

@@ -11,6 +11,18 @@ import torch
 from lowmembp.ops.cpu_kernels.build import _DTYPES, _check_tensor, _threads, library
 
 
+def _check_elementwise(src: torch.Tensor, src_dtype: torch.dtype, out: torch.Tensor, out_dtype: torch.dtype,
+                       groups: int, a: torch.Tensor, b: torch.Tensor) -> int:
+    """Checks an elementwise pass's tensors in order: ``src`` and ``out`` of ``src.numel()`` elements, fp32 ``a`` and
+    ``b`` of ``groups``; returns that number of elements."""
+    n = src.numel()
+    _check_tensor(src, n, src_dtype)
+    _check_tensor(out, n, out_dtype)
+    _check_tensor(a, groups, torch.float32)
+    _check_tensor(b, groups, torch.float32)
+    return n
+
+
 def quantize8(x: torch.Tensor, inner: int, groups: int, scale: torch.Tensor, beta: torch.Tensor, seed: int,
               out: torch.Tensor) -> int | None:
     """Mesa's codes ``clamp(floor((x − β[g])·scale[g] + u_i), 0, 255)`` into uint8 ``out``; returns 1 if some value
@@ -19,11 +31,7 @@ def quantize8(x: torch.Tensor, inner: int, groups: int, scale: torch.Tensor, bet
     if lib is None or x.dtype not in _DTYPES:
         return None
     x, scale, beta = x.contiguous(), scale.float().contiguous(), beta.float().contiguous()
-    n = x.numel()
-    _check_tensor(x, n, x.dtype)
-    _check_tensor(out, n, torch.uint8)
-    _check_tensor(scale, groups, torch.float32)
-    _check_tensor(beta, groups, torch.float32)
+    n = _check_elementwise(x, x.dtype, out, torch.uint8, groups, scale, beta)
     return lib.lmbp_quantize8(x.data_ptr(), _DTYPES[x.dtype], n, inner, groups, scale.data_ptr(), beta.data_ptr(),
                               int(seed) & 0xFFFFFFFF, out.data_ptr(), _threads(n))
 
@@ -34,11 +42,7 @@ def dequantize8(codes: torch.Tensor, inner: int, groups: int, step: torch.Tensor
     if library() is None or out.dtype not in _DTYPES:
         return None
     codes, step, beta = codes.contiguous(), step.float().contiguous(), beta.float().contiguous()
-    n = codes.numel()
-    _check_tensor(codes, n, torch.uint8)
-    _check_tensor(out, n, out.dtype)
-    _check_tensor(step, groups, torch.float32)
-    _check_tensor(beta, groups, torch.float32)
+    n = _check_elementwise(codes, torch.uint8, out, out.dtype, groups, step, beta)
     return dequantize8_trusted(codes, n, inner, groups, step, beta, out)
 
 
