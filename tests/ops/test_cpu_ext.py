@@ -113,7 +113,7 @@ def test_special_values(dtype, node, gen, monkeypatch):
             _same_routes(fn, xt, dy, monkeypatch)
 
 
-def test_fewer_than_four_elements_and_no_grad_take_the_python_route(node, gen, monkeypatch):
+def test_fewer_than_four_elements_and_autocast_take_the_python_route(node, gen, monkeypatch):
     for n in (1, 2, 3):
         x, dy = _inputs((n,), torch.float32, gen)
         _same_routes(A.regelu2, x, dy, monkeypatch, expect_node=False)
@@ -124,6 +124,39 @@ def test_fewer_than_four_elements_and_no_grad_take_the_python_route(node, gen, m
         assert A.regelu2(x).grad_fn is None
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast: the Python route
         assert A.regelu2(x).grad_fn.name() != NODE
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_no_grad_forward_equals_python_route(dtype, node, gen, monkeypatch):
+    """Without a gradient the extension returns y alone (lmbp_check, then the activation): the Python route's bits,
+    NaN / ±inf (the Python route then) and tiny bf16 included; fewer than 4 elements too."""
+    for fn in (A.regelu2, A.resilu2):
+        for shape in [(1,), (3,), *SHAPES]:
+            x, _ = _inputs(shape, dtype, gen)
+            cases = [x]
+            if x.numel() >= 4:
+                for value in (NAN, INF):
+                    xs = x.clone()
+                    xs.view(-1)[2] = value
+                    cases.append(xs)
+            if dtype == torch.bfloat16 and x.numel() >= 4:
+                xt = x.clone()
+                xt.view(-1)[:4] = torch.tensor([2.0 ** -126, -(2.0 ** -130), 2.0 ** -133, 0.0])
+                cases.append(xt)
+            for xc in cases:
+                outs = []
+                for python in (False, True):
+                    monkeypatch.setattr(AC, "_NODE", [None] if python else [node])
+                    with torch.no_grad():
+                        outs.append(fn(xc.requires_grad_(False)))
+                assert_same(outs[0], outs[1], f"no-grad forward {tuple(shape)}")
+    calls = []
+    monkeypatch.setattr(AC, "_NODE", [node])
+    monkeypatch.setattr(A, "_fwd_cpu", lambda *args: calls.append(args))
+    x, _ = _inputs((8, 17), dtype, gen)
+    for fn in (A.regelu2, A.resilu2):
+        assert fn(x).shape == x.shape  # served by the extension: the Python route's forward is not called
+    assert not calls
 
 
 def test_other_kinds_and_bits_take_the_python_route(node, gen, monkeypatch):

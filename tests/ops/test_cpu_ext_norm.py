@@ -217,3 +217,25 @@ def test_the_backward_runs_in_cpp_and_calls_python_only_for_a_nan(kind, node, ge
                 FNS[kind](x).backward(g)
     finally:
         node.set_norm_callback(MC._node_backward)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_no_grad_forward_equals_python_route(kind, dtype, node, gen, monkeypatch):
+    """Without a gradient the extension returns y alone: the Python route's bits (NaN / ±inf included)."""
+    for shape in [*SHAPES, (64, 1000)]:
+        x, _ = _inputs(shape, dtype, gen)
+        xn = x.clone()
+        xn.view(-1)[1] = NAN
+        for xc in (x, xn):
+            outs = []
+            for python in (False, True):
+                monkeypatch.setattr(MC, "_NODE", [None] if python else [node])
+                with torch.no_grad():
+                    outs.append(FNS[kind](xc))
+            assert_same(outs[0], outs[1], f"no-grad forward {shape}")
+    calls = []
+    monkeypatch.setattr(MC, "_NODE", [node])
+    monkeypatch.setattr(M, "ms_norm_fwd_cpu", lambda *args: calls.append(args))
+    assert FNS[kind](torch.randn(4, 8, generator=gen).to(dtype)).shape == (4, 8)  # served by the extension
+    assert not calls
