@@ -115,7 +115,7 @@ def top_saved_tensors_hooks():
 
 # ------------------------------------------------------------------------------------------------------------- ops
 @functools.cache
-def _fused_rms_norm_takes_shape() -> bool:
+def fused_rms_norm_takes_shape() -> bool:
     """True where ``torch._fused_rms_norm(x, normalized_shape: int[], weight, eps)`` exists (torch >= 2.9; torch 2.8
     has the op with ``normalized_shape_ndim: int`` and no CPU kernel)."""
     if not hasattr(torch, "_fused_rms_norm"):
@@ -134,7 +134,7 @@ def fused_rms_norm(x: torch.Tensor, eps: float, fast: bool | None = None) -> tup
     torch's fused kernel where it has the signature expected (``fast``: None detects, False forces the math below);
     else ``rstd = rsqrt(mean(x²) + eps)``, ``y = x * rstd`` (the same formula, ~1 ulp apart)."""
     if fast is None:
-        fast = _fused_rms_norm_takes_shape()
+        fast = fused_rms_norm_takes_shape()
     if fast:
         y, rstd = torch._fused_rms_norm(x, [x.shape[-1]], None, eps)
         return y, rstd.reshape(*x.shape[:-1], 1)

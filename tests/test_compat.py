@@ -143,7 +143,7 @@ def test_importing_compat_imports_no_more_of_torch():
 @pytest.mark.parametrize("shape", [(7, 33), (2, 3, 130), (1, 1), (5, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_rms_norm_fallback_equals_the_fused_kernel(shape, dtype):
-    if not _compat._fused_rms_norm_takes_shape():
+    if not _compat.fused_rms_norm_takes_shape():
         pytest.skip("this torch has no _fused_rms_norm(x, normalized_shape, ...) to compare with")
     x = torch.randn(shape, dtype=dtype) * 3 + 0.5
     y0, r0 = _compat.fused_rms_norm(x, 1e-6, fast=True)
@@ -157,20 +157,20 @@ def test_rms_norm_fallback_equals_the_fused_kernel(shape, dtype):
 
 
 def test_rms_norm_detection_reads_the_schema(monkeypatch):
-    _compat._fused_rms_norm_takes_shape.cache_clear()
+    _compat.fused_rms_norm_takes_shape.cache_clear()
     try:
         takes_shape = hasattr(torch, "_fused_rms_norm") and isinstance(
             torch.ops.aten._fused_rms_norm.default._schema.arguments[1].type, torch.ListType)  # torch 2.8: int
-        assert _compat._fused_rms_norm_takes_shape() == takes_shape
+        assert _compat.fused_rms_norm_takes_shape() == takes_shape
         monkeypatch.delattr(torch, "_fused_rms_norm", raising=False)
-        _compat._fused_rms_norm_takes_shape.cache_clear()
-        assert not _compat._fused_rms_norm_takes_shape()
+        _compat.fused_rms_norm_takes_shape.cache_clear()
+        assert not _compat.fused_rms_norm_takes_shape()
         x = torch.randn(4, 9)
         y, _ = _compat.fused_rms_norm(x, 1e-5)  # detected: the plain math
         torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (9,), eps=1e-5))
     finally:
         monkeypatch.undo()
-        _compat._fused_rms_norm_takes_shape.cache_clear()
+        _compat.fused_rms_norm_takes_shape.cache_clear()
 
 
 def _strided_cases():

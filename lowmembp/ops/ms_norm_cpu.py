@@ -16,15 +16,14 @@ out is the reference's one native call. A NaN in the result (whose bits ATen's c
 with the reference. Without the C kernels the reference's own ops run over row blocks spread over threads by
 cpu_parallel. Either way the results are the same bits (tests/ops/test_cpu_fastpath.py,
 tests/ops/test_cpu_norm_kernels.py). Rows too wide for a block, strided rows (whose sums ATen orders by the layout),
-float64 and empty inputs run the reference. :func:`fwd_node`: the same route through the C++ extension
-(``cpu_kernels/autograd.cpp``; with grad its autograd node: the same bits, a fraction of the Python route's host
-time), or None.
+float64 and empty inputs run the reference. :func:`fwd_node`: the route through the C++ extension (with grad its
+autograd node: the same bits, a fraction of the host time; docs/performance/cpu.md), or None.
 """
 from __future__ import annotations
 
 import torch
 
-from lowmembp._compat import _fused_rms_norm_takes_shape
+from lowmembp._compat import fused_rms_norm_takes_shape
 from lowmembp.ops import cpu_kernels
 from lowmembp.ops.backend import CPU_BLOCK, SUPPORTED_FLOAT_DTYPES, cpu_block, cpu_parallel
 from lowmembp.ops.ms_norm_reference import _check_kind, ms_norm_bwd_ref, ms_norm_fwd_ref
@@ -232,7 +231,7 @@ def _node_setup():
             cpu_kernels.addcmul_fused()
         ext.set_norm_config(-1 if variant is None else variant.width, 0 if variant is None else variant.flags,
                             -1 if width is None else width, -1 if fused is None else int(fused),
-                            _fused_rms_norm_takes_shape(), _CPU_MAX_N, _SMALL, _ATEN_GRAIN)
+                            fused_rms_norm_takes_shape(), _CPU_MAX_N, _SMALL, _ATEN_GRAIN)
         ext.set_norm_callback(_node_backward)
     _NODE[:] = [ext]
     return ext

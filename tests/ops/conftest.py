@@ -50,6 +50,23 @@ def kernels(request, monkeypatch, portable_library):
 
 
 @pytest.fixture(params=["node", "python"])
+def norm_route(request, monkeypatch):
+    """The MS-norms' eager CPU route: the C++ autograd node (a test fails, not skips, where a C++ compiler exists and
+    the extension does not build) or the Python route (the node turned off)."""
+    from lowmembp.ops import ms_norm_cpu as MC
+    from lowmembp.ops.cpu_kernels import autograd_ext as E
+    if request.param == "python":
+        monkeypatch.setattr(MC, "_NODE", [None])
+    else:
+        monkeypatch.setattr(KB, "_OFF", False)
+        monkeypatch.setattr(E, "_OFF", False)
+        monkeypatch.setattr(MC, "_NODE", [])  # set up anew (the extension itself stays loaded)
+        if E.compiler() is not None:
+            assert MC._node_setup() is not None, f"the C++ extension did not build: {E.extension_info()['reason']}"
+    return request.param
+
+
+@pytest.fixture(params=["node", "python"])
 def act_route(request, monkeypatch):
     """approx_act's eager CPU route with grad: the C++ autograd node (a test fails, not skips, where a C++ compiler
     exists and the extension does not build) or the Python route (the node turned off)."""

@@ -247,14 +247,23 @@ def test_backend_for_picks_cpu_by_default_and_when_asked(monkeypatch):
         backend_for(x)
 
 
-def test_norm_dispatch_takes_fast_path(threads, blocks, gen, monkeypatch):
+@pytest.mark.parametrize("fn", [M.ms_layer_norm, M.ms_rms_norm], ids=["layernorm", "rmsnorm"])
+def test_norm_dispatch_takes_fast_path(fn, threads, blocks, norm_route, gen, monkeypatch):
     x = randn((70, 40), torch.bfloat16, gen).requires_grad_()
+    g = randn(x.shape, torch.bfloat16, gen, 1.0)
     force_backend(monkeypatch, "cpu")
     with mock.patch.object(M, "ms_norm_fwd_cpu", wraps=M.ms_norm_fwd_cpu) as f, \
             mock.patch.object(M, "ms_norm_bwd_cpu", wraps=M.ms_norm_bwd_cpu) as b:
-        y = M.ms_layer_norm(x)
-        y.backward(torch.ones_like(y))
-    assert f.called and b.called
+        y1, s1, g1 = _saved_and_grad(fn, x, g)
+    python = norm_route == "python" or MC._NODE[0] is None  # else the C++ node (tests/ops/test_cpu_ext_norm.py)
+    assert f.called == b.called == python, "the dispatch did not take the CPU fast path"
+    assert (y1.grad_fn.name() == "lowmembp::MSNormBackward") != python
+    force_backend(monkeypatch, "torch")
+    y0, s0, g0 = _saved_and_grad(fn, x, g)
+    assert_same(y1, y0, "forward")
+    assert len(s1) == len(s0) == 2
+    assert_same(s1[1], s0[1], "rstd")
+    assert_same(g1, g0, "gradient")
 
 
 def test_fast_paths_leave_non_cpu_tensors_to_the_reference(monkeypatch):

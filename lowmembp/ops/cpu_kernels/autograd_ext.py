@@ -16,12 +16,9 @@ import ctypes
 import hashlib
 import os
 import platform
-import shlex
-import shutil
 import sysconfig
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -45,14 +42,7 @@ _state: dict = {"ext": None, "tried": False, "compiles": 0, "seconds": None, "pa
 
 def compiler() -> str | None:
     """The C++ compiler's path: ``$CXX`` if set (its first word), else the first of :data:`COMPILERS` found."""
-    cxx = os.environ.get("CXX", "").strip()
-    if cxx:
-        return shutil.which(shlex.split(cxx)[0])
-    for name in COMPILERS:
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
+    return _kernels.find_compiler("CXX", COMPILERS)
 
 
 def _flags() -> tuple[str, ...]:
@@ -149,35 +139,29 @@ def extension():
         return None
     if _state["tried"]:
         return _state["ext"]
-    with _lock:
-        if not _state["tried"]:
-            lib = _kernels.library()
-            try:
-                if lib is None:
-                    raise LookupError(_kernels.build_info()["reason"] or f"{_kernels.ENV_SWITCH}=0")
-                cxx = compiler()
-                if cxx is None:
-                    raise RuntimeError(f"no C++ compiler found ($CXX or one of {', '.join(COMPILERS)} on the PATH)")
-                path = _build(cache_dir() / "cpu_kernels", cxx)
-                ext = _import(path)
-                ext.set_kernels(_address(lib.lmbp_codes2), _address(lib.lmbp_slopes2), _address(lib.lmbp_check))
-                ext.set_norm_kernels(_address(lib.lmbp_layer_norm_fwd), _address(lib.lmbp_norm_bwd_rows))
-                _state["ext"], _state["path"] = ext, path
-            except LookupError as e:  # kernels.c unavailable: already warned (or turned off on purpose)
-                _state["reason"] = f"kernels.c unavailable: {e}"
-            except Exception as e:  # no compiler or headers, a failed build, an unloadable module
-                _state["reason"] = str(e)
-                warnings.warn(f"lowmembp: the CPU fast path's C++ autograd extension is not available ({e}); the "
-                              f"Python route runs instead (the same results, slower). Set {ENV_SWITCH}=0 to skip "
-                              f"the build.", RuntimeWarning, stacklevel=3)
-            _state["tried"] = True
-    return _state["ext"]
+    return _kernels.build_once(_state, _lock, "ext", _load, "the CPU fast path's C++ autograd extension is",
+                               "the Python route runs instead", ENV_SWITCH)
+
+
+def _load():
+    lib = _kernels.library()
+    if lib is None:  # already warned (or turned off on purpose)
+        raise _kernels.Unavailable(f"kernels.c unavailable: "
+                                   f"{_kernels.build_info()['reason'] or f'{_kernels.ENV_SWITCH}=0'}")
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler found ($CXX or one of {', '.join(COMPILERS)} on the PATH)")
+    path = _build(cache_dir() / "cpu_kernels", cxx)
+    ext = _import(path)
+    ext.set_kernels(_address(lib.lmbp_codes2), _address(lib.lmbp_slopes2), _address(lib.lmbp_check))
+    ext.set_norm_kernels(_address(lib.lmbp_layer_norm_fwd), _address(lib.lmbp_norm_bwd_rows))
+    return ext, path
 
 
 def extension_info() -> dict:
     """``{"path", "compiles", "seconds", "reason"}``: the loaded module's file, the builds this process ran and the
     last one's wall time, and why the extension is unavailable (None when it is)."""
-    return {k: _state[k] for k in ("path", "compiles", "seconds", "reason")}
+    return _kernels.build_info_of(_state)
 
 
 def _reset() -> None:

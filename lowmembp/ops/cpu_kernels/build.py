@@ -44,17 +44,52 @@ _lock = threading.Lock()
 _state: dict = {"lib": None, "tried": False, "compiles": 0, "seconds": None, "path": None, "reason": None}
 
 
-def compiler() -> str | None:
-    """The C compiler's path: ``$CC`` if set (its first word), else the first of :data:`COMPILERS` found; None if
+class Unavailable(Exception):
+    """A native part is unavailable for a reason already said (by another part's warning, or a switch set on
+    purpose): :func:`build_once` records it without a warning of its own."""
+
+
+def find_compiler(env: str, names: tuple[str, ...]) -> str | None:
+    """A compiler's path: ``$env`` if set (its first word), else the first of ``names`` on the ``PATH``; None if
     there is none."""
-    cc = os.environ.get("CC", "").strip()
-    if cc:
-        return shutil.which(shlex.split(cc)[0])
-    for name in COMPILERS:
+    given = os.environ.get(env, "").strip()
+    if given:
+        return shutil.which(shlex.split(given)[0])
+    for name in names:
         found = shutil.which(name)
         if found:
             return found
     return None
+
+
+def compiler() -> str | None:
+    """The C compiler's path: ``$CC`` if set (its first word), else the first of :data:`COMPILERS` found; None if
+    there is none."""
+    return find_compiler("CC", COMPILERS)
+
+
+def build_once(state: dict, lock: threading.Lock, key: str, make, what: str, instead: str, switch: str):
+    """``state[key]``, made by ``make() -> (value, path)`` on the first call in this process (under ``lock``; the
+    callers' fast path reads ``state["tried"]`` first). A failure is recorded in ``state["reason"]`` and, unless
+    it is :class:`Unavailable`, warned once (RuntimeWarning: ``what`` is not available, ``instead`` runs, ``switch``
+    =0 skips the build); the value is then None."""
+    with lock:
+        if not state["tried"]:
+            try:
+                state[key], state["path"] = make()
+            except Unavailable as e:
+                state["reason"] = str(e)
+            except Exception as e:  # no compiler or headers, a failed build, an unloadable file
+                state["reason"] = str(e)
+                warnings.warn(f"lowmembp: {what} not available ({e}); {instead} (the same results, slower). Set "
+                              f"{switch}=0 to skip the build.", RuntimeWarning, stacklevel=4)
+            state["tried"] = True
+    return state[key]
+
+
+def build_info_of(state: dict) -> dict:
+    """``{"path", "compiles", "seconds", "reason"}`` of a native part's ``state`` (:func:`build_once`)."""
+    return {k: state[k] for k in ("path", "compiles", "seconds", "reason")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,27 +173,22 @@ def library() -> ctypes.CDLL | None:
         return None
     if _state["tried"]:
         return _state["lib"]
-    with _lock:
-        if not _state["tried"]:
-            try:
-                cc = compiler()
-                if cc is None:
-                    raise RuntimeError(f"no C compiler found ($CC or one of {', '.join(COMPILERS)} on the PATH)")
-                path = _build(cache_dir() / "cpu_kernels", cc)
-                _state["lib"], _state["path"] = _declare(ctypes.CDLL(str(path))), path
-            except Exception as e:  # no compiler, a failed build, an unloadable library: the eager ops run instead
-                _state["reason"] = str(e)
-                warnings.warn(f"lowmembp: the CPU fast path's C kernels are not available ({e}); its eager ATen "
-                              f"ops run instead (the same results, slower). Set {ENV_SWITCH}=0 to skip the build.",
-                              RuntimeWarning, stacklevel=3)
-            _state["tried"] = True
-    return _state["lib"]
+    return build_once(_state, _lock, "lib", _load, "the CPU fast path's C kernels are",
+                      "its eager ATen ops run instead", ENV_SWITCH)
+
+
+def _load():
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError(f"no C compiler found ($CC or one of {', '.join(COMPILERS)} on the PATH)")
+    path = _build(cache_dir() / "cpu_kernels", cc)
+    return _declare(ctypes.CDLL(str(path))), path
 
 
 def build_info() -> dict:
     """``{"path", "compiles", "seconds", "reason"}``: the loaded library's file, the builds this process ran and the
     last one's wall time, and why the kernels are unavailable (None when they are)."""
-    return {k: _state[k] for k in ("path", "compiles", "seconds", "reason")}
+    return build_info_of(_state)
 
 
 def _reset() -> None:
