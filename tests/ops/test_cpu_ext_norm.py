@@ -239,3 +239,17 @@ def test_no_grad_forward_equals_python_route(kind, dtype, node, gen, monkeypatch
     monkeypatch.setattr(M, "ms_norm_fwd_cpu", lambda *args: calls.append(args))
     assert FNS[kind](torch.randn(4, 8, generator=gen).to(dtype)).shape == (4, 8)  # served by the extension
     assert not calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rmsnorm_without_torchs_fused_kernel(dtype, node, gen, monkeypatch):
+    """Where torch has no fused RMSNorm with a shape (torch 2.8) the reference's plain ops run, on both routes."""
+    from lowmembp import _compat
+
+    monkeypatch.setattr(_compat, "fused_rms_norm_takes_shape", lambda: False)
+    monkeypatch.setattr(MC, "fused_rms_norm_takes_shape", lambda: False)
+    for shape in SHAPES:
+        x, g = _inputs(shape, dtype, gen)
+        _same_routes(M.ms_rms_norm, x, g, monkeypatch)
+    monkeypatch.undo()
+    MC._node_setup()  # the node's configuration again with this torch's flag

@@ -244,12 +244,15 @@ static std::pair<at::Tensor, at::Tensor> norm_reference(const at::Tensor& x, int
         auto res = at::native_layer_norm(xf, {n}, std::nullopt, std::nullopt, eps);
         y = std::get<0>(res);
         rstd = std::get<2>(res);
-    } else {
+    } else if (norm_cfg.rms_fused) {  // _compat.fused_rms_norm: torch's fused kernel (compiled in: see the caller)
 #if LMBP_FUSED_RMS
         auto res = at::_fused_rms_norm(xf, {n}, std::nullopt, eps);
         y = std::get<0>(res);
         rstd = std::get<1>(res);
 #endif
+    } else {  // _compat.fused_rms_norm's plain ops
+        rstd = at::rsqrt(xf.square().mean(-1, true) + eps);
+        y = xf * rstd;
     }
     return {y.to(out), rstd.reshape({rows})};
 }
@@ -280,7 +283,7 @@ static py::object ms_norm(const at::Tensor& x, int64_t kind, double eps, int64_t
                                 rstd.data_ptr<float>(), norm_cfg.ln_width, norm_cfg.ln_flags, std::max(1, team));
             if (bits != 0) return py::none();  // a NaN: the reference's bits (the Python route)
         } else if ((xd == 0 && out_dt == 0) || numel < norm_cfg.small) {  // ms_norm_fwd_cpu: the reference's calls
-            if (kind == RMSNORM && !(norm_cfg.rms_fused && LMBP_FUSED_RMS)) return py::none();
+            if (kind == RMSNORM && norm_cfg.rms_fused && !LMBP_FUSED_RMS) return py::none();
             std::tie(y, rstd) = norm_reference(x, int(kind), eps, out);
         } else {
             return py::none();  // the C casts around ATen's norm, over row blocks: the Python route
