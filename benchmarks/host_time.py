@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if a.device == "cuda" else (platform.processor() or platform.machine())
     header = (f"Host time per call on {name} ({a.device}, torch {torch.__version__}, {a.threads} thread(s)"
               f"{', freed memory held' if held else ''}): median of {a.rounds} rounds x {a.calls} calls, "
-              f"`python benchmarks/host_time.py --device {a.device} --rounds {a.rounds}`.")
+              f"`python benchmarks/host_time.py --device {a.device} --rounds {a.rounds} --calls {a.calls}`.")
     table = markdown(rows, header)
     print(table)
     if a.out:
