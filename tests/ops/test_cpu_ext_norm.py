@@ -7,6 +7,8 @@ import functools
 import pytest
 import torch
 
+from lowmembp.ops import approx_act as A
+from lowmembp.ops import approx_act_cpu as AC
 from lowmembp.ops import ms_norm as M
 from lowmembp.ops import ms_norm_cpu as MC
 from lowmembp.ops.cpu_kernels import autograd_ext as E
@@ -34,6 +36,14 @@ def node(monkeypatch):
     ext = MC._node_setup()
     assert ext is not None, f"the C++ extension did not build: {E.extension_info()['reason']}"
     return ext
+
+
+@pytest.fixture
+def act_node(monkeypatch, node):
+    """The activations' node set up too (the extension is the norms' fixture's)."""
+    monkeypatch.setattr(AC, "_NODE", [])
+    assert AC._node_setup() is not None
+    return node
 
 
 def _run(fn, x, g, python: bool, monkeypatch, hooks=None):
@@ -253,3 +263,60 @@ def test_rmsnorm_without_torchs_fused_kernel(dtype, node, gen, monkeypatch):
         _same_routes(M.ms_rms_norm, x, g, monkeypatch)
     monkeypatch.undo()
     MC._node_setup()  # the node's configuration again with this torch's flag
+
+
+class _Boom(Exception):
+    pass
+
+
+def _boom(*args):
+    raise _Boom("from a hook")
+
+
+ACT_AND_NORMS = {"regelu2": A.regelu2, "resilu2": A.resilu2, **FNS}
+
+
+@pytest.mark.parametrize("name", list(ACT_AND_NORMS))
+def test_python_exceptions_keep_their_type(name, node, act_node, gen):
+    """A saved-tensor hook's exception (raised inside the node's C++) and a backward callback's reach the caller as
+    themselves, not as a bare RuntimeError (torch.utils.checkpoint's early stop relies on it)."""
+    fn = ACT_AND_NORMS[name]
+    x, g = _inputs((4, 9, 40), torch.float32, gen)
+    x.requires_grad_()
+    assert fn(x).grad_fn.name().startswith("lowmembp::")
+    with torch.autograd.graph.saved_tensors_hooks(_boom, lambda t: t):
+        with pytest.raises(_Boom, match="from a hook"):
+            fn(x)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, _boom):
+        y = fn(x)
+    with pytest.raises(_Boom, match="from a hook"):
+        y.backward(g)
+    ext = node
+    setter = ext.set_callback if name in ("regelu2", "resilu2") else ext.set_norm_callback
+    setter(_boom)
+    try:
+        with pytest.raises(_Boom, match="from a hook"):  # create_graph: the callback
+            torch.autograd.grad(fn(x), x, g, create_graph=True)
+    finally:
+        (AC._node_setup if name in ("regelu2", "resilu2") else MC._node_setup)()
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_non_reentrant_checkpoint(early_stop, node, act_node, gen):
+    """torch.utils.checkpoint without reentry recomputes the nodes' forward and stops it early by an exception from a
+    saved-tensor hook: the gradients equal those without checkpointing."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(24, 48), M.MSLayerNorm(48), torch.nn.Linear(48, 32), A.ReGELU2(),
+                                torch.nn.Linear(32, 24), M.MSRMSNorm(24))
+    x, g = _inputs((3, 5, 24), torch.float32, gen)
+    grads = []
+    for ckpt in (False, True):
+        leaf = x.clone().requires_grad_()
+        block.zero_grad()
+        with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+            y = torch.utils.checkpoint.checkpoint(block, leaf, use_reentrant=False) if ckpt else block(leaf)
+            assert y.grad_fn is not None
+            y.backward(g)
+        grads.append([leaf.grad] + [p.grad for p in block.parameters()])
+    for a, b in zip(*grads):
+        assert_same(a, b, "gradient with checkpointing")

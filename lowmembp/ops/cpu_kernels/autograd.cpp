@@ -27,6 +27,7 @@
 #include <torch/extension.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/Exceptions.h>
 #include <ATen/autocast_mode.h>
 #include <torch/version.h>
 
@@ -74,6 +75,34 @@ static Consts consts[N_KINDS];
 // py::object destroyed after the interpreter has finalised would crash at exit)
 static py::object* callback = nullptr;
 
+// Python exceptions keep their type across this module's C++. A saved-tensor hook that raises (checkpointing's early
+// stop, say) throws torch's python_error inside SavedVariable; pybind11 knows that type only where it shares torch's
+// internals (not with every compiler), so the bound functions turn it back into the Python exception
+// (keep_python_error); a Python callback's exception goes to the autograd engine as python_error, which it re-raises.
+template <typename F>
+static auto keep_python_error(F&& f) {
+    try {
+        return f();
+    } catch (python_error& e) {
+        e.persist();
+        e.restore();
+        throw py::error_already_set();
+    }
+}
+
+template <typename... Args>
+static at::Tensor call_python(const py::object& fn, Args&&... args) {
+    py::gil_scoped_acquire gil;
+    try {
+        return fn(std::forward<Args>(args)...).template cast<at::Tensor>();
+    } catch (py::error_already_set& e) {
+        e.restore();
+        python_error err;
+        err.persist();
+        throw err;
+    }
+}
+
 static int dtype_code(at::ScalarType st) {  // cpu_kernels.build._DTYPES; -1: not one of them
     return st == at::kFloat ? 0 : st == at::kBFloat16 ? 1 : st == at::kHalf ? 2 : -1;
 }
@@ -89,9 +118,7 @@ static at::Tensor activation(const at::Tensor& x, int kind) {
 
 static at::Tensor run_callback(const at::Tensor& dy, const at::Tensor& packed, int kind, bool graph) {
     TORCH_CHECK(callback != nullptr, "lowmembp: the C++ approx_act node has no Python callback");
-    py::gil_scoped_acquire gil;
-    py::object dx = (*callback)(dy, packed, kind, graph);
-    return dx.cast<at::Tensor>();
+    return call_python(*callback, dy, packed, kind, graph);
 }
 
 struct ApproxActBackward : public torch::autograd::Node {
@@ -190,9 +217,7 @@ static const at::ScalarType DTYPES[3] = {at::kFloat, at::kBFloat16, at::kHalf};
 static at::Tensor run_norm_callback(const at::Tensor& g, const at::Tensor& y, const at::Tensor& rstd, int kind,
                                     int dx_dt, bool graph) {
     TORCH_CHECK(norm_callback != nullptr, "lowmembp: the C++ ms_norm node has no Python callback");
-    py::gil_scoped_acquire gil;
-    py::object dx = (*norm_callback)(g, y, rstd, kind, dx_dt, graph);
-    return dx.cast<at::Tensor>();
+    return call_python(*norm_callback, g, y, rstd, kind, dx_dt, graph);
 }
 
 struct MSNormBackward : public torch::autograd::Node {
@@ -345,11 +370,15 @@ static void set_callback(py::object fn) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "lowmembp's C++ autograd nodes for ReGELU2 / ReSiLU2 and the MS-norms on the CPU (lowmembp/ops/cpu_kernels/autograd.cpp)";
-    m.def("approx_act", &lmbp::approx_act, "y (with grad: its 2-bit codes saved on a C++ node), or None (the Python route)");
+    m.def("approx_act", [](const at::Tensor& x, int64_t kind, bool native_exact) {
+        return lmbp::keep_python_error([&] { return lmbp::approx_act(x, kind, native_exact); });
+    }, "y (with grad: its 2-bit codes saved on a C++ node), or None (the Python route)");
     m.def("set_kernels", &lmbp::set_kernels, "addresses of kernels.c's lmbp_codes2, lmbp_slopes2 and lmbp_check");
     m.def("set_constants", &lmbp::set_constants, "a kind's fp32 thresholds (3) and slopes (4)");
     m.def("set_callback", &lmbp::set_callback, "fn(dy, packed, kind, graph) -> dx: the Python route's backward");
-    m.def("ms_norm", &lmbp::ms_norm, "y (with grad: y and rstd saved on a C++ node), or None (the Python route)");
+    m.def("ms_norm", [](const at::Tensor& x, int64_t kind, double eps, int64_t out_dt) {
+        return lmbp::keep_python_error([&] { return lmbp::ms_norm(x, kind, eps, out_dt); });
+    }, "y (with grad: y and rstd saved on a C++ node), or None (the Python route)");
     m.def("set_norm_kernels", &lmbp::set_norm_kernels, "addresses of lmbp_layer_norm_fwd and lmbp_norm_bwd_rows");
     m.def("set_norm_config", &lmbp::set_norm_config, "the norms' limits and what the probes found");
     m.def("set_norm_callback", &lmbp::set_norm_callback, "fn(g, y, rstd, kind, dx_dtype, graph) -> dx");
