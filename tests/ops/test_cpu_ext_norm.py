@@ -1,7 +1,9 @@
 """The C++ autograd node of MS-LayerNorm / MS-RMSNorm on the CPU (lowmembp/ops/cpu_kernels/autograd.cpp): bit for bit
 the Python route's output, saved tensors (y itself and rstd) and gradients, on fresh random inputs (odd shapes, fp32 /
 bf16 / fp16 in and out, rows past the node's limits, NaN / ±inf in x and in g), with saved-tensor hooks that replace y,
-create_graph, and the calls it leaves to the Python route (strided, empty, float64, autocast, no grad)."""
+create_graph, and the calls it leaves to the Python route (strided, empty, float64, autocast, no grad); the no-grad
+forward; and, for both families, Python exceptions raised inside the extension (hooks, callbacks) and
+non-reentrant checkpointing, whose early stop is such an exception."""
 import functools
 
 import pytest
