@@ -8,6 +8,8 @@ import torch
 from lowmembp.ops import cpu_kernels as K
 from lowmembp.ops.cpu_kernels import build as KB
 
+from cpp_nodes import use_route
+
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):
@@ -51,33 +53,13 @@ def kernels(request, monkeypatch, portable_library):
 
 @pytest.fixture(params=["node", "python"])
 def norm_route(request, monkeypatch):
-    """The MS-norms' eager CPU route: the C++ autograd node (a test fails, not skips, where a C++ compiler exists and
-    the extension does not build) or the Python route (the node turned off)."""
+    """The MS-norms' eager CPU route: the C++ autograd node or the Python route (tests/cpp_nodes.py)."""
     from lowmembp.ops import ms_norm_cpu as MC
-    from lowmembp.ops.cpu_kernels import autograd_ext as E
-    if request.param == "python":
-        monkeypatch.setattr(MC, "_NODE", [None])
-    else:
-        monkeypatch.setattr(KB, "_OFF", False)
-        monkeypatch.setattr(E, "_OFF", False)
-        monkeypatch.setattr(MC, "_NODE", [])  # set up anew (the extension itself stays loaded)
-        if E.compiler() is not None:
-            assert MC._node_setup() is not None, f"the C++ extension did not build: {E.extension_info()['reason']}"
-    return request.param
+    return use_route(monkeypatch, MC, request.param)
 
 
 @pytest.fixture(params=["node", "python"])
 def act_route(request, monkeypatch):
-    """approx_act's eager CPU route with grad: the C++ autograd node (a test fails, not skips, where a C++ compiler
-    exists and the extension does not build) or the Python route (the node turned off)."""
+    """approx_act's eager CPU route with grad: the C++ autograd node or the Python route (tests/cpp_nodes.py)."""
     from lowmembp.ops import approx_act_cpu as AC
-    from lowmembp.ops.cpu_kernels import autograd_ext as E
-    if request.param == "python":
-        monkeypatch.setattr(AC, "_NODE", [None])
-    else:
-        monkeypatch.setattr(KB, "_OFF", False)
-        monkeypatch.setattr(E, "_OFF", False)
-        monkeypatch.setattr(AC, "_NODE", [])  # set up anew (the extension itself stays loaded)
-        if E.compiler() is not None:
-            assert AC._node_setup() is not None, f"the C++ extension did not build: {E.extension_info()['reason']}"
-    return request.param
+    return use_route(monkeypatch, AC, request.param)

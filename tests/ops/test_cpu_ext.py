@@ -2,6 +2,7 @@
 lowmembp.ops.cpu_kernels.autograd_ext): bit for bit the Python route's output, saved bytes and gradients, on fresh
 random inputs (odd shapes, views, fp32 / bf16 / fp16, NaN / ±inf, tiny bf16, NaN in dy), its double backward, and the
 fallbacks (LOWMEMBP_CPU_EXT=0, no compiler, a failed build) that run the Python route with one warning."""
+import functools
 import os
 import subprocess
 import sys
@@ -12,11 +13,11 @@ import torch
 
 from lowmembp.ops import approx_act as A
 from lowmembp.ops import approx_act_cpu as AC
-from lowmembp.ops.cpu_kernels import build as KB
 from lowmembp.ops.cpu_kernels import autograd_ext as E
 
 from bitwise import assert_same
 from backends import force_backend
+from cpp_nodes import node_or_skip, run_route
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 NODE = "lowmembp::ApproxActBackward"
@@ -27,26 +28,11 @@ INF, NAN = float("inf"), float("nan")
 @pytest.fixture
 def node(monkeypatch):
     """The node set up here (fails where a C++ compiler exists and it does not build; skips without one)."""
-    monkeypatch.setattr(KB, "_OFF", False)
-    monkeypatch.setattr(E, "_OFF", False)
-    monkeypatch.setattr(AC, "_NODE", [])
     force_backend(monkeypatch, None)
-    if E.compiler() is None:
-        pytest.skip("no C++ compiler")
-    ext = AC._node_setup()
-    assert ext is not None, f"the C++ extension did not build: {E.extension_info()['reason']}"
-    return ext
+    return node_or_skip(monkeypatch, AC)
 
 
-def _run(fn, x, dy, python: bool, monkeypatch, create_graph=False):
-    """(y, saved tensors, dx, grad_fn name) of fn on a fresh leaf copy of x, by the node or the Python route."""
-    monkeypatch.setattr(AC, "_NODE", [None] if python else [AC._node_setup()])
-    x = x.detach().clone().requires_grad_()
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = fn(x)
-    (dx,) = torch.autograd.grad(y, x, dy, create_graph=create_graph)
-    return y, saved, dx, y.grad_fn.name()
+_run = functools.partial(run_route, AC)  # (y, saved, dx, grad_fn name) by the node or the Python route
 
 
 def _inputs(shape, dtype, gen, scale=3.0):

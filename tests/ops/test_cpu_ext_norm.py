@@ -13,11 +13,10 @@ from lowmembp.ops import approx_act as A
 from lowmembp.ops import approx_act_cpu as AC
 from lowmembp.ops import ms_norm as M
 from lowmembp.ops import ms_norm_cpu as MC
-from lowmembp.ops.cpu_kernels import autograd_ext as E
-from lowmembp.ops.cpu_kernels import build as KB
 
 from bitwise import assert_same
 from backends import force_backend
+from cpp_nodes import node_or_skip, run_route, set_up_node
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 NODE = "lowmembp::MSNormBackward"
@@ -29,35 +28,18 @@ INF, NAN = float("inf"), float("nan")
 @pytest.fixture
 def node(monkeypatch):
     """The node set up here (fails where a C++ compiler exists and it does not build; skips without one)."""
-    monkeypatch.setattr(KB, "_OFF", False)
-    monkeypatch.setattr(E, "_OFF", False)
-    monkeypatch.setattr(MC, "_NODE", [])
     force_backend(monkeypatch, None)
-    if E.compiler() is None:
-        pytest.skip("no C++ compiler")
-    ext = MC._node_setup()
-    assert ext is not None, f"the C++ extension did not build: {E.extension_info()['reason']}"
-    return ext
+    return node_or_skip(monkeypatch, MC)
 
 
 @pytest.fixture
 def act_node(monkeypatch, node):
     """The activations' node set up too (the extension is the norms' fixture's)."""
-    monkeypatch.setattr(AC, "_NODE", [])
-    assert AC._node_setup() is not None
+    set_up_node(monkeypatch, AC)
     return node
 
 
-def _run(fn, x, g, python: bool, monkeypatch, hooks=None):
-    """(y, saved tensors, dx, grad_fn name) of fn on a fresh leaf copy of x, by the node or the Python route."""
-    monkeypatch.setattr(MC, "_NODE", [None] if python else [MC._node_setup()])
-    x = x.detach().clone().requires_grad_()
-    saved = []
-    pack, unpack = hooks or (lambda t: t, lambda t: t)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or pack(t), unpack):
-        y = fn(x)
-    (dx,) = torch.autograd.grad(y, x, g)
-    return y, saved, dx, y.grad_fn.name()
+_run = functools.partial(run_route, MC)  # (y, saved, dx, grad_fn name) by the node or the Python route
 
 
 def _inputs(shape, dtype, gen):

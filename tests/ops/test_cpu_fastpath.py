@@ -96,6 +96,23 @@ def _saved_and_grad(fn, x, dy):
     return y, saved, gx
 
 
+def _fast_path_and_reference(fn, x, dy, owner, names, python: bool, node: str, monkeypatch):
+    """fn's forward and gradient on the CPU fast path equal the reference's; the dispatch took the Python route
+    (``owner``'s functions ``names``, the forward's and the backward's, called) where ``python``, else the C++ node
+    named ``node``. Returns the saved tensors of both (fast path, reference)."""
+    force_backend(monkeypatch, "cpu")
+    with mock.patch.object(owner, names[0], wraps=getattr(owner, names[0])) as f, \
+            mock.patch.object(owner, names[1], wraps=getattr(owner, names[1])) as b:
+        y1, s1, g1 = _saved_and_grad(fn, x, dy)
+    assert f.called == b.called == python, "the dispatch did not take the CPU fast path"
+    assert (y1.grad_fn.name() == node) != python
+    force_backend(monkeypatch, "torch")
+    y0, s0, g0 = _saved_and_grad(fn, x, dy)
+    assert_same(y1, y0, "forward")
+    assert_same(g1, g0, "gradient")
+    return s1, s0
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fn", [A.regelu2, A.resilu2], ids=["regelu2", "resilu2"])
 def test_act_autograd_equals_reference(fn, dtype, threads, blocks, act_route, gen, monkeypatch):
@@ -103,19 +120,11 @@ def test_act_autograd_equals_reference(fn, dtype, threads, blocks, act_route, ge
     for x in (base, base.transpose(0, 2), base[:, ::2]):  # contiguous and two non-contiguous views
         x = x.detach().requires_grad_()
         dy = randn(x.shape, dtype, gen, 1.0)
-        force_backend(monkeypatch, "cpu")
-        with mock.patch.object(A, "_fwd_cpu", wraps=A._fwd_cpu) as f, \
-                mock.patch.object(A, "_bwd_cpu", wraps=A._bwd_cpu) as b:
-            y1, s1, g1 = _saved_and_grad(fn, x, dy)
         python = act_route == "python" or AC._NODE[0] is None  # else the C++ node (tests/ops/test_cpu_ext.py)
-        assert f.called == b.called == python, "the dispatch did not take the CPU fast path"
-        assert (y1.grad_fn.name() == "lowmembp::ApproxActBackward") != python
-        force_backend(monkeypatch, "torch")
-        y0, s0, g0 = _saved_and_grad(fn, x, dy)
-        assert_same(y1, y0, "forward")
+        s1, s0 = _fast_path_and_reference(fn, x, dy, A, ("_fwd_cpu", "_bwd_cpu"), python,
+                                          "lowmembp::ApproxActBackward", monkeypatch)
         assert len(s1) == len(s0) == 1
         assert_same(s1[0], s0[0], "saved codes")
-        assert_same(g1, g0, "gradient")
 
 
 # ------------------------------------------------------------------------------------------------ ms_norm
@@ -251,19 +260,11 @@ def test_backend_for_picks_cpu_by_default_and_when_asked(monkeypatch):
 def test_norm_dispatch_takes_fast_path(fn, threads, blocks, norm_route, gen, monkeypatch):
     x = randn((70, 40), torch.bfloat16, gen).requires_grad_()
     g = randn(x.shape, torch.bfloat16, gen, 1.0)
-    force_backend(monkeypatch, "cpu")
-    with mock.patch.object(M, "ms_norm_fwd_cpu", wraps=M.ms_norm_fwd_cpu) as f, \
-            mock.patch.object(M, "ms_norm_bwd_cpu", wraps=M.ms_norm_bwd_cpu) as b:
-        y1, s1, g1 = _saved_and_grad(fn, x, g)
     python = norm_route == "python" or MC._NODE[0] is None  # else the C++ node (tests/ops/test_cpu_ext_norm.py)
-    assert f.called == b.called == python, "the dispatch did not take the CPU fast path"
-    assert (y1.grad_fn.name() == "lowmembp::MSNormBackward") != python
-    force_backend(monkeypatch, "torch")
-    y0, s0, g0 = _saved_and_grad(fn, x, g)
-    assert_same(y1, y0, "forward")
+    s1, s0 = _fast_path_and_reference(fn, x, g, M, ("ms_norm_fwd_cpu", "ms_norm_bwd_cpu"), python,
+                                      "lowmembp::MSNormBackward", monkeypatch)
     assert len(s1) == len(s0) == 2
     assert_same(s1[1], s0[1], "rstd")
-    assert_same(g1, g0, "gradient")
 
 
 def test_fast_paths_leave_non_cpu_tensors_to_the_reference(monkeypatch):
